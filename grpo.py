@@ -64,7 +64,8 @@ class Config:
     weight_decay: float = dataclasses.field(default=0.01, metadata={"help": "AdamW weight decay"})
     max_grad_norm: float = dataclasses.field(default=1.0, metadata={"help": "gradient-norm clip"})
     clip_eps: float = dataclasses.field(default=0.2, metadata={"help": "PPO clip range eps"})
-    kl_beta: float = dataclasses.field(default=0.0, metadata={"help": "weight of the k3 KL to the reference"})
+    kl_beta: float | None = dataclasses.field(
+        default=None, metadata={"help": "weight of the k3 KL to the reference (default 0 tiny, 0.04 real)"})
     mu: int = dataclasses.field(default=1, metadata={"help": "policy updates per batch of rollouts"})
     temperature: float = dataclasses.field(default=0.9, metadata={"help": "sampling temperature (GLM-Image: 0.9)"})
     height: int | None = dataclasses.field(default=None, metadata={"help": "image height (default 64 tiny, 1024 real)"})
@@ -81,8 +82,8 @@ class Config:
 
 
 MODEL_DEFAULTS = {  # filled in where the command line left a field at None
-    "tiny": dict(lr=1e-2, height=64, width=64, num_inference_steps=2),
-    "real": dict(lr=1e-5, height=1024, width=1024, num_inference_steps=50),
+    "tiny": dict(lr=1e-2, kl_beta=0.0, height=64, width=64, num_inference_steps=2),
+    "real": dict(lr=1e-5, kl_beta=0.04, height=1024, width=1024, num_inference_steps=50),
 }
 
 
@@ -177,14 +178,14 @@ def load_glm_image(name: str, device: str = "cpu", dtype: torch.dtype = torch.fl
         pipe = tiny_glm_image(0)  # weights never depend on --seed, so the shipped targets stay reachable
     else:
         from diffusers import GlmImagePipeline
-        pipe = GlmImagePipeline.from_pretrained(name, torch_dtype=dtype)
+        pipe = GlmImagePipeline.from_pretrained(name, dtype=dtype)
     pipe.to(device)
     if name == "tiny" and dtype != torch.float32:
         pipe.to(dtype=dtype)
     pipe.set_progress_bar_config(disable=True)
     for module in (pipe.text_encoder, pipe.transformer, pipe.vae):
         module.requires_grad_(False).eval()
-    ar = pipe.vision_language_encoder
+    ar = pipe.vision_language_encoder.eval()  # models built in code start in train mode
     ar.model.visual.requires_grad_(False)  # the vision tower and VQ encoder only serve image-to-image
     ar.model.vqmodel.requires_grad_(False)
     return pipe
@@ -269,6 +270,7 @@ def sample_group(pipe, prompt: str, group_size: int, height: int, width: int, te
     through `code_logprobs`, i.e. exactly the distribution generate sampled from.
     """
     model, K = pipe.vision_language_encoder, pipe.vision_language_encoder.config.vq_config.num_embeddings
+    model.eval()  # no dropout: sampler and trainer must draw from one and the same distribution
     inputs = group_inputs(pipe.processor, prompt, group_size, height, width, model.device)
     (_, large_h, large_w), (_, prev_h, prev_w) = inputs["image_grid_thw"][:2].tolist()
     n_tokens = prev_h * prev_w + large_h * large_w
@@ -384,6 +386,15 @@ def ssim_reward(images: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 REWARDS = {"ssim": ssim_reward, "mse": mse_reward}
 
 
+def group_rewards(images: list[torch.Tensor], targets: list[torch.Tensor], weights: dict[str, float]) -> torch.Tensor:
+    """P groups of (G, 3, H, W) images and their P (3, H, W) targets -> (P, G) weighted rewards.
+
+    Row p scores group p against target p only: a reward never meets another prompt's samples.
+    """
+    return torch.stack([sum(w * REWARDS[name](group, target) for name, w in weights.items())
+                        for group, target in zip(images, targets, strict=True)])
+
+
 # ---- 8. Advantages ------------------------------------------------------------------------------
 
 def group_advantages(rewards: torch.Tensor, eps: float = 1e-4) -> torch.Tensor:
@@ -462,13 +473,14 @@ def train_step(policy, optimizer, rollouts: list[Rollout], advantages: torch.Ten
         # idles); with mu > 1 the old log-probs are frozen before the first update and the clip starts to act
         olds = [logprobs_of(policy, r, rows) for r, _, rows in batches] if mu > 1 else None
         refs = [logprobs_of(ref_model, r, rows) for r, _, rows in batches] if kl_beta > 0 else None
-    ratio_min, ratio_max = math.inf, -math.inf
+    ratio_min, ratio_max, gap = math.inf, -math.inf, 0.0
     for _ in range(mu):
         optimizer.zero_grad(set_to_none=True)
         totals: dict[str, float] = {}
         for k, (r, adv, rows) in enumerate(batches):
             logp = logprobs_of(policy, r, rows)  # (mb, N), with grad
             old = logp.detach() if olds is None else olds[k]
+            gap = max(gap, (logp.detach() - r.logprobs[rows]).abs().max().item())  # sampler vs trainer drift
             ref = None if refs is None else refs[k]
             n_preview = r.preview_hw[0] * r.preview_hw[1]
             regions = {"preview": slice(0, n_preview), "large": slice(n_preview, None)}
@@ -489,7 +501,9 @@ def train_step(policy, optimizer, rollouts: list[Rollout], advantages: torch.Ten
         params = [p for group in optimizer.param_groups for p in group["params"]]
         totals["grad_norm"] = torch.nn.utils.clip_grad_norm_(params, max_grad_norm).item()
         optimizer.step()
-    return {**totals, "ratio_min": ratio_min, "ratio_max": ratio_max}  # extremes over all mu updates
+    # extremes over all mu updates; sampler_gap is max |log pi_trainer - log pi_sampler| (0 up to float error
+    # before the first update: larger means sampler and trainer disagree on the distribution)
+    return {**totals, "ratio_min": ratio_min, "ratio_max": ratio_max, "sampler_gap": gap}
 
 
 # ---- 11. Main -----------------------------------------------------------------------------------
@@ -535,6 +549,10 @@ def fail(message: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> dict:
+    import diffusers
+    import transformers
+    diffusers.logging.set_verbosity_error()  # keep the terminal for our progress bar and one-line errors
+    transformers.logging.set_verbosity_error()
     cfg = parse_config(argv)
     try:
         validate(cfg)
@@ -561,7 +579,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     from tqdm.auto import tqdm
     history = []
-    progress = tqdm(range(cfg.steps), desc="grpo", file=sys.stdout)
+    progress = tqdm(range(cfg.steps), desc="grpo")
     for step in progress:
         t0 = time.perf_counter()
         picks = [(step * cfg.prompts_per_step + j) % len(examples) for j in range(cfg.prompts_per_step)]
@@ -573,9 +591,7 @@ def main(argv: list[str] | None = None) -> dict:
                                 cfg.num_inference_steps, cfg.decode_seed, cfg.guidance_scale)
                   for i, r in zip(picks, rollouts)]
         t2 = time.perf_counter()
-        # rewards[p, g] belongs to rollouts[p].tokens[g]: one row per prompt, in sampling order
-        rewards = torch.stack([sum(w * REWARDS[name](imgs, targets[i]) for name, w in reward_weights.items())
-                               for i, imgs in zip(picks, images)])  # (P, G)
+        rewards = group_rewards(images, [targets[i] for i in picks], reward_weights)  # (P, G)
         advantages = group_advantages(rewards)
         t3 = time.perf_counter()
         metrics = train_step(policy, optimizer, rollouts, advantages, ref_model, temperature=cfg.temperature,
@@ -593,7 +609,8 @@ def main(argv: list[str] | None = None) -> dict:
         if cfg.image_every and (step % cfg.image_every == 0 or step == cfg.steps - 1):
             image_grid([targets[i] for i in picks], images, rewards).save(out / "images" / f"step_{step:05d}.png")
     policy.save_pretrained(out / "final")
-    first, last = history[: min(5, len(history))], history[-min(5, len(history)):]
+    window = min(len(history), len(examples) * math.ceil(5 / len(examples)))  # whole cycles over the prompts
+    first, last = history[:window], history[-window:]
     summary = {"reward_first": float(np.mean([h["reward_mean"] for h in first])),
                "reward_last": float(np.mean([h["reward_mean"] for h in last]))}
     print(f"reward (mean of first {len(first)} steps) {summary['reward_first']:.4f} -> "

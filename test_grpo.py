@@ -1,0 +1,514 @@
+"""Tests for grpo.py on the tiny GLM-Image, CPU only. One test_<function> per function in grpo.py.
+
+    python -m pytest -q test_grpo.py
+"""
+
+import copy
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+import grpo
+
+HERE = Path(__file__).resolve().parent
+T = 0.9  # GLM-Image's sampling temperature
+
+
+# ---- fixtures -----------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def pipe():
+    """A tiny pipeline shared by tests that do not change it."""
+    return grpo.load_glm_image("tiny")
+
+
+def fresh_pipe():
+    return grpo.load_glm_image("tiny")
+
+
+def sharpen(pipe):
+    """Peaked tiny model (entropy ~2.6 nats instead of ~4.8): scaling only the LM matrices is undone by the
+    final RMSNorm, so lm_head is scaled too. Differences between right and wrong log-probs become large."""
+    ar = pipe.vision_language_encoder
+    with torch.no_grad():
+        for name, p in ar.model.language_model.named_parameters():
+            if p.ndim == 2 and "embed" not in name:
+                p.mul_(4.0)
+        ar.lm_head.weight.mul_(16.0)
+    return pipe
+
+
+@pytest.fixture(scope="module")
+def sharp_pipe():
+    return sharpen(fresh_pipe())
+
+
+def write_example(tmp_path, lines, size=64, name="t.png"):
+    Image.fromarray(np.full((size, size, 3), 128, np.uint8)).save(tmp_path / name)
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("\n".join(lines) + "\n")
+    return prompts
+
+
+# ---- 1. config ----------------------------------------------------------------------------------
+
+def test_parse_config():
+    """Flags are field names with dashes; model-dependent defaults fill only what was not given."""
+    cfg = grpo.parse_config(["--model", "tiny", "--group-size", "8", "--kl-beta", "0.04", "--height", "96"])
+    assert (cfg.group_size, cfg.kl_beta, cfg.height, cfg.width, cfg.lr) == (8, 0.04, 96, 64, 1e-2)
+    real = grpo.parse_config([])
+    assert (real.model, real.height, real.width, real.temperature) == ("zai-org/GLM-Image", 1024, 1024, 0.9)
+    flags = {a for f in grpo.dataclasses.fields(grpo.Config) for a in ["--" + f.name.replace("_", "-")]}
+    assert {"--prompts", "--model", "--out", "--steps", "--seed", "--group-size", "--micro-batch-size", "--lr",
+            "--clip-eps", "--kl-beta", "--temperature", "--height", "--width", "--num-inference-steps",
+            "--image-every", "--train-tokens"} <= flags
+
+
+def test_parse_reward_weights():
+    """Weights parse; unknown names, non-numbers, negative or all-zero weights are refused."""
+    assert grpo.parse_reward_weights("ssim=1,mse=0.5") == {"ssim": 1.0, "mse": 0.5}
+    for bad in ["ssmi=1", "ssim=x", "ssim=-1", "ssim=0,mse=0"]:
+        with pytest.raises(ValueError):
+            grpo.parse_reward_weights(bad)
+
+
+def test_validate():
+    """Sizes not multiple of 32, G < 2, micro-batches that do not divide G, bad ranges are refused."""
+    good = grpo.parse_config(["--model", "tiny"])
+    grpo.validate(good)
+    for change in [dict(height=48), dict(width=0), dict(group_size=1), dict(micro_batch_size=3),
+                   dict(clip_eps=0.0), dict(kl_beta=-1.0), dict(lr=0.0), dict(train_tokens="some"),
+                   dict(reward="clip=1")]:
+        with pytest.raises(ValueError):
+            grpo.validate(grpo.dataclasses.replace(good, **change))
+
+
+# ---- 2. loading ---------------------------------------------------------------------------------
+
+def test_tiny_glm_image():
+    """Deterministic per seed; token ids coherent across tokenizer, AR, VQ and DiT; a few 100k parameters."""
+    a, b, c = grpo.tiny_glm_image(0), grpo.tiny_glm_image(0), grpo.tiny_glm_image(1)
+    wa, wb, wc = (p.vision_language_encoder.lm_head.weight for p in (a, b, c))
+    assert torch.equal(wa, wb) and not torch.equal(wa, wc)
+    assert torch.equal(a.transformer.prior_token_embedding.weight, b.transformer.prior_token_embedding.weight)
+    cfg, tok = a.vision_language_encoder.config, a.processor.tokenizer
+    K = cfg.vq_config.num_embeddings
+    assert tok.bos_token_id == cfg.image_start_token_id == K
+    assert tok.eos_token_id == tok.pad_token_id == cfg.image_end_token_id == cfg.text_config.eos_token_id == K + 1
+    assert cfg.text_config.vision_vocab_size > K + 1
+    assert a.transformer.config.prior_vq_quantizer_codebook_size == K
+    assert a.vae_scale_factor * a.transformer.config.patch_size == 16
+    n = sum(p.numel() for m in (a.vision_language_encoder, a.transformer, a.vae, a.text_encoder) for p in m.parameters())
+    assert 1e5 < n < 1e6
+
+
+def test_load_glm_image(pipe):
+    """Only the AR's language model and head are trainable; DiT, VAE, T5, vision tower and VQ are frozen."""
+    trainable = {n for n, p in pipe.vision_language_encoder.named_parameters() if p.requires_grad}
+    assert trainable and all(n.startswith(("model.language_model", "lm_head")) for n in trainable)
+    for module in (pipe.transformer, pipe.vae, pipe.text_encoder):
+        assert not any(p.requires_grad for p in module.parameters())
+
+
+def test_reference_model(pipe):
+    """None when beta = 0; otherwise a frozen copy with equal weights and its own storage."""
+    assert grpo.reference_model(pipe.vision_language_encoder, 0.0) is None
+    ref = grpo.reference_model(pipe.vision_language_encoder, 0.04)
+    for (n, p), (_, q) in zip(pipe.vision_language_encoder.named_parameters(), ref.named_parameters()):
+        assert torch.equal(p, q) and p.data_ptr() != q.data_ptr() and not q.requires_grad
+    assert not ref.training
+
+
+# ---- 3. prompts and targets ---------------------------------------------------------------------
+
+def test_read_prompts(tmp_path):
+    """Split at the LAST '|', paths relative to the file, comments and blanks skipped, bad lines named."""
+    (tmp_path / "sub").mkdir()
+    f = tmp_path / "sub" / "p.txt"
+    f.write_text("# comment\n\na | b | img.png\nplain prompt|x/y.png\n")
+    assert grpo.read_prompts(f) == [("a | b", tmp_path / "sub" / "img.png"), ("plain prompt", tmp_path / "sub/x/y.png")]
+    f.write_text("ok | a.png\n# c\nno target here\n")
+    with pytest.raises(ValueError, match=":3:"):
+        grpo.read_prompts(f)
+    f.write_text("# only comments\n")
+    with pytest.raises(ValueError, match="no examples"):
+        grpo.read_prompts(f)
+
+
+def test_load_target(tmp_path):
+    """(3, H, W) float in [0, 1], channels in RGB order, resized to the generation size."""
+    pixels = np.zeros((40, 50, 3), np.uint8)
+    pixels[..., 0] = 255
+    Image.fromarray(pixels).save(tmp_path / "red.png")
+    target = grpo.load_target(tmp_path / "red.png", 64, 96)
+    assert target.shape == (3, 64, 96) and target.dtype == torch.float32
+    assert torch.allclose(target[0], torch.ones(64, 96)) and target[1:].abs().max() == 0
+
+
+# ---- 4. group sampling --------------------------------------------------------------------------
+
+def test_group_inputs(pipe):
+    """The group repeats the prompt G times and keeps each sample's [large, preview] grid pair together."""
+    inputs = grpo.group_inputs(pipe.processor, "a cat", 4, 64, 96, "cpu")
+    assert inputs["input_ids"].shape[0] == 4 and (inputs["input_ids"] == inputs["input_ids"][0]).all()
+    assert inputs["image_grid_thw"].tolist() == [[1, 2, 3], [1, 13, 19]] * 4
+    assert inputs["images_per_sample"].tolist() == [2] * 4
+    assert inputs["input_ids"][0, -1] == pipe.vision_language_encoder.config.image_start_token_id
+
+
+@pytest.mark.parametrize("height,width", [(64, 64), (64, 96)])
+def test_sample_group(pipe, height, width):
+    """Exactly N codebook tokens per sample, no image-end, seeded, caller's RNG untouched."""
+    K = pipe.vision_language_encoder.config.vq_config.num_embeddings
+    state = torch.random.get_rng_state()
+    r = grpo.sample_group(pipe, "a cat", 4, height, width, T, seed=3)
+    assert torch.equal(state, torch.random.get_rng_state())
+    n = r.preview_hw[0] * r.preview_hw[1] + r.large_hw[0] * r.large_hw[1]
+    assert r.large_hw == (height // 32, width // 32)
+    assert r.tokens.shape == r.logprobs.shape == (4, n) and r.logprobs.dtype == torch.float32
+    assert r.tokens.min() >= 0 and r.tokens.max() < K  # no image start/end, no spare ids
+    assert (r.logprobs <= 0).all() and torch.isfinite(r.logprobs).all()
+    assert torch.equal(r.tokens, grpo.sample_group(pipe, "a cat", 4, height, width, T, seed=3).tokens)
+    assert not torch.equal(r.tokens, grpo.sample_group(pipe, "a cat", 4, height, width, T, seed=4).tokens)
+    assert len({tuple(t) for t in r.tokens.tolist()}) == 4  # the G samples differ
+
+
+def test_code_logprobs(pipe, monkeypatch):
+    """The distribution generate actually sampled from (its processed scores) equals code_logprobs:
+    same temperature, no top-k / top-p truncation, zero mass outside the codebook."""
+    model = pipe.vision_language_encoder
+    K = model.config.vq_config.num_embeddings
+    captured = {}
+    original = model.generate
+
+    def spy(*args, **kwargs):
+        out = original(*args, **kwargs, output_scores=True)
+        captured["out"] = out
+        return out
+
+    monkeypatch.setattr(model, "generate", spy)
+    grpo.sample_group(pipe, "a cat", 4, 64, 64, T, seed=0)
+    out = captured["out"]
+    scores, logits = torch.stack(out.scores, 1), torch.stack(out.logits, 1)  # (G, N, V) processed / raw
+    assert torch.isinf(scores[..., K:]).all() and torch.isfinite(scores[..., :K]).all()
+    sampled = torch.log_softmax(scores.float(), -1)[..., :K]
+    assert (sampled - grpo.code_logprobs(logits, T, K)).abs().max() < 1e-5
+    # the peer bug "divide the processed scores by T again" gives another distribution
+    assert (torch.log_softmax(scores[..., :K] / T, -1) - sampled).abs().max() > 1e-2
+
+
+# ---- 5. log-probs -------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("height,width", [(64, 64), (64, 96)])
+def test_rope_positions(pipe, height, width):
+    """Prompt + decode positions equal those that GlmImageModel computes for generate."""
+    r = grpo.sample_group(pipe, "a cat", 4, height, width, T, seed=0)
+    core = pipe.vision_language_encoder.model
+    P, N = r.inputs["input_ids"].shape[1], r.tokens.shape[1]
+    prompt_pos, _ = core.get_rope_index(r.inputs["input_ids"], r.inputs["image_grid_thw"],
+                                        r.inputs["images_per_sample"], r.inputs["attention_mask"])
+    decode_pos = core._cached_decode_position_ids  # (G, 3, N + 1), stored by get_rope_index
+    mine = grpo.rope_positions(r.inputs["image_grid_thw"], P, N)
+    assert mine.shape == (3, 1, P + N - 1)
+    assert torch.equal(mine[:, 0, :P], prompt_pos[:, 0]) and torch.equal(mine[:, 0, P:], decode_pos[0, :, : N - 1])
+    assert mine[:, 0, P:].max() > mine[:, 0, P:].min()  # not a constant
+
+
+@pytest.mark.parametrize("height,width", [(64, 64), (64, 96), (96, 64)])
+def test_token_logprobs(pipe, sharp_pipe, height, width):
+    """Parity: teacher-forced log-probs equal the sampler's within 1e-5 (float32), on a plain and a sharpened
+    model, square and non-square; a forward without explicit positions is far off on the sharpened model."""
+    for p in (pipe, sharp_pipe):
+        r = grpo.sample_group(p, "a cat", 4, height, width, T, seed=1)
+        lp = grpo.token_logprobs(p.vision_language_encoder, r.inputs, r.tokens, T)
+        assert lp.shape == r.tokens.shape and (lp - r.logprobs).abs().max() <= 1e-5
+    # the naive forward: model(prompt + tokens) lets get_rope_index put image tokens on the 1D ramp
+    ar, K = sharp_pipe.vision_language_encoder, 128
+    ids = torch.cat([r.inputs["input_ids"], r.tokens[:, :-1]], 1)
+    with torch.no_grad():
+        logits = ar(input_ids=ids, attention_mask=torch.ones_like(ids), logits_to_keep=r.tokens.shape[1]).logits
+    naive = grpo.code_logprobs(logits, T, K).gather(-1, r.tokens[..., None]).squeeze(-1)
+    assert (naive - r.logprobs).abs().max() > 1.0  # nats
+    assert ((naive - r.logprobs).exp() - 1).abs().gt(0.2).float().mean() > 0.2  # many ratios far from 1
+
+
+def test_token_logprobs_temperature_mismatch(sharp_pipe):
+    """Peer bug: scoring at T = 1 what was sampled at T = 0.9 gives a step-0 ratio far from 1."""
+    r = grpo.sample_group(sharp_pipe, "a cat", 4, 64, 64, T, seed=2)
+    wrong = grpo.token_logprobs(sharp_pipe.vision_language_encoder, r.inputs, r.tokens, 1.0)
+    _, m = grpo.grpo_loss(wrong, r.logprobs, None, torch.ones(4), 0.2, 0.0)
+    assert max(m["ratio_max"] - 1, 1 - m["ratio_min"]) > 0.2
+
+
+def test_token_logprobs_differentiable(pipe):
+    """Gradients reach the AR weights through token_logprobs."""
+    ar = copy.deepcopy(pipe.vision_language_encoder)
+    r = grpo.sample_group(pipe, "a cat", 2, 64, 64, T, seed=0)
+    grpo.token_logprobs(ar, r.inputs, r.tokens, T).sum().backward()
+    assert ar.lm_head.weight.grad.abs().sum() > 0
+
+
+# ---- 6. decoding --------------------------------------------------------------------------------
+
+def test_decode_images(pipe):
+    """(G, 3, H, W) in [0, 1]; deterministic for a seed; changes with the large-grid tokens only."""
+    r = grpo.sample_group(pipe, "a cat", 4, 64, 96, T, seed=0)
+    images = grpo.decode_images(pipe, "a cat", r.tokens, r.large_hw, 64, 96, 2, seed=0)
+    assert images.shape == (4, 3, 64, 96) and images.dtype == torch.float32
+    assert images.min() >= 0 and images.max() <= 1 and images.std() > 0
+    assert torch.equal(images, grpo.decode_images(pipe, "a cat", r.tokens, r.large_hw, 64, 96, 2, seed=0))
+    same_first = r.tokens.clone()
+    same_first[1:] = r.tokens[0]
+    shared = grpo.decode_images(pipe, "a cat", same_first, r.large_hw, 64, 96, 2, seed=0)
+    assert (shared[1:] - shared[0]).abs().max() < 1e-4  # same tokens, same noise -> same image
+    new_large = r.tokens.clone()
+    new_large[:, -6:] = (new_large[:, -6:] + 7) % 128
+    assert (grpo.decode_images(pipe, "a cat", new_large, r.large_hw, 64, 96, 2, seed=0) - images).abs().max() > 1e-3
+    new_preview = r.tokens.clone()
+    new_preview[:, :10] = (new_preview[:, :10] + 7) % 128
+    assert torch.allclose(grpo.decode_images(pipe, "a cat", new_preview, r.large_hw, 64, 96, 2, seed=0), images)
+
+
+# ---- 7. rewards ---------------------------------------------------------------------------------
+
+def naive_ssim(x, y):
+    """Straight from Wang et al. 2004, window by window, in float64 numpy."""
+    g = np.exp(-((np.arange(11) - 5) ** 2) / (2 * 1.5 ** 2))
+    w = np.outer(g, g) / np.outer(g, g).sum()
+    C1, C2 = 0.01 ** 2, 0.03 ** 2
+    values = []
+    for c in range(x.shape[0]):
+        for i in range(x.shape[1] - 10):
+            for j in range(x.shape[2] - 10):
+                a, b = x[c, i:i + 11, j:j + 11], y[c, i:i + 11, j:j + 11]
+                ma, mb = (w * a).sum(), (w * b).sum()
+                va, vb, cov = (w * (a - ma) ** 2).sum(), (w * (b - mb) ** 2).sum(), (w * (a - ma) * (b - mb)).sum()
+                values.append(((2 * ma * mb + C1) * (2 * cov + C2)) / ((ma ** 2 + mb ** 2 + C1) * (va + vb + C2)))
+    return float(np.mean(values))
+
+
+def test_ssim_reward():
+    """1 for identical images; equals a window-by-window computation within 1e-4; falls with noise."""
+    g = torch.Generator().manual_seed(0)
+    target = torch.rand(3, 24, 20, generator=g)
+    noisy = (target + 0.1 * torch.randn(3, 3, 24, 20, generator=g)).clamp(0, 1)
+    assert torch.allclose(grpo.ssim_reward(target[None], target), torch.ones(1), atol=1e-6)
+    ours = grpo.ssim_reward(noisy, target)
+    for k in range(3):
+        assert abs(ours[k].item() - naive_ssim(noisy[k].double().numpy(), target.double().numpy())) < 1e-4
+    levels = torch.stack([(target + s * torch.randn(3, 24, 20, generator=g)).clamp(0, 1) for s in (0.02, 0.1, 0.3)])
+    assert (grpo.ssim_reward(levels, target).diff() < 0).all()
+
+
+def test_mse_reward():
+    """0 for identical images, the negative mean squared error otherwise, falls with noise."""
+    target = torch.rand(3, 16, 16)
+    assert grpo.mse_reward(target[None], target).item() == 0
+    assert torch.allclose(grpo.mse_reward((target * 0 + 0.5)[None], target), -((target - 0.5) ** 2).mean()[None])
+    g = torch.Generator().manual_seed(1)
+    levels = torch.stack([(target + s * torch.randn(3, 16, 16, generator=g)).clamp(0, 1) for s in (0.02, 0.1, 0.3)])
+    assert (grpo.mse_reward(levels, target).diff() < 0).all()
+
+
+def test_group_rewards():
+    """Row p of the rewards scores group p against target p (peer bug: rewards meeting the wrong prompt)."""
+    targets = [torch.zeros(3, 16, 16), torch.ones(3, 16, 16)]
+    images = [torch.zeros(4, 3, 16, 16), torch.ones(4, 3, 16, 16)]
+    rewards = grpo.group_rewards(images, targets, {"mse": 1.0, "ssim": 0.5})
+    assert rewards.shape == (2, 4) and torch.allclose(rewards, torch.full((2, 4), 0.5))
+    swapped = grpo.group_rewards(images[::-1], targets, {"mse": 1.0})
+    assert (swapped == -1).all()
+
+
+# ---- 8. advantages ------------------------------------------------------------------------------
+
+def test_group_advantages():
+    """Zero mean and unit std per group; zeros (not NaN) for equal rewards; invariant to a r + b, a > 0."""
+    r = torch.tensor([[0.1, 0.5, 0.3, 0.9], [2.0, 2.0, 2.0, 2.0], [1.0, -1.0, 0.0, 0.0]])
+    a = grpo.group_advantages(r)
+    assert a.shape == r.shape and torch.isfinite(a).all()
+    assert torch.allclose(a.mean(-1), torch.zeros(3), atol=1e-6)
+    assert torch.equal(a[1], torch.zeros(4))
+    assert torch.allclose(a[[0, 2]].std(-1, unbiased=False), torch.ones(2), atol=1e-5)
+    assert torch.allclose(grpo.group_advantages(3.0 * r - 7.0), a, atol=1e-5)
+    assert torch.allclose(grpo.group_advantages(r[0]), a[0])  # (G,) works too
+    assert torch.equal(grpo.group_advantages(torch.full((4,), 0.3) + torch.tensor([0, 1e-7, 0, 0])), torch.zeros(4))
+
+
+# ---- 9. loss ------------------------------------------------------------------------------------
+
+def test_grpo_loss():
+    """Equals a per-token loop; KL >= 0 and 0 at the reference; metrics match their definitions."""
+    g = torch.Generator().manual_seed(0)
+    logp, old, ref = (-torch.rand(3, 5, generator=g) * 3 for _ in range(3))
+    adv = torch.tensor([1.0, -0.5, 0.0])
+    eps, beta = 0.2, 0.1
+    loss, m = grpo.grpo_loss(logp, old, ref, adv, eps, beta)
+    total = 0.0
+    for i in range(3):
+        row = 0.0
+        for t in range(5):
+            r = math.exp(logp[i, t] - old[i, t])
+            surrogate = min(r * adv[i].item(), min(max(r, 1 - eps), 1 + eps) * adv[i].item())
+            d = (ref[i, t] - logp[i, t]).item()
+            row += -(surrogate - beta * (math.exp(d) - d - 1))
+        total += row / 5
+    assert abs(loss.item() - total / 3) < 1e-6
+    assert m["kl"] >= 0 and m["ratio_min"] <= m["ratio_mean"] <= m["ratio_max"]
+    _, same = grpo.grpo_loss(logp, old, logp.clone(), adv, eps, beta)
+    assert same["kl"] == 0
+    _, no_ref = grpo.grpo_loss(logp, old, None, adv, eps, 0.0)
+    assert no_ref["kl"] == 0
+    huge = grpo.grpo_loss(logp, old, logp + 1000.0, adv, eps, beta)[0]  # a KL spike stays finite
+    assert torch.isfinite(huge)
+
+
+def test_grpo_loss_clip_gradient():
+    """The gradient is zero exactly where the clip should stop it: r > 1+eps with A > 0, r < 1-eps with A < 0."""
+    old = torch.zeros(4, 1)
+    logp = torch.log(torch.tensor([[1.5], [1.5], [0.5], [0.5]])).requires_grad_()
+    adv = torch.tensor([1.0, -1.0, 1.0, -1.0])
+    loss, m = grpo.grpo_loss(logp, old, None, adv, 0.2, 0.0)
+    loss.backward()
+    grad = logp.grad[:, 0]
+    assert grad[0] == 0 and grad[3] == 0  # clipped: no push beyond the trust region
+    assert grad[1] != 0 and grad[2] != 0  # unclipped: the pessimistic branch keeps the gradient
+    assert m["clip_frac"] == 0.5
+    logp1 = torch.zeros(4, 1, requires_grad=True)
+    loss1, m1 = grpo.grpo_loss(logp1, old, None, adv, 0.2, 0.0)
+    loss1.backward()
+    assert m1["ratio_min"] == m1["ratio_max"] == 1 and m1["clip_frac"] == 0
+    assert torch.allclose(logp1.grad[:, 0], -adv / 4)  # d(-r A)/dlogp = -A at r = 1, mean over 4 sequences
+
+
+# ---- 10. update ---------------------------------------------------------------------------------
+
+def test_select_rows(pipe):
+    """Rows of a group keep their own grid pairs."""
+    inputs = grpo.group_inputs(pipe.processor, "a cat", 4, 64, 96, "cpu")
+    part = grpo.select_rows(inputs, slice(1, 3))
+    assert part["input_ids"].shape[0] == 2 and part["image_grid_thw"].tolist() == [[1, 2, 3], [1, 13, 19]] * 2
+    assert part["images_per_sample"].tolist() == [2, 2]
+
+
+def grads_after_step(pipe, rollouts, advantages, micro_batch_size, **kw):
+    policy = copy.deepcopy(pipe.vision_language_encoder)
+    opt = torch.optim.SGD([p for p in policy.parameters() if p.requires_grad], lr=0.0)
+    m = grpo.train_step(policy, opt, rollouts, advantages, None, temperature=T, clip_eps=0.2, kl_beta=0.0,
+                        micro_batch_size=micro_batch_size, max_grad_norm=math.inf, **kw)
+    return {n: p.grad.clone() for n, p in policy.named_parameters() if p.grad is not None}, m
+
+
+def test_train_step_micro_batching(pipe):
+    """Micro-batches of 1 give the full-batch gradient within 1e-5 relative (accumulation divides by n)."""
+    rollouts = [grpo.sample_group(pipe, p, 4, 64, 64, T, seed=s) for s, p in enumerate(["a cat", "a dog"])]
+    advantages = torch.tensor([[1.0, -1.0, 0.5, -0.5], [0.3, 0.3, -0.9, 0.3]])
+    full, m_full = grads_after_step(pipe, rollouts, advantages, 4)
+    micro, m_micro = grads_after_step(pipe, rollouts, advantages, 1)
+    assert full.keys() == micro.keys() and len(full) > 0
+    norm = torch.sqrt(sum((g ** 2).sum() for g in full.values()))
+    diff = torch.sqrt(sum(((full[k] - micro[k]) ** 2).sum() for k in full))
+    assert diff / norm < 1e-5
+    assert abs(m_full["loss"] - m_micro["loss"]) < 1e-6
+
+
+def test_train_step(sharp_pipe):
+    """Step 0 on a peaked model: ratio exactly 1, sampler and trainer agree, only the AR gets gradients,
+    the loss covers only the large grid with train_tokens='large', and the weights move."""
+    pipe = copy.deepcopy(sharp_pipe)
+    policy = pipe.vision_language_encoder
+    for layer in policy.model.language_model.layers:  # peer bug: dropout on in training but not in sampling
+        layer.self_attn.attention_dropout = 0.5
+    r = grpo.sample_group(pipe, "a cat", 4, 64, 64, T, seed=0)
+    policy.train()
+    before = policy.lm_head.weight.detach().clone()
+    opt = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=1e-3)
+    adv = torch.tensor([[1.0, -1.0, 0.5, -0.5]])
+    m = grpo.train_step(policy, opt, [r], adv, grpo.reference_model(policy, 0.1), temperature=T, clip_eps=0.2,
+                        kl_beta=0.1, micro_batch_size=2, max_grad_norm=1.0)
+    assert m["ratio_min"] == m["ratio_max"] == 1.0 and m["clip_frac"] == 0
+    assert m["sampler_gap"] < 1e-5 and m["kl"] < 1e-6
+    assert not torch.equal(before, policy.lm_head.weight)
+    for module in (pipe.transformer, pipe.vae, pipe.text_encoder, policy.model.visual, policy.model.vqmodel):
+        assert all(p.grad is None for p in module.parameters())
+    n_prev = r.preview_hw[0] * r.preview_hw[1]
+    with torch.no_grad():
+        lp = grpo.token_logprobs(sharp_pipe.vision_language_encoder, r.inputs, r.tokens, T)
+    expected, _ = grpo.grpo_loss(lp[:, n_prev:], lp[:, n_prev:], lp[:, n_prev:], adv[0], 0.2, 0.1)
+    assert abs(m["loss"] - expected.item()) < 1e-5
+    assert {"preview/logprob", "large/logprob", "preview/kl", "large/clip_frac", "grad_norm"} <= m.keys()
+
+
+def test_train_step_mu(pipe):
+    """With mu > 1 the later updates see ratios != 1, and the clip starts to act."""
+    r = grpo.sample_group(pipe, "a cat", 4, 64, 64, T, seed=0)
+    policy = copy.deepcopy(pipe.vision_language_encoder)
+    opt = torch.optim.SGD([p for p in policy.parameters() if p.requires_grad], lr=50.0)
+    m = grpo.train_step(policy, opt, [r], torch.tensor([[1.0, -1.0, 1.0, -1.0]]), None, temperature=T,
+                        clip_eps=0.2, kl_beta=0.0, micro_batch_size=4, max_grad_norm=math.inf, mu=3,
+                        train_tokens="all")
+    assert m["ratio_max"] > 1.2 or m["ratio_min"] < 0.8
+    assert m["clip_frac"] > 0
+
+
+# ---- 11. main -----------------------------------------------------------------------------------
+
+def test_image_grid():
+    """One row per prompt (label strip under each), target first, rewards written under the samples."""
+    targets = [torch.zeros(3, 32, 32), torch.ones(3, 32, 32)]
+    images = [torch.full((3, 3, 32, 32), 0.5)] * 2
+    grid = grpo.image_grid(targets, images, torch.tensor([[0.1, 0.2, 0.3], [0.4, 0.5, 0.6]]))
+    assert grid.size == (4 * 32, 2 * (32 + 14))
+    label = np.asarray(grid)[32:46, 32:64]
+    assert (label < 128).any()  # text drawn
+
+
+def test_main_end_to_end(tmp_path):
+    """A short tiny run writes metrics, image grids and a checkpoint that loads back with the trained weights."""
+    prompts = write_example(tmp_path, ["a gray square | t.png", "another | t.png"])
+    out = tmp_path / "run"
+    summary = grpo.main(["--model", "tiny", "--prompts", str(prompts), "--out", str(out), "--steps", "3",
+                         "--image-every", "2", "--kl-beta", "0.04", "--micro-batch-size", "2"])
+    lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in lines] == [0, 1, 2] and [x["prompts"] for x in lines] == [[0], [1], [0]]
+    for key in ["reward_mean", "reward_std", "loss", "kl", "clip_frac", "ratio_min", "ratio_max", "sec_sample",
+                "sec_decode", "sec_train", "distinct_samples", "sampler_gap"]:
+        assert all(math.isfinite(x[key]) for x in lines), key
+    assert lines[0]["ratio_min"] == lines[0]["ratio_max"] == 1.0
+    assert sorted(p.name for p in (out / "images").iterdir()) == ["step_00000.png", "step_00002.png"]
+    assert set(summary) == {"reward_first", "reward_last"}
+    from transformers import GlmImageForConditionalGeneration
+    loaded = GlmImageForConditionalGeneration.from_pretrained(out / "final")
+    fresh = grpo.load_glm_image("tiny").vision_language_encoder
+    assert not torch.equal(loaded.lm_head.weight, fresh.lm_head.weight)  # trained weights, not the initial ones
+    assert json.loads((out / "config.json").read_text())["steps"] == 3
+
+
+def run_cli(*args, cwd=HERE):
+    return subprocess.run([sys.executable, str(HERE / "grpo.py"), *args], capture_output=True, text=True, cwd=cwd,
+                          timeout=300)
+
+
+def test_main_bad_input(tmp_path):
+    """Bad input: exit code 2, one line naming the problem, no traceback, nothing written."""
+    good = write_example(tmp_path, ["a | t.png"])
+    bad_line = tmp_path / "bad.txt"
+    bad_line.write_text("# c\nfine | t.png\nno target\n")
+    out = tmp_path / "out"
+    cases = [(["--prompts", str(bad_line)], "bad.txt:3"),
+             (["--prompts", str(tmp_path / "missing.txt")], "missing.txt"),
+             (["--prompts", str(good), "--height", "50"], "multiple of 32"),
+             (["--prompts", str(good), "--model", str(tmp_path / "no-such-model")], "--model tiny")]
+    for args, needle in cases:
+        proc = run_cli(*args, "--out", str(out), *([] if "--model" in args else ["--model", "tiny"]))
+        assert proc.returncode == 2, (args, proc.stderr)
+        assert needle in proc.stderr and "Traceback" not in proc.stderr + proc.stdout
+        assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+        assert not out.exists()
