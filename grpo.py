@@ -33,10 +33,13 @@ Commands:
 """
 
 import argparse
+import contextlib
 import copy
 import dataclasses
 import json
 import math
+import os
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -77,6 +80,12 @@ class Config:
     reward: str = dataclasses.field(default="ssim=1,mse=0", metadata={"help": "reward weights, e.g. ssim=1,mse=0.5"})
     train_tokens: str = dataclasses.field(default="large", metadata={"help": "tokens in the loss: large | all"})
     image_every: int = dataclasses.field(default=10, metadata={"help": "save an image grid every N steps (0: never)"})
+    save_every: int = dataclasses.field(default=50, metadata={"help": "save a checkpoint every N steps (0: only at the end)"})
+    resume: str = dataclasses.field(default="", metadata={"help": "run directory to continue (--steps is the total)"})
+    overwrite: bool = dataclasses.field(default=False, metadata={"help": "replace the run in --out"})
+    lora_rank: int = dataclasses.field(default=0, metadata={"help": "LoRA rank on the AR (0: train all AR weights)"})
+    gradient_checkpointing: bool = dataclasses.field(default=False, metadata={"help": "recompute AR activations"})
+    offload: bool = dataclasses.field(default=False, metadata={"help": "keep DiT, VAE, T5 on CPU except to decode"})
     device: str = dataclasses.field(default="auto", metadata={"help": "cpu | cuda | auto"})
     dtype: str = dataclasses.field(default="auto", metadata={"help": "float32 | bfloat16 | auto"})
 
@@ -91,8 +100,11 @@ def parse_config(argv: list[str] | None = None) -> Config:
     """Command line -> Config. Flags are the field names with dashes; None fields get MODEL_DEFAULTS."""
     parser = argparse.ArgumentParser(description="GRPO on GLM-Image", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     for f in dataclasses.fields(Config):
-        kind = {"int | None": int, "float | None": float}.get(str(f.type), f.type)
-        parser.add_argument("--" + f.name.replace("_", "-"), type=kind, default=f.default, help=f.metadata["help"])
+        flag, kind = "--" + f.name.replace("_", "-"), {"int | None": int, "float | None": float}.get(str(f.type), f.type)
+        if kind in (bool, "bool"):
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=f.metadata["help"])
+        else:
+            parser.add_argument(flag, type=kind, default=f.default, help=f.metadata["help"])
     cfg = Config(**vars(parser.parse_args(argv)))
     defaults = MODEL_DEFAULTS["tiny" if cfg.model == "tiny" else "real"]
     return dataclasses.replace(cfg, **{k: v for k, v in defaults.items() if getattr(cfg, k) is None})
@@ -188,13 +200,40 @@ def load_glm_image(name: str, device: str = "cpu", dtype: torch.dtype = torch.fl
     ar = pipe.vision_language_encoder.eval()  # models built in code start in train mode
     ar.model.visual.requires_grad_(False)  # the vision tower and VQ encoder only serve image-to-image
     ar.model.vqmodel.requires_grad_(False)
+    disable_dropout(ar)
     return pipe
 
 
+def disable_dropout(model) -> None:
+    """Zero every dropout of the AR (GLM-Image's are already 0), so train and eval mode give the same
+    distribution: dropout on in training but not in sampling would make pi != pi_old at step 0."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+        if isinstance(getattr(module, "attention_dropout", None), float):
+            module.attention_dropout = 0.0
+
+
+def apply_lora(policy, rank: int):
+    """Wrap the AR's language-model attention and MLP projections in LoRA adapters (peft) and freeze the rest.
+
+    Dropout 0 so sampler and trainer see one distribution. The adapters are injected into `policy`
+    in place, so the pipeline samples with them; the returned PeftModel can switch them off
+    (`disable_adapter`, the reference) and saves just the adapter.
+    """
+    from peft import LoraConfig, get_peft_model  # optional dependency, only for --lora-rank > 0
+    config = LoraConfig(r=rank, lora_alpha=rank, lora_dropout=0.0,
+                        target_modules=r".*language_model\.layers\.\d+\.(self_attn\.(q|k|v|o)_proj|mlp\.(gate_up|down)_proj)")
+    return get_peft_model(policy, config)
+
+
 def reference_model(policy, kl_beta: float):
-    """Frozen copy of the AR at the start of training, or None when beta = 0 (no KL term, no copy)."""
+    """The KL reference: None when beta = 0 (no KL term); with LoRA the policy itself, whose base weights
+    are the reference once the adapter is switched off (no second copy); else a frozen copy of the AR."""
     if kl_beta == 0:
         return None
+    if hasattr(policy, "disable_adapter"):
+        return policy
     return copy.deepcopy(policy).requires_grad_(False).eval()
 
 
@@ -431,7 +470,7 @@ def grpo_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, ref_logprobs: 
         # capping the log-ratio at 20 keeps exp finite (exp(20) ~ 5e8) when a drifted policy samples a token
         # the reference finds near-impossible; below the cap this is the exact k3 estimator
         log_ref_ratio = (ref_logprobs - logprobs).clamp(max=20.0)
-        kl = torch.exp(log_ref_ratio) - log_ref_ratio - 1
+        kl = (torch.exp(log_ref_ratio) - log_ref_ratio - 1).clamp_min(0)  # >= 0; the clamp only removes rounding
     loss = (-(surrogate - kl_beta * kl)).mean(dim=1).mean()
     with torch.no_grad():
         # the clip stops the gradient where r A is larger than the clipped value: r > 1+eps with A > 0,
@@ -444,6 +483,15 @@ def grpo_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, ref_logprobs: 
 
 
 # ---- 10. Update ---------------------------------------------------------------------------------
+
+@torch.no_grad()
+def reference_logprobs(ref_model, inputs: dict, tokens: torch.Tensor, temperature: float) -> torch.Tensor:
+    """(G, N) log-probs under the reference: a frozen copy, or a LoRA policy with its adapter switched off."""
+    if hasattr(ref_model, "disable_adapter"):
+        with ref_model.disable_adapter():
+            return token_logprobs(ref_model, inputs, tokens, temperature)
+    return token_logprobs(ref_model, inputs, tokens, temperature)
+
 
 def select_rows(inputs: dict, rows: slice) -> dict:
     """The AR inputs of samples `rows` of a group (image_grid_thw holds two grid rows per sample)."""
@@ -460,7 +508,8 @@ def train_step(policy, optimizer, rollouts: list[Rollout], advantages: torch.Ten
     Micro-batches of `micro_batch_size` sequences; each micro-batch loss is weighted by its share of
     the P*G sequences, so the accumulated gradient equals the full-batch gradient.
     """
-    policy.eval()  # no dropout: the trainer must see the very distribution the sampler drew from
+    # transformers only checkpoints in train mode; disable_dropout makes train and eval mode the same distribution
+    policy.train(policy.is_activation_checkpointing)
     batches = [(r, adv, slice(i, i + micro_batch_size))
                for r, adv in zip(rollouts, advantages) for i in range(0, len(adv), micro_batch_size)]
     n_seqs = sum(len(adv) for adv in advantages)
@@ -472,11 +521,13 @@ def train_step(policy, optimizer, rollouts: list[Rollout], advantages: torch.Ten
         # with mu = 1 the old policy IS the current one, so old = logp.detach() below (ratio exactly 1, the clip
         # idles); with mu > 1 the old log-probs are frozen before the first update and the clip starts to act
         olds = [logprobs_of(policy, r, rows) for r, _, rows in batches] if mu > 1 else None
-        refs = [logprobs_of(ref_model, r, rows) for r, _, rows in batches] if kl_beta > 0 else None
-    ratio_min, ratio_max, gap = math.inf, -math.inf, 0.0
+        refs = [reference_logprobs(ref_model, select_rows(r.inputs, rows), r.tokens[rows], temperature)
+                for r, _, rows in batches] if kl_beta > 0 else None
+    ratio_min, ratio_max, gap, skipped = math.inf, -math.inf, 0.0, 0
     for _ in range(mu):
         optimizer.zero_grad(set_to_none=True)
         totals: dict[str, float] = {}
+        finite = True
         for k, (r, adv, rows) in enumerate(batches):
             logp = logprobs_of(policy, r, rows)  # (mb, N), with grad
             old = logp.detach() if olds is None else olds[k]
@@ -488,7 +539,9 @@ def train_step(policy, optimizer, rollouts: list[Rollout], advantages: torch.Ten
             loss, m = grpo_loss(logp[:, cols], old[:, cols], None if ref is None else ref[:, cols], adv[rows],
                                 clip_eps, kl_beta)
             share = logp.shape[0] / n_seqs  # micro-batch losses are means; weight them to a full-batch mean
-            (loss * share).backward()
+            finite = finite and bool(torch.isfinite(loss))
+            if finite:
+                (loss * share).backward()
             m["loss"] = loss.item()
             for name, cut in regions.items():  # diagnostics per region, whichever tokens the loss covers
                 _, mr = grpo_loss(logp[:, cut].detach(), old[:, cut], None if ref is None else ref[:, cut],
@@ -500,10 +553,14 @@ def train_step(policy, optimizer, rollouts: list[Rollout], advantages: torch.Ten
                 totals[key] = totals.get(key, 0.0) + value * share
         params = [p for group in optimizer.param_groups for p in group["params"]]
         totals["grad_norm"] = torch.nn.utils.clip_grad_norm_(params, max_grad_norm).item()
-        optimizer.step()
+        if finite and math.isfinite(totals["grad_norm"]):
+            optimizer.step()
+        else:  # a NaN / inf loss or gradient never reaches the weights: this update is skipped
+            optimizer.zero_grad(set_to_none=True)
+            skipped += 1
     # extremes over all mu updates; sampler_gap is max |log pi_trainer - log pi_sampler| (0 up to float error
     # before the first update: larger means sampler and trainer disagree on the distribution)
-    return {**totals, "ratio_min": ratio_min, "ratio_max": ratio_max, "sampler_gap": gap}
+    return {**totals, "ratio_min": ratio_min, "ratio_max": ratio_max, "sampler_gap": gap, "skipped": skipped}
 
 
 # ---- 11. Main -----------------------------------------------------------------------------------
@@ -536,11 +593,48 @@ def validate(cfg: Config) -> None:
         raise ValueError(f"--micro-batch-size {cfg.micro_batch_size} must divide --group-size {cfg.group_size}")
     if cfg.train_tokens not in ("large", "all"):
         raise ValueError(f"--train-tokens {cfg.train_tokens}: use 'large' or 'all'")
-    if not (0 < cfg.clip_eps < 1 and cfg.kl_beta >= 0 and cfg.lr > 0 and cfg.temperature > 0):
-        raise ValueError("need 0 < --clip-eps < 1, --kl-beta >= 0, --lr > 0 and --temperature > 0")
-    if cfg.steps < 1 or cfg.mu < 1 or cfg.prompts_per_step < 1:
-        raise ValueError("--steps, --mu and --prompts-per-step must be at least 1")
+    for name, ok, rule in [("clip-eps", 0 < cfg.clip_eps < 1, "in (0, 1)"), ("kl-beta", cfg.kl_beta >= 0, ">= 0"),
+                           ("lr", 0 < cfg.lr < 1, "in (0, 1)"), ("temperature", cfg.temperature > 0, "> 0"),
+                           ("max-grad-norm", cfg.max_grad_norm > 0, "> 0"), ("lora-rank", cfg.lora_rank >= 0, ">= 0")]:
+        if not ok:
+            raise ValueError(f"--{name} {getattr(cfg, name.replace('-', '_'))} is out of range; it must be {rule}")
+    for name in ("steps", "mu", "prompts_per_step", "num_inference_steps"):
+        if getattr(cfg, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
     parse_reward_weights(cfg.reward)
+
+
+def save_checkpoint(path: Path, policy, optimizer, step: int, cfg: Config) -> None:
+    """Trainable weights, optimizer state, RNG states, the next step and the config, in one file written
+    atomically: to a temporary name, flushed to disk, then renamed, so a kill leaves the last good one."""
+    state = {"weights": {n: p.detach().cpu() for n, p in policy.named_parameters() if p.requires_grad},
+             "optimizer": optimizer.state_dict(), "step": step, "config": dataclasses.asdict(cfg),
+             "rng": {"torch": torch.random.get_rng_state(),
+                     "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}}
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        torch.save(state, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def load_checkpoint(path: Path, policy, optimizer) -> int:
+    """Restore what save_checkpoint wrote into a freshly built policy/optimizer; returns the next step."""
+    state = torch.load(path, map_location="cpu", weights_only=False)
+    trainable = {n for n, p in policy.named_parameters() if p.requires_grad}
+    if set(state["weights"]) != trainable:
+        raise ValueError(f"{path} holds other trainable weights than this run (different --lora-rank or model?)")
+    missing, unexpected = policy.load_state_dict(state["weights"], strict=False)
+    assert not unexpected and not (trainable & set(missing))
+    optimizer.load_state_dict(state["optimizer"])
+    torch.random.set_rng_state(state["rng"]["torch"])
+    if state["rng"]["cuda"]:
+        torch.cuda.set_rng_state_all(state["rng"]["cuda"])
+    return state["step"]
+
+
+RUN_FILES = ("config.json", "metrics.jsonl", "checkpoint.pt", "images", "final")  # what a run writes in --out
 
 
 def fail(message: str) -> None:
@@ -548,71 +642,147 @@ def fail(message: str) -> None:
     raise SystemExit(2)
 
 
+def prepare(argv: list[str] | None) -> tuple[Config, list, list, Path]:
+    """Parse and check everything before anything is written: config, prompts, targets, output directory."""
+    cfg = parse_config(argv)
+    out = Path(cfg.resume or cfg.out)
+    try:
+        if cfg.resume:
+            if not (out / "checkpoint.pt").is_file():
+                raise ValueError(f"--resume {out}: no checkpoint.pt there; resume a directory a run saved into")
+            saved = Config(**torch.load(out / "checkpoint.pt", map_location="cpu", weights_only=False)["config"])
+            cfg = dataclasses.replace(saved, steps=cfg.steps, resume=cfg.resume, out=str(out))  # --steps is the total
+        validate(cfg)
+        examples = read_prompts(cfg.prompts)
+        targets = []
+        for prompt, path in examples:
+            if not path.is_file():
+                raise ValueError(f"target {path} of '{prompt}' does not exist; fix the path in {cfg.prompts}")
+            try:
+                with Image.open(path) as image:
+                    size = image.size
+                targets.append(load_target(path, cfg.height, cfg.width))
+            except OSError as error:
+                raise ValueError(f"target {path} is not a readable image ({error}); replace it or fix {cfg.prompts}")
+            if size != (cfg.width, cfg.height):
+                print(f"note: target {path} is {size[0]}x{size[1]}, resized to {cfg.width}x{cfg.height}", file=sys.stderr)
+        if not cfg.resume and not cfg.overwrite and any((out / name).exists() for name in RUN_FILES):
+            raise ValueError(f"--out {out} holds another run; pass --resume {out} to continue it, --overwrite to "
+                             "replace it, or another --out")
+    except UnicodeDecodeError:
+        fail(f"{cfg.prompts} is not a UTF-8 text file; give --prompts a file of 'prompt | target.png' lines")
+    except ValueError as error:
+        fail(str(error))
+    except OSError as error:
+        fail(f"cannot read {error.filename or cfg.prompts} ({error.strerror or error}); check --prompts")
+    return cfg, examples, targets, out
+
+
 def main(argv: list[str] | None = None) -> dict:
     import diffusers
     import transformers
+    from tqdm.auto import tqdm
     diffusers.logging.set_verbosity_error()  # keep the terminal for our progress bar and one-line errors
     transformers.logging.set_verbosity_error()
-    cfg = parse_config(argv)
-    try:
-        validate(cfg)
-        examples = read_prompts(cfg.prompts)
-        targets = [load_target(path, cfg.height, cfg.width) for _, path in examples]
-    except (ValueError, OSError) as error:
-        fail(str(error))
-    reward_weights = parse_reward_weights(cfg.reward)
+    cfg, examples, targets, out = prepare(argv)
     device = ("cuda" if torch.cuda.is_available() else "cpu") if cfg.device == "auto" else cfg.device
     dtype = {"auto": torch.bfloat16 if device == "cuda" else torch.float32,
-             "float32": torch.float32, "bfloat16": torch.bfloat16}[cfg.dtype]
+             "float32": torch.float32, "bfloat16": torch.bfloat16}.get(cfg.dtype)
+    if dtype is None:
+        fail(f"--dtype {cfg.dtype}: use float32, bfloat16 or auto")
     try:
         pipe = load_glm_image(cfg.model, device, dtype)
     except Exception as error:  # offline hub, wrong path, ...: one line, no traceback
         fail(f"cannot load --model {cfg.model} ({type(error).__name__}); offline? use --model tiny or a local path")
     policy = pipe.vision_language_encoder
-    ref_model = reference_model(policy, cfg.kl_beta)
+    if cfg.lora_rank:
+        policy = apply_lora(policy, cfg.lora_rank)  # adapters in float32 (peft's default), base weights frozen
+    elif dtype != torch.float32:
+        policy.float()  # trainable weights stay float32: AdamW updates to bf16 weights round away (RMSNorm freezes)
+    if cfg.gradient_checkpointing:
+        policy.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    if cfg.offload:
+        for module in (pipe.text_encoder, pipe.transformer, pipe.vae):
+            module.to("cpu")
+    ref_model = reference_model(policy, cfg.kl_beta)  # taken before a checkpoint is loaded: the initial weights
     optimizer = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=cfg.lr,
                                   weight_decay=cfg.weight_decay)
-    out = Path(cfg.out)
-    (out / "images").mkdir(parents=True, exist_ok=True)
-    (out / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2))
+    start = load_checkpoint(out / "checkpoint.pt", policy, optimizer) if cfg.resume else 0
     targets = [t.to(device) for t in targets]
 
-    from tqdm.auto import tqdm
-    history = []
-    progress = tqdm(range(cfg.steps), desc="grpo")
-    for step in progress:
-        t0 = time.perf_counter()
-        picks = [(step * cfg.prompts_per_step + j) % len(examples) for j in range(cfg.prompts_per_step)]
-        rollouts = [sample_group(pipe, examples[i][0], cfg.group_size, cfg.height, cfg.width, cfg.temperature,
-                                 seed=cfg.seed * 1_000_003 + step * cfg.prompts_per_step + j)
-                    for j, i in enumerate(picks)]
-        t1 = time.perf_counter()
-        images = [decode_images(pipe, examples[i][0], r.tokens, r.large_hw, cfg.height, cfg.width,
-                                cfg.num_inference_steps, cfg.decode_seed, cfg.guidance_scale)
-                  for i, r in zip(picks, rollouts)]
-        t2 = time.perf_counter()
-        rewards = group_rewards(images, [targets[i] for i in picks], reward_weights)  # (P, G)
-        advantages = group_advantages(rewards)
-        t3 = time.perf_counter()
-        metrics = train_step(policy, optimizer, rollouts, advantages, ref_model, temperature=cfg.temperature,
-                             clip_eps=cfg.clip_eps, kl_beta=cfg.kl_beta, micro_batch_size=cfg.micro_batch_size,
-                             max_grad_norm=cfg.max_grad_norm, mu=cfg.mu, train_tokens=cfg.train_tokens)
-        t4 = time.perf_counter()
-        record = {"step": step, "prompts": picks, "reward_mean": rewards.mean().item(),
-                  "reward_std": rewards.std(dim=-1, unbiased=False).mean().item(),
-                  "distinct_samples": float(np.mean([len({tuple(t) for t in r.tokens.tolist()}) for r in rollouts])),
-                  **metrics, "sec_sample": t1 - t0, "sec_decode": t2 - t1, "sec_reward": t3 - t2, "sec_train": t4 - t3}
-        with open(out / "metrics.jsonl", "a") as f:
-            f.write(json.dumps(record) + "\n")
-        history.append(record)
-        progress.set_postfix(reward=f"{record['reward_mean']:.3f}", kl=f"{record['kl']:.3f}")
-        if cfg.image_every and (step % cfg.image_every == 0 or step == cfg.steps - 1):
-            image_grid([targets[i] for i in picks], images, rewards).save(out / "images" / f"step_{step:05d}.png")
-    policy.save_pretrained(out / "final")
+    def precision():  # bf16 compute with float32 trainable weights, the same for sampling and training
+        return torch.autocast(device, dtype=torch.bfloat16) if dtype == torch.bfloat16 else contextlib.nullcontext()
+
+    if not cfg.resume:
+        for name in RUN_FILES:  # only with --overwrite can anything be here (prepare checked)
+            shutil.rmtree(out / name) if (out / name).is_dir() else (out / name).unlink(missing_ok=True)
+    (out / "images").mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2))
+    history = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()] if cfg.resume else []
+    history = [h for h in history if h["step"] < start]  # steps after the checkpoint are redone
+    (out / "metrics.jsonl").write_text("".join(json.dumps(h) + "\n" for h in history))
+    reward_weights, skipped = parse_reward_weights(cfg.reward), sum(h["skipped"] for h in history)
+    step = start
+    progress = tqdm(range(start, cfg.steps), desc="grpo", initial=start, total=cfg.steps)
+    try:
+        for step in progress:
+            t0 = time.perf_counter()
+            picks = [(step * cfg.prompts_per_step + j) % len(examples) for j in range(cfg.prompts_per_step)]
+            with precision():
+                rollouts = [sample_group(pipe, examples[i][0], cfg.group_size, cfg.height, cfg.width,
+                                         cfg.temperature, seed=cfg.seed * 1_000_003 + step * cfg.prompts_per_step + j)
+                            for j, i in enumerate(picks)]
+            t1 = time.perf_counter()
+            if cfg.offload:
+                for module in (pipe.text_encoder, pipe.transformer, pipe.vae):
+                    module.to(device)
+            images = [decode_images(pipe, examples[i][0], r.tokens, r.large_hw, cfg.height, cfg.width,
+                                    cfg.num_inference_steps, cfg.decode_seed, cfg.guidance_scale)
+                      for i, r in zip(picks, rollouts)]
+            if cfg.offload:
+                for module in (pipe.text_encoder, pipe.transformer, pipe.vae):
+                    module.to("cpu")
+            t2 = time.perf_counter()
+            rewards = group_rewards(images, [targets[i] for i in picks], reward_weights)  # (P, G)
+            advantages = group_advantages(rewards)
+            t3 = time.perf_counter()
+            with precision():
+                metrics = train_step(policy, optimizer, rollouts, advantages, ref_model, temperature=cfg.temperature,
+                                     clip_eps=cfg.clip_eps, kl_beta=cfg.kl_beta, micro_batch_size=cfg.micro_batch_size,
+                                     max_grad_norm=cfg.max_grad_norm, mu=cfg.mu, train_tokens=cfg.train_tokens)
+            t4 = time.perf_counter()
+            skipped += metrics["skipped"]
+            if metrics["skipped"]:
+                progress.write(f"warning: step {step}: non-finite loss or gradient, update skipped ({skipped} so far)")
+            record = {"step": step, "prompts": picks, "reward_mean": rewards.mean().item(),
+                      "reward_std": rewards.std(dim=-1, unbiased=False).mean().item(),
+                      "zero_std_groups": int((advantages == 0).all(dim=-1).sum()),  # groups with no signal
+                      "distinct_samples": float(np.mean([len({tuple(t) for t in r.tokens.tolist()}) for r in rollouts])),
+                      **metrics, "skipped_total": skipped,
+                      "sec_sample": t1 - t0, "sec_decode": t2 - t1, "sec_reward": t3 - t2, "sec_train": t4 - t3}
+            with open(out / "metrics.jsonl", "a") as f:  # appended and flushed per step: a killed run keeps them
+                f.write(json.dumps(record) + "\n")
+            history.append(record)
+            progress.set_postfix(reward=f"{record['reward_mean']:.3f}", kl=f"{record['kl']:.3f}")
+            if cfg.image_every and (step % cfg.image_every == 0 or step == cfg.steps - 1):
+                image_grid([targets[i] for i in picks], images, rewards).save(out / "images" / f"step_{step:05d}.png")
+            if cfg.save_every and (step + 1) % cfg.save_every == 0:
+                save_checkpoint(out / "checkpoint.pt", policy, optimizer, step + 1, cfg)
+    except KeyboardInterrupt:
+        progress.close()
+        save_checkpoint(out / "checkpoint.pt", policy, optimizer, step, cfg)  # `step` did not finish: redo it
+        print(f"interrupted: checkpoint at step {step} in {out}; continue with --resume {out}", file=sys.stderr)
+        raise SystemExit(130)
+    save_checkpoint(out / "checkpoint.pt", policy, optimizer, cfg.steps, cfg)
+    final, tmp = out / "final", out / "final.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    policy.save_pretrained(tmp)  # the full AR, or with --lora-rank only the adapter (peft format)
+    shutil.rmtree(final, ignore_errors=True)
+    os.replace(tmp, final)
     window = min(len(history), len(examples) * math.ceil(5 / len(examples)))  # whole cycles over the prompts
     first, last = history[:window], history[-window:]
     summary = {"reward_first": float(np.mean([h["reward_mean"] for h in first])),
-               "reward_last": float(np.mean([h["reward_mean"] for h in last]))}
+               "reward_last": float(np.mean([h["reward_mean"] for h in last])), "skipped": skipped}
     print(f"reward (mean of first {len(first)} steps) {summary['reward_first']:.4f} -> "
           f"(mean of last {len(last)} steps) {summary['reward_last']:.4f}; saved to {out}")
     return summary

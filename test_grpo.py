@@ -470,6 +470,22 @@ def test_image_grid():
     assert (label < 128).any()  # text drawn
 
 
+def test_disable_dropout():
+    """After disable_dropout, train mode scores like eval mode (peer bug: dropout on only in training)."""
+    pipe = grpo.tiny_glm_image(0)
+    ar = pipe.vision_language_encoder
+    for layer in ar.model.language_model.layers:
+        layer.self_attn.attention_dropout = 0.5
+    r = grpo.sample_group(pipe, "a cat", 2, 64, 64, T, seed=0)  # sample_group switches dropout off (eval)
+    ar.train()
+    torch.manual_seed(0)
+    with torch.no_grad():
+        assert (grpo.token_logprobs(ar, r.inputs, r.tokens, T) - r.logprobs).abs().max() > 1e-2
+    grpo.disable_dropout(ar)
+    with torch.no_grad():
+        assert (grpo.token_logprobs(ar, r.inputs, r.tokens, T) - r.logprobs).abs().max() <= 1e-5
+
+
 def test_main_end_to_end(tmp_path):
     """A short tiny run writes metrics, image grids and a checkpoint that loads back with the trained weights."""
     prompts = write_example(tmp_path, ["a gray square | t.png", "another | t.png"])
@@ -483,7 +499,7 @@ def test_main_end_to_end(tmp_path):
         assert all(math.isfinite(x[key]) for x in lines), key
     assert lines[0]["ratio_min"] == lines[0]["ratio_max"] == 1.0
     assert sorted(p.name for p in (out / "images").iterdir()) == ["step_00000.png", "step_00002.png"]
-    assert set(summary) == {"reward_first", "reward_last"}
+    assert set(summary) == {"reward_first", "reward_last", "skipped"} and summary["skipped"] == 0
     from transformers import GlmImageForConditionalGeneration
     loaded = GlmImageForConditionalGeneration.from_pretrained(out / "final")
     fresh = grpo.load_glm_image("tiny").vision_language_encoder
@@ -496,19 +512,232 @@ def run_cli(*args, cwd=HERE):
                           timeout=300)
 
 
-def test_main_bad_input(tmp_path):
-    """Bad input: exit code 2, one line naming the problem, no traceback, nothing written."""
+def error_lines(text):
+    return [line for line in text.strip().splitlines() if not line.startswith("note:")]
+
+
+def test_prepare_bad_input(tmp_path, capsys):
+    """Every bad input: exit code 2, one line naming the problem and the fix, nothing written to --out."""
     good = write_example(tmp_path, ["a | t.png"])
-    bad_line = tmp_path / "bad.txt"
-    bad_line.write_text("# c\nfine | t.png\nno target\n")
+    (tmp_path / "bad_line.txt").write_text("# c\nfine | t.png\nno target\n")
+    (tmp_path / "empty.txt").write_text("\n# nothing\n")
+    (tmp_path / "binary.txt").write_bytes(b"\xff\xfe\x00bad")
+    (tmp_path / "notimage.png").write_text("hello")
+    Image.fromarray(np.zeros((64, 64, 3), np.uint8)).save(tmp_path / "full.png")
+    (tmp_path / "corrupt.png").write_bytes((tmp_path / "full.png").read_bytes()[:60])
+    for name in ["missing_target", "notimage", "corrupt"]:
+        target = {"missing_target": "nope.png", "notimage": "notimage.png", "corrupt": "corrupt.png"}[name]
+        (tmp_path / f"{name}.txt").write_text(f"a prompt | {target}\n")
     out = tmp_path / "out"
-    cases = [(["--prompts", str(bad_line)], "bad.txt:3"),
-             (["--prompts", str(tmp_path / "missing.txt")], "missing.txt"),
-             (["--prompts", str(good), "--height", "50"], "multiple of 32"),
-             (["--prompts", str(good), "--model", str(tmp_path / "no-such-model")], "--model tiny")]
+    P = lambda name: ["--prompts", str(tmp_path / name)]  # noqa: E731
+    cases = [(P("nothere.txt"), "nothere.txt"), (["--prompts", str(tmp_path)], "--prompts"),
+             (P("empty.txt"), "no examples"), (P("bad_line.txt"), "bad_line.txt:3"), (P("binary.txt"), "UTF-8"),
+             (P("missing_target.txt"), "does not exist"), (P("notimage.txt"), "not a readable image"),
+             (P("corrupt.txt"), "not a readable image"),
+             (["--height", "50"], "multiple of 32"), (["--width", "-32"], "multiple of 32"),
+             (["--group-size", "1"], "2 or more"), (["--micro-batch-size", "3"], "must divide"),
+             (["--clip-eps", "1.5"], "--clip-eps"), (["--kl-beta", "-0.1"], "--kl-beta"), (["--lr", "0"], "--lr"),
+             (["--reward", "clip=1"], "unknown reward"), (["--reward", "ssim=-1"], "negative"),
+             (["--steps", "0"], "--steps"), (["--resume", str(tmp_path / "none")], "no checkpoint.pt")]
     for args, needle in cases:
-        proc = run_cli(*args, "--out", str(out), *([] if "--model" in args else ["--model", "tiny"]))
+        with pytest.raises(SystemExit) as exit_info:
+            grpo.main(["--model", "tiny", "--out", str(out), *(args if "--prompts" in args else ["--prompts", str(good), *args])])
+        err = capsys.readouterr().err
+        assert exit_info.value.code == 2, args
+        assert needle in err and len(error_lines(err)) == 1 and "Traceback" not in err, (args, err)
+        assert not out.exists(), args
+
+
+def test_main_bad_input_cli(tmp_path):
+    """Through the command line: exit code 2, one line, no traceback, nothing written; a run is never clobbered."""
+    good = write_example(tmp_path, ["a | t.png"])
+    (tmp_path / "bad.txt").write_text("fine | t.png\nno target\n")
+    out = tmp_path / "out"
+    for args, needle in [(["--prompts", str(tmp_path / "bad.txt"), "--model", "tiny"], "bad.txt:2"),
+                         (["--prompts", str(good), "--model", str(tmp_path / "no-such-model")], "--model tiny")]:
+        proc = run_cli(*args, "--out", str(out))
         assert proc.returncode == 2, (args, proc.stderr)
         assert needle in proc.stderr and "Traceback" not in proc.stderr + proc.stdout
-        assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+        assert len(error_lines(proc.stderr)) == 1, proc.stderr
         assert not out.exists()
+    out.mkdir()
+    (out / "metrics.jsonl").write_text("precious\n")
+    proc = run_cli("--prompts", str(good), "--model", "tiny", "--out", str(out), "--steps", "1")
+    assert proc.returncode == 2 and "--resume" in proc.stderr and "--overwrite" in proc.stderr
+    assert (out / "metrics.jsonl").read_text() == "precious\n"
+
+
+def tiny_run(tmp_path, out, *extra):
+    prompts = write_example(tmp_path, ["a gray square | t.png", "another | t.png"])
+    return grpo.main(["--model", "tiny", "--prompts", str(prompts), "--out", str(out), "--image-every", "0",
+                      "--micro-batch-size", "2", *extra])
+
+
+def run_record(out):
+    lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    return [{k: v for k, v in x.items() if not k.startswith("sec_")} for x in lines]
+
+
+def test_main_resume(tmp_path, monkeypatch):
+    """2N steps == N steps + resume + N steps (metrics and weights), also after a Ctrl-C; --overwrite replaces."""
+    tiny_run(tmp_path, tmp_path / "whole", "--steps", "4", "--kl-beta", "0.04")
+    tiny_run(tmp_path, tmp_path / "half", "--steps", "2", "--kl-beta", "0.04")
+    tiny_run(tmp_path, tmp_path / "half", "--resume", str(tmp_path / "half"), "--steps", "4")
+    assert run_record(tmp_path / "whole") == run_record(tmp_path / "half") and len(run_record(tmp_path / "half")) == 4
+    from transformers import GlmImageForConditionalGeneration
+    a, b = (GlmImageForConditionalGeneration.from_pretrained(tmp_path / d / "final") for d in ("whole", "half"))
+    assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
+    # Ctrl-C in step 2: a checkpoint for step 2, exit code 130; resuming gives the uninterrupted run
+    original = grpo.train_step
+
+    def interrupted(*args, **kwargs):
+        if len(run_record(tmp_path / "cut")) == 2:
+            raise KeyboardInterrupt
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(grpo, "train_step", interrupted)
+    with pytest.raises(SystemExit) as exit_info:
+        tiny_run(tmp_path, tmp_path / "cut", "--steps", "4", "--kl-beta", "0.04", "--save-every", "1")
+    assert exit_info.value.code == 130 and len(run_record(tmp_path / "cut")) == 2
+    monkeypatch.setattr(grpo, "train_step", original)
+    tiny_run(tmp_path, tmp_path / "cut", "--resume", str(tmp_path / "cut"), "--steps", "4")
+    assert run_record(tmp_path / "cut") == run_record(tmp_path / "whole")
+    tiny_run(tmp_path, tmp_path / "cut", "--steps", "1", "--overwrite")
+    assert len(run_record(tmp_path / "cut")) == 1
+
+
+def test_save_checkpoint(tmp_path, monkeypatch):
+    """Saves are atomic: a crash in the middle of writing leaves the previous checkpoint intact and loadable."""
+    pipe = fresh_pipe()
+    policy = pipe.vision_language_encoder
+    opt = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad])
+    cfg = grpo.parse_config(["--model", "tiny"])
+    path = tmp_path / "checkpoint.pt"
+    grpo.save_checkpoint(path, policy, opt, 7, cfg)
+    saved = policy.lm_head.weight.detach().clone()
+    real_save = torch.save
+
+    def dies_half_way(obj, f, *a, **k):
+        f.write(b"partial garbage")
+        raise KeyboardInterrupt  # the process is killed while writing
+
+    monkeypatch.setattr(torch, "save", dies_half_way)
+    with torch.no_grad():
+        policy.lm_head.weight.add_(1.0)
+    with pytest.raises(KeyboardInterrupt):
+        grpo.save_checkpoint(path, policy, opt, 8, cfg)
+    monkeypatch.setattr(torch, "save", real_save)
+    fresh = fresh_pipe().vision_language_encoder
+    opt2 = torch.optim.AdamW([p for p in fresh.parameters() if p.requires_grad])
+    assert grpo.load_checkpoint(path, fresh, opt2) == 7
+    assert torch.equal(fresh.lm_head.weight, saved) and not torch.equal(saved, policy.lm_head.weight)
+
+
+def test_train_step_nonfinite(pipe):
+    """A NaN loss skips the update (counted), and the weights stay finite and unchanged."""
+    r = grpo.sample_group(pipe, "a cat", 4, 64, 64, T, seed=0)
+    policy = copy.deepcopy(pipe.vision_language_encoder)
+    before = [p.detach().clone() for p in policy.parameters()]
+    opt = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=1e-2)
+    m = grpo.train_step(policy, opt, [r], torch.tensor([[float("nan"), 1.0, -1.0, 0.0]]), None, temperature=T,
+                        clip_eps=0.2, kl_beta=0.0, micro_batch_size=2, max_grad_norm=1.0)
+    assert m["skipped"] == 1
+    assert all(torch.equal(p, q) for p, q in zip(before, policy.parameters()))
+
+
+def test_main_nan_injection(tmp_path, monkeypatch):
+    """A NaN advantage in one step is skipped with a warning and counted; training goes on, weights finite."""
+    original, calls = grpo.group_advantages, []
+
+    def poisoned(rewards, eps=1e-4):
+        calls.append(1)
+        adv = original(rewards, eps)
+        return adv * float("nan") if len(calls) == 2 else adv
+
+    monkeypatch.setattr(grpo, "group_advantages", poisoned)
+    summary = tiny_run(tmp_path, tmp_path / "nan", "--steps", "3")
+    lines = run_record(tmp_path / "nan")
+    assert [x["skipped"] for x in lines] == [0, 1, 0] and lines[-1]["skipped_total"] == 1 and summary["skipped"] == 1
+    from transformers import GlmImageForConditionalGeneration
+    final = GlmImageForConditionalGeneration.from_pretrained(tmp_path / "nan" / "final")
+    assert all(torch.isfinite(p).all() for p in final.parameters())
+
+
+def test_main_zero_spread_group(tmp_path, monkeypatch):
+    """A group whose rewards are all equal gets zero advantages, is counted, and never produces NaN."""
+    monkeypatch.setitem(grpo.REWARDS, "ssim", lambda images, target: torch.zeros(images.shape[0]))
+    tiny_run(tmp_path, tmp_path / "flat", "--steps", "2")
+    lines = run_record(tmp_path / "flat")
+    assert [x["zero_std_groups"] for x in lines] == [1, 1] and all(math.isfinite(x["loss"]) for x in lines)
+    assert all(x["loss"] == 0 for x in lines)
+
+
+def test_target_resized_with_notice(tmp_path, capsys):
+    """A target of another size is resized with a one-line notice, never a crash."""
+    prompts = write_example(tmp_path, ["a | t.png"], size=40)
+    grpo.main(["--model", "tiny", "--prompts", str(prompts), "--out", str(tmp_path / "o"), "--steps", "1"])
+    assert "resized to 64x64" in capsys.readouterr().err
+
+
+# ---- LoRA and gradient checkpointing (the scale path) --------------------------------------------
+
+def lora_policy(pipe, rank=4, seed=0):
+    policy = grpo.apply_lora(pipe.vision_language_encoder, rank)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():  # LoRA starts as a no-op (B = 0); give it weights so the tests can see it
+        for name, p in policy.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+    return policy
+
+
+def test_apply_lora():
+    """LoRA: only adapter weights train; sampler/trainer parity and ratio 1 at step 0; the reference with the
+    adapter off equals the base model; the adapter saves and loads back in the peft format."""
+    pipe = fresh_pipe()
+    base = copy.deepcopy(pipe.vision_language_encoder)
+    policy = lora_policy(pipe)
+    trainable = [n for n, p in policy.named_parameters() if p.requires_grad]
+    assert trainable and all("lora_" in n for n in trainable)
+    assert any("gate_up_proj" in n for n in trainable) and any("q_proj" in n for n in trainable)
+    r = grpo.sample_group(pipe, "a cat", 4, 64, 96, T, seed=0)  # samples through the injected adapters
+    lp = grpo.token_logprobs(policy, r.inputs, r.tokens, T)
+    assert (lp - r.logprobs).abs().max() <= 1e-5
+    ref = grpo.reference_model(policy, 0.04)
+    assert ref is policy  # no second copy
+    with torch.no_grad():
+        base_lp = grpo.token_logprobs(base, r.inputs, r.tokens, T)
+    assert (grpo.reference_logprobs(ref, r.inputs, r.tokens, T) - base_lp).abs().max() <= 1e-5
+    assert (base_lp - r.logprobs).abs().max() > 1e-3  # the adapter matters
+    opt = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=1e-3)
+    m = grpo.train_step(policy, opt, [r], torch.tensor([[1.0, -1.0, 0.5, -0.5]]), ref, temperature=T,
+                        clip_eps=0.2, kl_beta=0.04, micro_batch_size=2, max_grad_norm=1.0)
+    assert m["ratio_min"] == m["ratio_max"] == 1 and m["sampler_gap"] <= 1e-5 and m["kl"] > 0
+    assert all(p.grad is None for n, p in policy.named_parameters() if "lora_" not in n)
+
+
+def test_apply_lora_save_load(tmp_path):
+    """main with --lora-rank writes a peft adapter that PeftModel.from_pretrained loads onto the tiny AR."""
+    from peft import PeftModel
+    tiny_run(tmp_path, tmp_path / "lora", "--steps", "2", "--lora-rank", "4", "--lr", "0.05", "--kl-beta", "0.04")
+    assert (tmp_path / "lora" / "final" / "adapter_config.json").is_file()
+    loaded = PeftModel.from_pretrained(fresh_pipe().vision_language_encoder, tmp_path / "lora" / "final")
+    state = torch.load(tmp_path / "lora" / "checkpoint.pt", weights_only=False)["weights"]
+    for name, p in loaded.named_parameters():
+        if "lora_" in name:
+            key = name.replace(".lora_A.weight", ".lora_A.default.weight").replace(".lora_B.weight", ".lora_B.default.weight")
+            assert torch.equal(p, state[key] if key in state else state[name])
+
+
+def test_gradient_checkpointing(pipe):
+    """Gradient checkpointing gives the same gradients as without, within 1e-5 relative."""
+    r = grpo.sample_group(pipe, "a cat", 4, 64, 64, T, seed=0)
+    adv = torch.tensor([[1.0, -1.0, 0.5, -0.5]])
+    plain, _ = grads_after_step(pipe, [r], adv, 2)
+    ckpt_pipe = copy.deepcopy(pipe)
+    ckpt_pipe.vision_language_encoder.activation_checkpointing_enable(
+        activation_checkpointing_kwargs={"use_reentrant": False})
+    ckpt, _ = grads_after_step(ckpt_pipe, [r], adv, 2)
+    assert ckpt_pipe.vision_language_encoder.is_activation_checkpointing
+    norm = torch.sqrt(sum((g ** 2).sum() for g in plain.values()))
+    assert torch.sqrt(sum(((plain[k] - ckpt[k]) ** 2).sum() for k in plain)) / norm < 1e-5
