@@ -62,7 +62,8 @@ class Config:
     seed: int = dataclasses.field(default=0, metadata={"help": "seed of the AR sampling"})
     group_size: int = dataclasses.field(default=4, metadata={"help": "samples per prompt (G)"})
     prompts_per_step: int = dataclasses.field(default=1, metadata={"help": "prompts (groups) per optimizer step"})
-    micro_batch_size: int = dataclasses.field(default=4, metadata={"help": "sequences per forward/backward"})
+    micro_batch_size: int | None = dataclasses.field(
+        default=None, metadata={"help": "sequences per forward/backward (default 4 tiny, 1 real)"})
     lr: float | None = dataclasses.field(default=None, metadata={"help": "AdamW lr (default 1e-2 tiny, 1e-5 real)"})
     weight_decay: float = dataclasses.field(default=0.01, metadata={"help": "AdamW weight decay"})
     max_grad_norm: float = dataclasses.field(default=1.0, metadata={"help": "gradient-norm clip"})
@@ -83,7 +84,8 @@ class Config:
     save_every: int = dataclasses.field(default=50, metadata={"help": "save a checkpoint every N steps (0: only at the end)"})
     resume: str = dataclasses.field(default="", metadata={"help": "run directory to continue (--steps is the total)"})
     overwrite: bool = dataclasses.field(default=False, metadata={"help": "replace the run in --out"})
-    lora_rank: int = dataclasses.field(default=0, metadata={"help": "LoRA rank on the AR (0: train all AR weights)"})
+    lora_rank: int | None = dataclasses.field(
+        default=None, metadata={"help": "LoRA rank on the AR, 0: train all AR weights (default 0 tiny, 16 real)"})
     gradient_checkpointing: bool = dataclasses.field(default=False, metadata={"help": "recompute AR activations"})
     offload: bool = dataclasses.field(default=False, metadata={"help": "keep DiT, VAE, T5 on CPU except to decode"})
     device: str = dataclasses.field(default="auto", metadata={"help": "cpu | cuda | auto"})
@@ -91,8 +93,10 @@ class Config:
 
 
 MODEL_DEFAULTS = {  # filled in where the command line left a field at None
-    "tiny": dict(lr=1e-2, kl_beta=0.0, height=64, width=64, num_inference_steps=2),
-    "real": dict(lr=1e-5, kl_beta=0.04, height=1024, width=1024, num_inference_steps=50),
+    "tiny": dict(lr=1e-2, kl_beta=0.0, height=64, width=64, num_inference_steps=2, micro_batch_size=4, lora_rank=0),
+    # LoRA r=16 with micro-batches of 1 fits one 80 GB GPU (about 46 GiB estimated, see memory_plan.py)
+    "real": dict(lr=1e-5, kl_beta=0.04, height=1024, width=1024, num_inference_steps=50, micro_batch_size=1,
+                 lora_rank=16),
 }
 
 

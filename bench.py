@@ -1,0 +1,132 @@
+"""Benchmark of one GRPO step on the tiny GLM-Image: every number below is measured in one run.
+
+  python bench.py                 # CPU, tiny model, about 1-2 minutes on 2 cores
+
+Prints one markdown table:
+  - seconds per phase of one step (sample, decode, reward, old / ref / new log-probs, backward, optimizer step);
+  - one batched `generate` for the group vs G sequential calls, at G = 4 and 8 (speed-up);
+  - activation memory saved for backward vs micro-batch size (1, 2, G): bytes of the tensors autograd keeps for
+    the backward of one micro-batch (a saved-tensors hook counts them; on a GPU add torch.cuda.max_memory_allocated);
+  - full fine-tuning vs LoRA (r = 16): trainable parameters, train-step time, optimizer-state memory.
+Timings are medians of a few repeats; compare rows as ratios, these machines are noisy.
+"""
+
+import copy
+import statistics
+import time
+
+import torch
+
+import grpo
+
+G, H, W, T, PROMPT = 4, 64, 64, 0.9, "a red square on a white background"
+
+
+def timed(fn, repeats=3):
+    """Median seconds of `repeats` calls, and the last result."""
+    times, result = [], None
+    for _ in range(repeats):
+        start = time.perf_counter()
+        result = fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times), result
+
+
+def saved_activation_bytes(fn) -> int:
+    """Bytes of the distinct tensors autograd saves for backward while `fn` runs."""
+    seen = {}
+
+    def pack(t):
+        seen[(t.untyped_storage().data_ptr(), t.dtype)] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    out.backward()
+    return sum(seen.values())
+
+
+def phases(pipe, policy, rows):
+    target = grpo.load_target("examples/target_0.png", H, W)
+    ref = copy.deepcopy(policy).requires_grad_(False)
+    opt = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=1e-3)
+    t, r = timed(lambda: grpo.sample_group(pipe, PROMPT, G, H, W, T, seed=0))
+    rows.append(("phase: sample (G=4, one generate)", f"{t:.3f} s"))
+    t, images = timed(lambda: grpo.decode_images(pipe, PROMPT, r.tokens, r.large_hw, H, W, 2, seed=0))
+    rows.append(("phase: decode (DiT + VAE, whole group)", f"{t:.3f} s"))
+    t, rewards = timed(lambda: grpo.group_rewards([images], [target], {"ssim": 1.0}))
+    rows.append(("phase: reward (SSIM)", f"{t * 1e3:.2f} ms"))
+    with torch.no_grad():
+        t, _ = timed(lambda: grpo.token_logprobs(policy, r.inputs, r.tokens, T))
+    rows.append(("phase: old log-probs (no grad)", f"{t:.3f} s"))
+    t, _ = timed(lambda: grpo.reference_logprobs(ref, r.inputs, r.tokens, T))
+    rows.append(("phase: ref log-probs (no grad)", f"{t:.3f} s"))
+    adv = grpo.group_advantages(rewards)[0]
+    t_fwd, logp = timed(lambda: grpo.token_logprobs(policy, r.inputs, r.tokens, T))
+    rows.append(("phase: new log-probs (with grad)", f"{t_fwd:.3f} s"))
+
+    def backward():
+        loss, _ = grpo.grpo_loss(grpo.token_logprobs(policy, r.inputs, r.tokens, T), logp.detach(), None, adv,
+                                 0.2, 0.0)
+        loss.backward()
+
+    t, _ = timed(backward)
+    rows.append(("phase: backward (forward excluded)", f"{max(t - t_fwd, 0):.3f} s"))
+    t, _ = timed(opt.step)
+    rows.append(("phase: optimizer step (AdamW)", f"{t * 1e3:.2f} ms"))
+    return r, adv
+
+
+def batched_vs_sequential(pipe, rows):
+    for g in (4, 8):
+        t_batch, _ = timed(lambda: grpo.sample_group(pipe, PROMPT, g, H, W, T, seed=0), repeats=2)
+        t_seq, _ = timed(lambda: [grpo.sample_group(pipe, PROMPT, 1, H, W, T, seed=s) for s in range(g)], repeats=2)
+        rows.append((f"sampling G={g}: batched vs {g} sequential", f"{t_batch:.2f} s vs {t_seq:.2f} s = "
+                     f"{t_seq / t_batch:.1f}x faster"))
+
+
+def memory_vs_micro_batch(policy, r, adv, rows):
+    for mb in (1, 2, G):
+        rows_mb = slice(0, mb)
+
+        def loss():
+            lp = grpo.token_logprobs(policy, grpo.select_rows(r.inputs, rows_mb), r.tokens[rows_mb], T)
+            return grpo.grpo_loss(lp, lp.detach(), None, adv[rows_mb], 0.2, 0.0)[0]
+
+        rows.append((f"activations saved for backward, micro-batch {mb}", f"{saved_activation_bytes(loss) / 2**20:.1f} MiB"))
+        policy.zero_grad(set_to_none=True)
+
+
+def full_vs_lora(rows):
+    for rank in (0, 16):
+        pipe = grpo.load_glm_image("tiny")
+        policy = grpo.apply_lora(pipe.vision_language_encoder, rank) if rank else pipe.vision_language_encoder
+        params = [p for p in policy.parameters() if p.requires_grad]
+        opt = torch.optim.AdamW(params, lr=1e-3)
+        r = grpo.sample_group(pipe, PROMPT, G, H, W, T, seed=0)
+        adv = torch.tensor([[1.0, -1.0, 0.5, -0.5]])
+        t, _ = timed(lambda: grpo.train_step(policy, opt, [r], adv, None, temperature=T, clip_eps=0.2, kl_beta=0.0,
+                                             micro_batch_size=G, max_grad_norm=1.0))
+        state_bytes = sum(v.numel() * v.element_size() for s in opt.state.values() for v in s.values()
+                          if torch.is_tensor(v))
+        name = f"LoRA r={rank}" if rank else "full fine-tuning"
+        rows.append((f"{name}: trainable params / train step / AdamW state",
+                     f"{sum(p.numel() for p in params):,} / {t:.3f} s / {state_bytes / 2**10:.0f} KiB"))
+
+
+def main():
+    torch.manual_seed(0)
+    rows = [("machine", f"{torch.get_num_threads()} CPU threads, torch {torch.__version__}, tiny model, {H}x{W}")]
+    pipe = grpo.load_glm_image("tiny")
+    policy = pipe.vision_language_encoder
+    r, adv = phases(pipe, policy, rows)
+    batched_vs_sequential(pipe, rows)
+    memory_vs_micro_batch(policy, r, adv, rows)
+    full_vs_lora(rows)
+    print("| measurement | value |\n|---|---|")
+    for name, value in rows:
+        print(f"| {name} | {value} |")
+
+
+if __name__ == "__main__":
+    main()
