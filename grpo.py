@@ -27,7 +27,7 @@ Where this departs from the paper:
 
 Commands:
   pip install -r requirements.txt
-  python grpo.py --prompts prompts.txt --model tiny     # tiny GLM-Image built in code, 2 CPU cores, ~2 min
+  python grpo.py --prompts prompts.txt --model tiny     # tiny GLM-Image built in code, 2 CPU cores, ~1-2 min
   python grpo.py --prompts prompts.txt                  # the real zai-org/GLM-Image (GPU, bf16)
   python -m pytest -q test_grpo.py                      # tests, CPU, a few minutes
 """
