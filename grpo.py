@@ -38,7 +38,6 @@ import copy
 import dataclasses
 import json
 import math
-import os
 import shutil
 import sys
 import time
@@ -48,48 +47,52 @@ from typing import NamedTuple
 import numpy as np
 import torch
 import torch.nn.functional as F
-from PIL import Image, ImageDraw
+from PIL import Image
+
+from run_io import image_grid, load_checkpoint, save_checkpoint, save_pretrained_atomic  # what a run writes
+from tiny_model import tiny_glm_image  # a tiny GLM-Image built in code (offline demo, tests, notebook)
 
 
 # ---- 1. Config ----------------------------------------------------------------------------------
 
+def arg(default, help: str):
+    """A config field whose one-line doc becomes its --help."""
+    return dataclasses.field(default=default, metadata={"help": help})
+
+
 @dataclasses.dataclass
 class Config:
-    prompts: str = dataclasses.field(default="prompts.txt", metadata={"help": "file of 'prompt | target.png' lines"})
-    model: str = dataclasses.field(default="zai-org/GLM-Image", metadata={"help": "hub id, local path, or 'tiny'"})
-    out: str = dataclasses.field(default="runs/grpo", metadata={"help": "output directory"})
-    steps: int = dataclasses.field(default=100, metadata={"help": "optimizer steps"})
-    seed: int = dataclasses.field(default=0, metadata={"help": "seed of the AR sampling"})
-    group_size: int = dataclasses.field(default=4, metadata={"help": "samples per prompt (G)"})
-    prompts_per_step: int = dataclasses.field(default=1, metadata={"help": "prompts (groups) per optimizer step"})
-    micro_batch_size: int | None = dataclasses.field(
-        default=None, metadata={"help": "sequences per forward/backward (default 4 tiny, 1 real)"})
-    lr: float | None = dataclasses.field(default=None, metadata={"help": "AdamW lr (default 1e-2 tiny, 1e-5 real)"})
-    weight_decay: float = dataclasses.field(default=0.01, metadata={"help": "AdamW weight decay"})
-    max_grad_norm: float = dataclasses.field(default=1.0, metadata={"help": "gradient-norm clip"})
-    clip_eps: float = dataclasses.field(default=0.2, metadata={"help": "PPO clip range eps"})
-    kl_beta: float | None = dataclasses.field(
-        default=None, metadata={"help": "weight of the k3 KL to the reference (default 0 tiny, 0.04 real)"})
-    mu: int = dataclasses.field(default=1, metadata={"help": "policy updates per batch of rollouts"})
-    temperature: float = dataclasses.field(default=0.9, metadata={"help": "sampling temperature (GLM-Image: 0.9)"})
-    height: int | None = dataclasses.field(default=None, metadata={"help": "image height (default 64 tiny, 1024 real)"})
-    width: int | None = dataclasses.field(default=None, metadata={"help": "image width (default 64 tiny, 1024 real)"})
-    num_inference_steps: int | None = dataclasses.field(
-        default=None, metadata={"help": "DiT denoising steps (default 2 tiny, 50 real)"})
-    guidance_scale: float = dataclasses.field(default=1.5, metadata={"help": "DiT classifier-free guidance"})
-    decode_seed: int = dataclasses.field(default=0, metadata={"help": "seed of the DiT latent noise (fixed per run)"})
-    reward: str = dataclasses.field(default="ssim=1,mse=0", metadata={"help": "reward weights, e.g. ssim=1,mse=0.5"})
-    train_tokens: str = dataclasses.field(default="large", metadata={"help": "tokens in the loss: large | all"})
-    image_every: int = dataclasses.field(default=10, metadata={"help": "save an image grid every N steps (0: never)"})
-    save_every: int = dataclasses.field(default=50, metadata={"help": "save a checkpoint every N steps (0: only at the end)"})
-    resume: str = dataclasses.field(default="", metadata={"help": "run directory to continue (--steps is the total)"})
-    overwrite: bool = dataclasses.field(default=False, metadata={"help": "replace the run in --out"})
-    lora_rank: int | None = dataclasses.field(
-        default=None, metadata={"help": "LoRA rank on the AR, 0: train all AR weights (default 0 tiny, 16 real)"})
-    gradient_checkpointing: bool = dataclasses.field(default=False, metadata={"help": "recompute AR activations"})
-    offload: bool = dataclasses.field(default=False, metadata={"help": "keep DiT, VAE, T5 on CPU except to decode"})
-    device: str = dataclasses.field(default="auto", metadata={"help": "cpu | cuda | auto"})
-    dtype: str = dataclasses.field(default="auto", metadata={"help": "float32 | bfloat16 | auto"})
+    prompts: str = arg("prompts.txt", "file of 'prompt | target.png' lines")
+    model: str = arg("zai-org/GLM-Image", "hub id, local path, or 'tiny'")
+    out: str = arg("runs/grpo", "output directory")
+    steps: int = arg(100, "optimizer steps")
+    seed: int = arg(0, "seed of the AR sampling")
+    group_size: int = arg(4, "samples per prompt (G)")
+    prompts_per_step: int = arg(1, "prompts (groups) per optimizer step")
+    micro_batch_size: int | None = arg(None, "sequences per forward/backward (default 4 tiny, 1 real)")
+    lr: float | None = arg(None, "AdamW lr (default 1e-2 tiny, 1e-5 real)")
+    weight_decay: float = arg(0.01, "AdamW weight decay")
+    max_grad_norm: float = arg(1.0, "gradient-norm clip")
+    clip_eps: float = arg(0.2, "PPO clip range eps")
+    kl_beta: float | None = arg(None, "weight of the k3 KL to the reference (default 0 tiny, 0.04 real)")
+    mu: int = arg(1, "policy updates per batch of rollouts")
+    temperature: float = arg(0.9, "sampling temperature (GLM-Image: 0.9)")
+    height: int | None = arg(None, "image height (default 64 tiny, 1024 real)")
+    width: int | None = arg(None, "image width (default 64 tiny, 1024 real)")
+    num_inference_steps: int | None = arg(None, "DiT denoising steps (default 2 tiny, 50 real)")
+    guidance_scale: float = arg(1.5, "DiT classifier-free guidance")
+    decode_seed: int = arg(0, "seed of the DiT latent noise (fixed per run)")
+    reward: str = arg("ssim=1,mse=0", "reward weights, e.g. ssim=1,mse=0.5")
+    train_tokens: str = arg("large", "tokens in the loss: large | all")
+    image_every: int = arg(10, "save an image grid every N steps (0: never)")
+    save_every: int = arg(50, "save a checkpoint every N steps (0: only at the end)")
+    resume: str = arg("", "run directory to continue (--steps is the total)")
+    overwrite: bool = arg(False, "replace the run in --out")
+    lora_rank: int | None = arg(None, "LoRA rank on the AR, 0: train all AR weights (default 0 tiny, 16 real)")
+    gradient_checkpointing: bool = arg(False, "recompute AR activations")
+    offload: bool = arg(False, "keep DiT, VAE, T5 on CPU except to decode")
+    device: str = arg("auto", "cpu | cuda | auto")
+    dtype: str = arg("auto", "float32 | bfloat16 | auto")
 
 
 MODEL_DEFAULTS = {  # filled in where the command line left a field at None
@@ -105,7 +108,7 @@ def parse_config(argv: list[str] | None = None) -> Config:
     parser = argparse.ArgumentParser(description="GRPO on GLM-Image", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     for f in dataclasses.fields(Config):
         flag, kind = "--" + f.name.replace("_", "-"), {"int | None": int, "float | None": float}.get(str(f.type), f.type)
-        if kind in (bool, "bool"):
+        if kind is bool:
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=f.metadata["help"])
         else:
             parser.add_argument(flag, type=kind, default=f.default, help=f.metadata["help"])
@@ -135,59 +138,6 @@ def parse_reward_weights(spec: str) -> dict[str, float]:
 
 # ---- 2. Loading GLM-Image -----------------------------------------------------------------------
 
-def tiny_glm_image(seed: int = 0, codebook_size: int = 128):
-    """A randomly initialised GLM-Image built offline from the real classes, ~0.3M parameters.
-
-    Same token layout as the real model: ids 0..K-1 are VQ codes, K is image start (= bos), K+1 is
-    image end (= eos = pad), then spare visual ids, the GLM special tokens and 256 byte pieces.
-    Deterministic for a seed.
-    """
-    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, GlmImagePipeline, GlmImageTransformer2DModel
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import (ByT5Tokenizer, GlmImageConfig, GlmImageForConditionalGeneration, GlmImageImageProcessorPil,
-                              GlmImageProcessor, PreTrainedTokenizerFast, T5Config, T5EncoderModel)
-
-    K = codebook_size
-    visual = [f"<|dit_token_{i}|>" for i in range(K + 16)]  # codes, image start, image end, 14 spare
-    specials = ["<|endoftext|>", "[MASK]", "[gMASK]", "[sMASK]", "<|system|>", "<|user|>", "<|assistant|>",
-                "<|observation|>", "<|begin_of_image|>", "<|end_of_image|>", "<|image|>", "<sop>", "<eop>"]
-    vocab = {t: i for i, t in enumerate(visual + specials + sorted(pre_tokenizers.ByteLevel.alphabet()))}
-    bpe = Tokenizer(models.BPE(vocab=vocab, merges=[]))  # no merges: every string encodes byte by byte
-    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    bpe.decoder = decoders.ByteLevel()
-    bpe.add_special_tokens(visual + specials)
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=bpe, bos_token=visual[K], eos_token=visual[K + 1], pad_token=visual[K + 1], padding_side="left",
-        extra_special_tokens={"image_token": "<|image|>", "grid_bos_token": "<sop>", "grid_eos_token": "<eop>"})
-    template = ("[gMASK]<sop>{% for m in messages %}<|{{ m['role'] }}|>\n{% for c in m['content'] %}"
-                "{% if c['type'] == 'text' %}{{ c['text'] }}{% endif %}{% endfor %}{% endfor %}<|assistant|>\n")
-    processor = GlmImageProcessor(image_processor=GlmImageImageProcessorPil(), tokenizer=tokenizer, chat_template=template)
-
-    torch.manual_seed(seed)
-    ar_config = GlmImageConfig(
-        text_config=dict(vocab_size=len(vocab), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=1024,
-                         vision_vocab_size=K + 16, pad_token_id=K + 1, eos_token_id=K + 1,
-                         # mrope_section must sum to head_dim * partial_rotary_factor / 2 = 32 * 0.5 / 2
-                         rope_parameters=dict(rope_type="default", rope_theta=10000.0, mrope_section=[2, 3, 3],
-                                              partial_rotary_factor=0.5)),
-        vision_config=dict(depth=1, hidden_size=32, num_heads=2, image_size=32, patch_size=8, intermediate_size=32),
-        vq_config=dict(embed_dim=32, num_embeddings=K, latent_channels=32),
-        image_token_id=vocab["<|image|>"], image_start_token_id=K, image_end_token_id=K + 1)
-    ar = GlmImageForConditionalGeneration(ar_config)
-    text_encoder = T5EncoderModel(T5Config(vocab_size=384, d_model=32, d_kv=8, d_ff=64, num_layers=1, num_heads=4))
-    # patch_size 2 x VAE scale factor 8 = 16: the DiT sees the AR grid upsampled 2x (H/16 x W/16)
-    dit = GlmImageTransformer2DModel(patch_size=2, in_channels=4, out_channels=4, num_layers=2, attention_head_dim=8,
-                                     num_attention_heads=4, text_embed_dim=32, time_embed_dim=32, condition_dim=16,
-                                     prior_vq_quantizer_codebook_size=K)
-    vae = AutoencoderKL(block_out_channels=(8, 8, 16, 16), in_channels=3, out_channels=3, latent_channels=4,
-                        down_block_types=["DownEncoderBlock2D"] * 4, up_block_types=["UpDecoderBlock2D"] * 4,
-                        norm_num_groups=4, sample_size=64, latents_mean=[0.0] * 4, latents_std=[1.0] * 4)
-    return GlmImagePipeline(tokenizer=ByT5Tokenizer(), processor=processor, text_encoder=text_encoder,
-                            vision_language_encoder=ar, vae=vae, transformer=dit,
-                            scheduler=FlowMatchEulerDiscreteScheduler())
-
-
 def load_glm_image(name: str, device: str = "cpu", dtype: torch.dtype = torch.float32):
     """'tiny' -> tiny_glm_image(0); otherwise GlmImagePipeline.from_pretrained(name). Everything but the AR frozen."""
     if name == "tiny":
@@ -206,6 +156,12 @@ def load_glm_image(name: str, device: str = "cpu", dtype: torch.dtype = torch.fl
     ar.model.vqmodel.requires_grad_(False)
     disable_dropout(ar)
     return pipe
+
+
+def move_decoder(pipe, device) -> None:
+    """The frozen T5, DiT and VAE to `device`: with --offload they sit on the CPU except while decoding."""
+    for module in (pipe.text_encoder, pipe.transformer, pipe.vae):
+        module.to(device)
 
 
 def disable_dropout(model) -> None:
@@ -245,10 +201,15 @@ def reference_model(policy, kl_beta: float):
 
 def read_prompts(path: str) -> list[tuple[str, Path]]:
     """'prompt | target.png' per line -> [(prompt, target_path)]; split at the last '|', paths relative
-    to the prompts file; blank lines and '#' comments skipped. Raises ValueError naming a bad line."""
+    to the prompts file; blank lines and '#' comments skipped. Raises ValueError naming the problem."""
     path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as error:
+        reason = "not UTF-8 text" if isinstance(error, UnicodeDecodeError) else error.strerror or str(error)
+        raise ValueError(f"cannot read --prompts {path} ({reason}); give a text file of 'prompt | target.png' lines")
     examples = []
-    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+    for number, line in enumerate(text.splitlines(), start=1):
         line = line.strip()
         if not line or line.startswith("#"):
             continue
@@ -262,12 +223,18 @@ def read_prompts(path: str) -> list[tuple[str, Path]]:
 
 
 def load_target(path: str | Path, height: int, width: int) -> torch.Tensor:
-    """PNG/JPEG -> (3, H, W) float32 in [0, 1], resized (bicubic) if its size differs."""
-    with Image.open(path) as image:
-        image = image.convert("RGB")
-        if image.size != (width, height):
-            image = image.resize((width, height), Image.BICUBIC)
-        pixels = np.asarray(image, dtype=np.float32) / 255.0  # (H, W, 3)
+    """PNG/JPEG -> (3, H, W) float32 in [0, 1], resized (bicubic) if its size differs.
+    Raises ValueError for a missing or unreadable image."""
+    if not Path(path).is_file():
+        raise ValueError(f"target {path} does not exist; fix its path in the prompts file")
+    try:
+        with Image.open(path) as image:
+            image = image.convert("RGB")
+            if image.size != (width, height):
+                image = image.resize((width, height), Image.BICUBIC)
+            pixels = np.asarray(image, dtype=np.float32) / 255.0  # (H, W, 3)
+    except OSError as error:
+        raise ValueError(f"target {path} is not a readable image ({error}); replace it or fix the prompts file")
     return torch.from_numpy(pixels).permute(2, 0, 1).contiguous()  # (3, H, W)
 
 
@@ -514,42 +481,40 @@ def train_step(policy, optimizer, rollouts: list[Rollout], advantages: torch.Ten
     """
     # transformers only checkpoints in train mode; disable_dropout makes train and eval mode the same distribution
     policy.train(policy.is_activation_checkpointing)
-    batches = [(r, adv, slice(i, i + micro_batch_size))
-               for r, adv in zip(rollouts, advantages) for i in range(0, len(adv), micro_batch_size)]
-    n_seqs = sum(len(adv) for adv in advantages)
-
-    def logprobs_of(model, r, rows):
-        return token_logprobs(model, select_rows(r.inputs, rows), r.tokens[rows], temperature)
-
+    # micro-batches: (AR inputs, tokens, sampler log-probs, advantages, number of preview tokens)
+    batches = [(select_rows(r.inputs, rows), r.tokens[rows], r.logprobs[rows], adv[rows],
+                r.preview_hw[0] * r.preview_hw[1])
+               for r, adv in zip(rollouts, advantages)
+               for rows in (slice(i, i + micro_batch_size) for i in range(0, len(adv), micro_batch_size))]
+    n_seqs = advantages.numel()
     with torch.no_grad():
         # with mu = 1 the old policy IS the current one, so old = logp.detach() below (ratio exactly 1, the clip
         # idles); with mu > 1 the old log-probs are frozen before the first update and the clip starts to act
-        olds = [logprobs_of(policy, r, rows) for r, _, rows in batches] if mu > 1 else None
-        refs = [reference_logprobs(ref_model, select_rows(r.inputs, rows), r.tokens[rows], temperature)
-                for r, _, rows in batches] if kl_beta > 0 else None
+        olds = [token_logprobs(policy, inp, tok, temperature) for inp, tok, *_ in batches] if mu > 1 else None
+        refs = ([reference_logprobs(ref_model, inp, tok, temperature) for inp, tok, *_ in batches]
+                if kl_beta > 0 else None)
     ratio_min, ratio_max, gap, skipped = math.inf, -math.inf, 0.0, 0
     for _ in range(mu):
         optimizer.zero_grad(set_to_none=True)
         totals: dict[str, float] = {}
         finite = True
-        for k, (r, adv, rows) in enumerate(batches):
-            logp = logprobs_of(policy, r, rows)  # (mb, N), with grad
+        for k, (inputs, tokens, sampled, adv, n_preview) in enumerate(batches):
+            logp = token_logprobs(policy, inputs, tokens, temperature)  # (mb, N), with grad
             old = logp.detach() if olds is None else olds[k]
-            gap = max(gap, (logp.detach() - r.logprobs[rows]).abs().max().item())  # sampler vs trainer drift
+            gap = max(gap, (logp.detach() - sampled).abs().max().item())  # sampler vs trainer drift
             ref = None if refs is None else refs[k]
-            n_preview = r.preview_hw[0] * r.preview_hw[1]
             regions = {"preview": slice(0, n_preview), "large": slice(n_preview, None)}
             cols = regions["large"] if train_tokens == "large" else slice(None)
-            loss, m = grpo_loss(logp[:, cols], old[:, cols], None if ref is None else ref[:, cols], adv[rows],
-                                clip_eps, kl_beta)
+            loss, m = grpo_loss(logp[:, cols], old[:, cols], None if ref is None else ref[:, cols], adv, clip_eps,
+                                kl_beta)
             share = logp.shape[0] / n_seqs  # micro-batch losses are means; weight them to a full-batch mean
             finite = finite and bool(torch.isfinite(loss))
             if finite:
                 (loss * share).backward()
             m["loss"] = loss.item()
             for name, cut in regions.items():  # diagnostics per region, whichever tokens the loss covers
-                _, mr = grpo_loss(logp[:, cut].detach(), old[:, cut], None if ref is None else ref[:, cut],
-                                  adv[rows], clip_eps, kl_beta)
+                _, mr = grpo_loss(logp[:, cut].detach(), old[:, cut], None if ref is None else ref[:, cut], adv,
+                                  clip_eps, kl_beta)
                 m.update({f"{name}/logprob": logp[:, cut].mean().item(), f"{name}/kl": mr["kl"],
                           f"{name}/clip_frac": mr["clip_frac"]})
             ratio_min, ratio_max = min(ratio_min, m.pop("ratio_min")), max(ratio_max, m.pop("ratio_max"))
@@ -568,22 +533,6 @@ def train_step(policy, optimizer, rollouts: list[Rollout], advantages: torch.Ten
 
 
 # ---- 11. Main -----------------------------------------------------------------------------------
-
-def image_grid(targets: list[torch.Tensor], images: list[torch.Tensor], rewards: torch.Tensor) -> Image.Image:
-    """One row per prompt: the target, then the G samples with their rewards written underneath."""
-    _, H, W = targets[0].shape
-    G, label = images[0].shape[0], 14
-    grid = Image.new("RGB", ((G + 1) * W, len(targets) * (H + label)), "white")
-    draw = ImageDraw.Draw(grid)
-    for row, (target, group) in enumerate(zip(targets, images)):
-        y = row * (H + label)
-        for col, picture in enumerate([target, *group]):
-            pixels = (picture.permute(1, 2, 0).cpu().numpy() * 255).round().astype(np.uint8)
-            grid.paste(Image.fromarray(pixels), (col * W, y))
-            text = "target" if col == 0 else f"{rewards[row, col - 1].item():.3f}"
-            draw.text((col * W + 2, y + H + 1), text, fill="black")
-    return grid
-
 
 def validate(cfg: Config) -> None:
     """Raise ValueError with a one-line fix for a configuration that cannot run."""
@@ -605,37 +554,9 @@ def validate(cfg: Config) -> None:
     for name in ("steps", "mu", "prompts_per_step", "num_inference_steps"):
         if getattr(cfg, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
+    if cfg.dtype not in ("auto", "float32", "bfloat16") or cfg.device not in ("auto", "cpu", "cuda"):
+        raise ValueError(f"--dtype {cfg.dtype} / --device {cfg.device}: use auto|float32|bfloat16 / auto|cpu|cuda")
     parse_reward_weights(cfg.reward)
-
-
-def save_checkpoint(path: Path, policy, optimizer, step: int, cfg: Config) -> None:
-    """Trainable weights, optimizer state, RNG states, the next step and the config, in one file written
-    atomically: to a temporary name, flushed to disk, then renamed, so a kill leaves the last good one."""
-    state = {"weights": {n: p.detach().cpu() for n, p in policy.named_parameters() if p.requires_grad},
-             "optimizer": optimizer.state_dict(), "step": step, "config": dataclasses.asdict(cfg),
-             "rng": {"torch": torch.random.get_rng_state(),
-                     "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}}
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        torch.save(state, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def load_checkpoint(path: Path, policy, optimizer) -> int:
-    """Restore what save_checkpoint wrote into a freshly built policy/optimizer; returns the next step."""
-    state = torch.load(path, map_location="cpu", weights_only=False)
-    trainable = {n for n, p in policy.named_parameters() if p.requires_grad}
-    if set(state["weights"]) != trainable:
-        raise ValueError(f"{path} holds other trainable weights than this run (different --lora-rank or model?)")
-    missing, unexpected = policy.load_state_dict(state["weights"], strict=False)
-    assert not unexpected and not (trainable & set(missing))
-    optimizer.load_state_dict(state["optimizer"])
-    torch.random.set_rng_state(state["rng"]["torch"])
-    if state["rng"]["cuda"]:
-        torch.cuda.set_rng_state_all(state["rng"]["cuda"])
-    return state["step"]
 
 
 RUN_FILES = ("config.json", "metrics.jsonl", "checkpoint.pt", "images", "final")  # what a run writes in --out
@@ -658,27 +579,17 @@ def prepare(argv: list[str] | None) -> tuple[Config, list, list, Path]:
             cfg = dataclasses.replace(saved, steps=cfg.steps, resume=cfg.resume, out=str(out))  # --steps is the total
         validate(cfg)
         examples = read_prompts(cfg.prompts)
-        targets = []
-        for prompt, path in examples:
-            if not path.is_file():
-                raise ValueError(f"target {path} of '{prompt}' does not exist; fix the path in {cfg.prompts}")
-            try:
-                with Image.open(path) as image:
-                    size = image.size
-                targets.append(load_target(path, cfg.height, cfg.width))
-            except OSError as error:
-                raise ValueError(f"target {path} is not a readable image ({error}); replace it or fix {cfg.prompts}")
-            if size != (cfg.width, cfg.height):
-                print(f"note: target {path} is {size[0]}x{size[1]}, resized to {cfg.width}x{cfg.height}", file=sys.stderr)
+        targets = [load_target(path, cfg.height, cfg.width) for _, path in examples]
+        for _, path in examples:
+            with Image.open(path) as image:  # reads the header only
+                if image.size != (cfg.width, cfg.height):
+                    print(f"note: target {path} is {image.size[0]}x{image.size[1]}, resized to {cfg.width}x"
+                          f"{cfg.height}", file=sys.stderr)
         if not cfg.resume and not cfg.overwrite and any((out / name).exists() for name in RUN_FILES):
             raise ValueError(f"--out {out} holds another run; pass --resume {out} to continue it, --overwrite to "
                              "replace it, or another --out")
-    except UnicodeDecodeError:
-        fail(f"{cfg.prompts} is not a UTF-8 text file; give --prompts a file of 'prompt | target.png' lines")
     except ValueError as error:
         fail(str(error))
-    except OSError as error:
-        fail(f"cannot read {error.filename or cfg.prompts} ({error.strerror or error}); check --prompts")
     return cfg, examples, targets, out
 
 
@@ -691,9 +602,7 @@ def main(argv: list[str] | None = None) -> dict:
     cfg, examples, targets, out = prepare(argv)
     device = ("cuda" if torch.cuda.is_available() else "cpu") if cfg.device == "auto" else cfg.device
     dtype = {"auto": torch.bfloat16 if device == "cuda" else torch.float32,
-             "float32": torch.float32, "bfloat16": torch.bfloat16}.get(cfg.dtype)
-    if dtype is None:
-        fail(f"--dtype {cfg.dtype}: use float32, bfloat16 or auto")
+             "float32": torch.float32, "bfloat16": torch.bfloat16}[cfg.dtype]
     try:
         pipe = load_glm_image(cfg.model, device, dtype)
     except Exception as error:  # offline hub, wrong path, ...: one line, no traceback
@@ -706,8 +615,7 @@ def main(argv: list[str] | None = None) -> dict:
     if cfg.gradient_checkpointing:
         policy.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     if cfg.offload:
-        for module in (pipe.text_encoder, pipe.transformer, pipe.vae):
-            module.to("cpu")
+        move_decoder(pipe, "cpu")
     ref_model = reference_model(policy, cfg.kl_beta)  # taken before a checkpoint is loaded: the initial weights
     optimizer = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=cfg.lr,
                                   weight_decay=cfg.weight_decay)
@@ -738,14 +646,12 @@ def main(argv: list[str] | None = None) -> dict:
                             for j, i in enumerate(picks)]
             t1 = time.perf_counter()
             if cfg.offload:
-                for module in (pipe.text_encoder, pipe.transformer, pipe.vae):
-                    module.to(device)
+                move_decoder(pipe, device)
             images = [decode_images(pipe, examples[i][0], r.tokens, r.large_hw, cfg.height, cfg.width,
                                     cfg.num_inference_steps, cfg.decode_seed, cfg.guidance_scale)
                       for i, r in zip(picks, rollouts)]
             if cfg.offload:
-                for module in (pipe.text_encoder, pipe.transformer, pipe.vae):
-                    module.to("cpu")
+                move_decoder(pipe, "cpu")
             t2 = time.perf_counter()
             rewards = group_rewards(images, [targets[i] for i in picks], reward_weights)  # (P, G)
             advantages = group_advantages(rewards)
@@ -778,11 +684,7 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"interrupted: checkpoint at step {step} in {out}; continue with --resume {out}", file=sys.stderr)
         raise SystemExit(130)
     save_checkpoint(out / "checkpoint.pt", policy, optimizer, cfg.steps, cfg)
-    final, tmp = out / "final", out / "final.tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    policy.save_pretrained(tmp)  # the full AR, or with --lora-rank only the adapter (peft format)
-    shutil.rmtree(final, ignore_errors=True)
-    os.replace(tmp, final)
+    save_pretrained_atomic(policy, out / "final")  # the full AR, or with --lora-rank only the adapter (peft format)
     window = min(len(history), len(examples) * math.ceil(5 / len(examples)))  # whole cycles over the prompts
     first, last = history[:window], history[-window:]
     summary = {"reward_first": float(np.mean([h["reward_mean"] for h in first])),
