@@ -38,7 +38,6 @@ import copy
 import dataclasses
 import json
 import math
-import shutil
 import sys
 import time
 from pathlib import Path
@@ -49,7 +48,8 @@ import torch
 import torch.nn.functional as F
 from PIL import Image
 
-from run_io import image_grid, load_checkpoint, save_checkpoint, save_pretrained_atomic  # what a run writes
+from run_io import (RUN_FILES, append_metrics, image_grid, load_checkpoint, open_run_dir,  # what a run writes
+                    save_checkpoint, save_pretrained_atomic)
 from tiny_model import tiny_glm_image  # a tiny GLM-Image built in code (offline demo, tests, notebook)
 
 
@@ -559,9 +559,6 @@ def validate(cfg: Config) -> None:
     parse_reward_weights(cfg.reward)
 
 
-RUN_FILES = ("config.json", "metrics.jsonl", "checkpoint.pt", "images", "final")  # what a run writes in --out
-
-
 def fail(message: str) -> None:
     print(f"grpo.py: error: {message}", file=sys.stderr)
     raise SystemExit(2)
@@ -573,9 +570,9 @@ def prepare(argv: list[str] | None) -> tuple[Config, list, list, Path]:
     out = Path(cfg.resume or cfg.out)
     try:
         if cfg.resume:
-            if not (out / "checkpoint.pt").is_file():
+            if not (out / "checkpoint.pt").is_file() or not (out / "config.json").is_file():
                 raise ValueError(f"--resume {out}: no checkpoint.pt there; resume a directory a run saved into")
-            saved = Config(**torch.load(out / "checkpoint.pt", map_location="cpu", weights_only=False)["config"])
+            saved = Config(**json.loads((out / "config.json").read_text()))  # not the (large) checkpoint itself
             cfg = dataclasses.replace(saved, steps=cfg.steps, resume=cfg.resume, out=str(out))  # --steps is the total
         validate(cfg)
         examples = read_prompts(cfg.prompts)
@@ -625,14 +622,7 @@ def main(argv: list[str] | None = None) -> dict:
     def precision():  # bf16 compute with float32 trainable weights, the same for sampling and training
         return torch.autocast(device, dtype=torch.bfloat16) if dtype == torch.bfloat16 else contextlib.nullcontext()
 
-    if not cfg.resume:
-        for name in RUN_FILES:  # only with --overwrite can anything be here (prepare checked)
-            shutil.rmtree(out / name) if (out / name).is_dir() else (out / name).unlink(missing_ok=True)
-    (out / "images").mkdir(parents=True, exist_ok=True)
-    (out / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2))
-    history = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()] if cfg.resume else []
-    history = [h for h in history if h["step"] < start]  # steps after the checkpoint are redone
-    (out / "metrics.jsonl").write_text("".join(json.dumps(h) + "\n" for h in history))
+    history = open_run_dir(out, cfg, start)  # the metrics of the steps before `start` (resume), else []
     reward_weights, skipped = parse_reward_weights(cfg.reward), sum(h["skipped"] for h in history)
     step = start
     progress = tqdm(range(start, cfg.steps), desc="grpo", initial=start, total=cfg.steps)
@@ -670,8 +660,7 @@ def main(argv: list[str] | None = None) -> dict:
                       "distinct_samples": float(np.mean([len({tuple(t) for t in r.tokens.tolist()}) for r in rollouts])),
                       **metrics, "skipped_total": skipped,
                       "sec_sample": t1 - t0, "sec_decode": t2 - t1, "sec_reward": t3 - t2, "sec_train": t4 - t3}
-            with open(out / "metrics.jsonl", "a") as f:  # appended and flushed per step: a killed run keeps them
-                f.write(json.dumps(record) + "\n")
+            append_metrics(out, record)
             history.append(record)
             progress.set_postfix(reward=f"{record['reward_mean']:.3f}", kl=f"{record['kl']:.3f}")
             if cfg.image_every and (step % cfg.image_every == 0 or step == cfg.steps - 1):

@@ -4,6 +4,7 @@ Helpers of `grpo.py`'s main loop, kept out of the tutorial file; `grpo.py` re-ex
 """
 
 import dataclasses
+import json
 import os
 import shutil
 from pathlib import Path
@@ -11,6 +12,32 @@ from pathlib import Path
 import numpy as np
 import torch
 from PIL import Image, ImageDraw
+
+
+RUN_FILES = ("config.json", "metrics.jsonl", "checkpoint.pt", "images", "final")  # what a run writes in --out
+
+
+def open_run_dir(out: Path, cfg, start: int) -> list[dict]:
+    """Make `out` ready for a run starting at step `start`; returns the metrics of the steps before it.
+
+    A new run first clears what an earlier run left (the caller allows that only with --overwrite);
+    a resumed run keeps its metrics up to the checkpoint and drops later lines, as those steps are redone.
+    """
+    if not cfg.resume:
+        for name in RUN_FILES:
+            shutil.rmtree(out / name) if (out / name).is_dir() else (out / name).unlink(missing_ok=True)
+    (out / "images").mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2))
+    history = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()] if cfg.resume else []
+    history = [h for h in history if h["step"] < start]
+    (out / "metrics.jsonl").write_text("".join(json.dumps(h) + "\n" for h in history))
+    return history
+
+
+def append_metrics(out: Path, record: dict) -> None:
+    """One JSON line per step, appended and closed (flushed) at once: a killed run keeps every finished step."""
+    with open(out / "metrics.jsonl", "a") as f:
+        f.write(json.dumps(record) + "\n")
 
 
 def image_grid(targets: list[torch.Tensor], images: list[torch.Tensor], rewards: torch.Tensor) -> Image.Image:
