@@ -553,20 +553,12 @@ puts every image token on the 1D text ramp (section 2), not at the 3D positions 
 
 On the random tiny model the error is small, because its output is almost uniform. To see it clearly
 we use a **sharpened copy**: every 2D weight of the language model except the embeddings times 4, and
-`lm_head` times 16 (the final RMSNorm would cancel the first scale alone); the same `sharpen` as in
-`test_grpo.py`.
+`lm_head` times 16 (the final RMSNorm would cancel the first scale alone); `tiny_model.sharpen`, the
+same one the tests use.
 """)
 
 code("""
-def sharpen(pipe):
-    \"\"\"Peaked tiny model (entropy ~2.6 instead of ~4.8 nats), as in test_grpo.py.\"\"\"
-    model = pipe.vision_language_encoder
-    with torch.no_grad():
-        for name, p in model.model.language_model.named_parameters():
-            if p.ndim == 2 and "embed" not in name:
-                p.mul_(4.0)
-        model.lm_head.weight.mul_(16.0)
-    return pipe
+from tiny_model import sharpen  # the same sharpening the tests use
 
 
 def naive_logprobs(model, inputs, tokens, temperature):

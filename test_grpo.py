@@ -16,6 +16,7 @@ import torch
 from PIL import Image
 
 import grpo
+from tiny_model import sharpen
 
 HERE = Path(__file__).resolve().parent
 T = 0.9  # GLM-Image's sampling temperature
@@ -31,18 +32,6 @@ def pipe():
 
 def fresh_pipe():
     return grpo.load_glm_image("tiny")
-
-
-def sharpen(pipe):
-    """Peaked tiny model (entropy ~2.6 nats instead of ~4.8): scaling only the LM matrices is undone by the
-    final RMSNorm, so lm_head is scaled too. Differences between right and wrong log-probs become large."""
-    ar = pipe.vision_language_encoder
-    with torch.no_grad():
-        for name, p in ar.model.language_model.named_parameters():
-            if p.ndim == 2 and "embed" not in name:
-                p.mul_(4.0)
-        ar.lm_head.weight.mul_(16.0)
-    return pipe
 
 
 @pytest.fixture(scope="module")
