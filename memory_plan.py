@@ -1,7 +1,7 @@
 """Memory plan for one GRPO step of grpo.py on the real GLM-Image, on one 80 GB GPU. An ESTIMATE, not a measurement.
 
     python memory_plan.py                  # CPU, a few seconds, downloads nothing
-    python memory_plan.py --micro-batch 4  # grpo.py's current default micro-batch
+    python memory_plan.py --micro-batch 4  # the tiny model's micro-batch (real-model default: 1)
 
 What it does
   1. Builds every component of zai-org/GLM-Image from its published config on the meta device (no memory, no
