@@ -50,7 +50,7 @@ from PIL import Image
 
 from run_io import (RUN_FILES, append_metrics, image_grid, load_checkpoint, open_run_dir,  # what a run writes
                     save_checkpoint, save_pretrained_atomic)
-from tiny_model import tiny_glm_image  # a tiny GLM-Image built in code (offline demo, tests, notebook)
+from offline_model import tiny_glm_image  # a tiny GLM-Image built in code (offline demo, tests, notebook)
 
 
 # ---- 1. Config ----------------------------------------------------------------------------------

@@ -553,12 +553,12 @@ puts every image token on the 1D text ramp (section 2), not at the 3D positions 
 
 On the random tiny model the error is small, because its output is almost uniform. To see it clearly
 we use a **sharpened copy**: every 2D weight of the language model except the embeddings times 4, and
-`lm_head` times 16 (the final RMSNorm would cancel the first scale alone); `tiny_model.sharpen`, the
+`lm_head` times 16 (the final RMSNorm would cancel the first scale alone); `offline_model.sharpen`, the
 same one the tests use.
 """)
 
 code("""
-from tiny_model import sharpen  # the same sharpening the tests use
+from offline_model import sharpen  # the same sharpening the tests use
 
 
 def naive_logprobs(model, inputs, tokens, temperature):

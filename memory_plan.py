@@ -82,40 +82,9 @@ GiB = 2**30
 
 # ---- 1. Published configs ---------------------------------------------------------------------------------------
 
-SOURCES = {
-    "vision_language_encoder": "huggingface.co/zai-org/GLM-Image/blob/main/vision_language_encoder/config.json "
-                               "(vq_config after initializer_range cut off: latent_channels, num_embeddings = "
-                               "transformers defaults)",
-    "transformer": "huggingface.co/xcreates/GLM-Image/blob/main/transformer/config.json (re-upload of the checkpoint); "
-                   "same values in hao-ai-lab/FastVideo fastvideo/configs/models/dits/glm_image.py",
-    "vae": "raw config not found; hao-ai-lab/FastVideo fastvideo/configs/models/vaes/glm_image.py and "
-           "ollama/ollama x/imagegen/models/glm_image/vae.go (agree)",
-    "text_encoder": "raw config not found; ollama/ollama x/imagegen/models/glm_image/text_encoder.go (comments)",
-}
+from offline_model import PUBLISHED, SOURCES  # noqa: E402  (the one copy of the published configs)
 
-AR_CONFIG = dict(  # GlmImageConfig
-    image_start_token_id=16384, image_end_token_id=16385, image_token_id=167855, tie_word_embeddings=False,
-    text_config=dict(
-        vocab_size=168064, vision_vocab_size=16512, hidden_size=4096, intermediate_size=13696, num_hidden_layers=40,
-        num_attention_heads=32, num_key_value_heads=2, hidden_act="silu", max_position_embeddings=131072,
-        rms_norm_eps=1e-5, attention_dropout=0.0, eos_token_id=16385, pad_token_id=167841,
-        rope_parameters=dict(rope_type="default", rope_theta=10000.0, mrope_section=[8, 12, 12],
-                             partial_rotary_factor=0.5)),
-    vision_config=dict(depth=40, hidden_size=1536, num_heads=16, intermediate_size=6144, image_size=2048,
-                       patch_size=16, in_channels=3, hidden_act="gelu", attention_bias=True, layer_norm_eps=1e-6),
-    vq_config=dict(embed_dim=2048, in_channels=3,
-                   latent_channels=1536, num_embeddings=16384),  # these two: library defaults (cut off in the source)
-)
-DIT_CONFIG = dict(patch_size=2, in_channels=16, out_channels=16, num_layers=30, attention_head_dim=128,
-                  num_attention_heads=32, text_embed_dim=1472, time_embed_dim=512, condition_dim=256,
-                  prior_vq_quantizer_codebook_size=16384)
-VAE_CONFIG = dict(in_channels=3, out_channels=3, latent_channels=16, block_out_channels=(128, 512, 1024, 1024),
-                  down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4,
-                  layers_per_block=3, norm_num_groups=32, act_fn="silu", sample_size=1024, scaling_factor=0.18215,
-                  force_upcast=True, use_quant_conv=False, use_post_quant_conv=False, mid_block_add_attention=False)
-T5_CONFIG = dict(vocab_size=384, d_model=1472, d_kv=64, d_ff=3584, num_layers=12, num_heads=6,
-                 feed_forward_proj="gated-gelu", relative_attention_num_buckets=32, relative_attention_max_distance=128,
-                 layer_norm_epsilon=1e-6, is_encoder_decoder=False)
+AR_CONFIG, DIT_CONFIG, VAE_CONFIG, T5_CONFIG = PUBLISHED["ar"], PUBLISHED["dit"], PUBLISHED["vae"], PUBLISHED["t5"]
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_up_proj", "down_proj"]
 PUBLISHED_INFERENCE_PEAK_GB = {1: 37.82, 4: 52.09}  # github.com/zai-org/GLM-Image README, H100, 1024x1024, T2I
 

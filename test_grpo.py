@@ -16,7 +16,7 @@ import torch
 from PIL import Image
 
 import grpo
-from tiny_model import sharpen
+from offline_model import sharpen
 
 HERE = Path(__file__).resolve().parent
 T = 0.9  # GLM-Image's sampling temperature
