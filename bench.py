@@ -1,6 +1,7 @@
 """Benchmark of one GRPO step on the tiny GLM-Image: every number below is measured in one run.
 
   python bench.py                 # CPU, tiny model, about 1-2 minutes on 2 cores
+  python bench.py --real-shapes   # the published widths at reduced depth, 1024x1024, G=2, float32 and bf16 (minutes)
 
 Prints one markdown table:
   - seconds per phase of one step (sample, decode, reward, old / ref / new log-probs, backward, optimizer step);
@@ -9,11 +10,20 @@ Prints one markdown table:
     the backward of one micro-batch (a saved-tensors hook counts them; on a GPU add torch.cuda.max_memory_allocated);
   - full fine-tuning vs LoRA (r = 16): trainable parameters, train-step time, optimizer-state memory.
 Timings are medians of a few repeats; compare rows as ratios, these machines are noisy.
+
+--real-shapes runs complete GRPO steps through grpo.py's own functions on `offline_model.real_shapes_glm_image()`
+(every published width, vocabulary and id; 2 AR layers, 1 vision / DiT / T5 layer; random weights) at 1024x1024 with
+G=2, LoRA r=16 and KL beta 0.04 (the real-model defaults), once in float32 and once as grpo.py runs on a GPU (bf16
+weights, float32 adapters, autocast bf16): seconds per phase, peak resident memory, the sampler/trainer gap, the token
+layout. The DiT runs 2 denoising steps (the real default is 50: multiply that phase by ~25).
 """
 
+import argparse
+import contextlib
 import copy
 import statistics
 import time
+from pathlib import Path
 
 import torch
 
@@ -114,8 +124,80 @@ def full_vs_lora(rows):
                      f"{sum(p.numel() for p in params):,} / {t:.3f} s / {state_bytes / 2**10:.0f} KiB"))
 
 
+def peak_rss_reset() -> None:
+    """Reset the kernel's peak-RSS counter of this process (Linux: VmHWM), so each precision gets its own peak."""
+    Path("/proc/self/clear_refs").write_text("5")
+
+
+def peak_rss_gib() -> float:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024 / 2**30
+    return float("nan")
+
+
+def real_shapes_step(pipe, policy, precision: str, rows, height=1024, width=1024, group=2):
+    """One complete GRPO step (sample, decode, reward, advantages, update) with grpo.py's functions; rows += timings."""
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16) if precision == "bfloat16" else contextlib.nullcontext()
+    opt = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=1e-5)
+    peak_rss_reset()
+    t0 = time.perf_counter()
+    with autocast:
+        r = grpo.sample_group(pipe, PROMPT, group, height, width, T, seed=0)
+    t1 = time.perf_counter()
+    images = grpo.decode_images(pipe, PROMPT, r.tokens, r.large_hw, height, width, 2, seed=0)
+    t2 = time.perf_counter()
+    target = images[0].flip(-1)  # any image of the right size: the benchmark measures cost, not learning
+    rewards = grpo.group_rewards([images], [target], {"ssim": 1.0})
+    advantages = grpo.group_advantages(rewards)
+    t3 = time.perf_counter()
+    with autocast:
+        m = grpo.train_step(policy, opt, [r], advantages, policy, temperature=T, clip_eps=0.2, kl_beta=0.04,
+                            micro_batch_size=1, max_grad_norm=1.0)
+    t4 = time.perf_counter()
+    n_prev, n_large = r.preview_hw[0] * r.preview_hw[1], r.large_hw[0] * r.large_hw[1]
+    rows += [(f"{precision}: token layout", f"{n_prev} preview ({r.preview_hw[0]}x{r.preview_hw[1]}) + {n_large} "
+              f"large ({r.large_hw[0]}x{r.large_hw[1]}) = {r.tokens.shape[1]} tokens per sample"),
+             (f"{precision}: sample (G={group}, one generate)", f"{t1 - t0:.1f} s"),
+             (f"{precision}: decode (DiT 2 steps + VAE, whole group)", f"{t2 - t1:.1f} s"),
+             (f"{precision}: reward + advantages", f"{t3 - t2:.2f} s"),
+             (f"{precision}: train_step (ref + {group} x forward/backward, AdamW)", f"{t4 - t3:.1f} s"),
+             (f"{precision}: step total", f"{t4 - t0:.1f} s"),
+             (f"{precision}: peak resident memory", f"{peak_rss_gib():.1f} GiB"),
+             (f"{precision}: sampler/trainer gap (max abs log-prob), ratio min/max",
+              f"{m['sampler_gap']:.2e}, {m['ratio_min']:.6f}/{m['ratio_max']:.6f}")]
+
+
+def real_shapes(rows):
+    from offline_model import real_shapes_glm_image
+    t = time.perf_counter()
+    pipe = grpo.only_ar_trains(real_shapes_glm_image())
+    n = {name: sum(p.numel() for p in m.parameters()) for name, m in
+         [("AR", pipe.vision_language_encoder), ("DiT", pipe.transformer), ("VAE", pipe.vae), ("T5", pipe.text_encoder)]}
+    rows.append(("model", "published widths, 2 AR / 1 vision / 1 DiT / 1 T5 layers: " +
+                 ", ".join(f"{k} {v / 1e9:.2f}B" for k, v in n.items()) + f" parameters; built in "
+                 f"{time.perf_counter() - t:.0f} s"))
+    policy = grpo.apply_lora(pipe.vision_language_encoder, 16)
+    real_shapes_step(pipe, policy, "float32", rows)
+    pipe.to(dtype=torch.bfloat16)  # as grpo.py on a GPU: bf16 weights, float32 adapters, autocast
+    for p in policy.parameters():
+        if p.requires_grad:
+            p.data = p.data.float()
+    real_shapes_step(pipe, policy, "bfloat16", rows)
+
+
 def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--real-shapes", action="store_true", help="the published widths at 1024x1024 (minutes)")
+    args = parser.parse_args()
     torch.manual_seed(0)
+    if args.real_shapes:
+        rows = [("machine", f"{torch.get_num_threads()} CPU threads, torch {torch.__version__}")]
+        real_shapes(rows)
+        print("| measurement | value |\n|---|---|")
+        for name, value in rows:
+            print(f"| {name} | {value} |")
+        return
     rows = [("machine", f"{torch.get_num_threads()} CPU threads, torch {torch.__version__}, tiny model, {H}x{W}")]
     pipe = grpo.load_glm_image("tiny")
     policy = pipe.vision_language_encoder

@@ -38,6 +38,7 @@ import copy
 import dataclasses
 import json
 import math
+import re
 import sys
 import time
 from pathlib import Path
@@ -48,9 +49,12 @@ import torch
 import torch.nn.functional as F
 from PIL import Image
 
-from run_io import (RUN_FILES, append_metrics, image_grid, load_checkpoint, open_run_dir,  # what a run writes
-                    save_checkpoint, save_pretrained_atomic)
 from offline_model import tiny_glm_image  # a tiny GLM-Image built in code (offline demo, tests, notebook)
+from parallel import (INTERRUPT, final_weights, gather_list, gather_rows, interrupts_caught,  # many GPUs (torchrun)
+                      interrupts_held, load_trainable_state, reduce_metrics, shard, start_processes, stop_requested,
+                      sync_gradients, all_agree, trainable_state, unsharded, unwrapped)
+from run_io import (RUN_FILES, append_metrics, check_out_dir, image_grid, open_run_dir,  # what a run writes
+                    read_checkpoint, read_metrics, read_resume, save_checkpoint, save_image, save_pretrained_atomic)
 
 
 # ---- 1. Config ----------------------------------------------------------------------------------
@@ -62,7 +66,7 @@ def arg(default, help: str):
 
 @dataclasses.dataclass
 class Config:
-    prompts: str = arg("prompts.txt", "file of 'prompt | target.png' lines")
+    prompts: str = arg("prompts.txt", "'prompt | target.png' lines, or .jsonl: {\"prompt\", \"target\", \"source\"}")
     model: str = arg("zai-org/GLM-Image", "hub id, local path, or 'tiny'")
     out: str = arg("runs/grpo", "output directory")
     steps: int = arg(100, "optimizer steps")
@@ -82,7 +86,7 @@ class Config:
     num_inference_steps: int | None = arg(None, "DiT denoising steps (default 2 tiny, 50 real)")
     guidance_scale: float = arg(1.5, "DiT classifier-free guidance")
     decode_seed: int = arg(0, "seed of the DiT latent noise (fixed per run)")
-    reward: str = arg("ssim=1,mse=0", "reward weights, e.g. ssim=1,mse=0.5")
+    reward: str = arg("ssim=1,mse=0", "rewards and weights: ssim, mse, ocr or module:function, e.g. ssim=1,ocr=0.5")
     train_tokens: str = arg("large", "tokens in the loss: large | all")
     image_every: int = arg(10, "save an image grid every N steps (0: never)")
     save_every: int = arg(50, "save a checkpoint every N steps (0: only at the end)")
@@ -117,25 +121,6 @@ def parse_config(argv: list[str] | None = None) -> Config:
     return dataclasses.replace(cfg, **{k: v for k, v in defaults.items() if getattr(cfg, k) is None})
 
 
-def parse_reward_weights(spec: str) -> dict[str, float]:
-    """'ssim=1,mse=0.5' -> {'ssim': 1.0, 'mse': 0.5}. Raises ValueError on unknown names or negative weights."""
-    weights = {}
-    for part in spec.split(","):
-        name, _, value = part.partition("=")
-        name = name.strip()
-        if name not in REWARDS:
-            raise ValueError(f"unknown reward '{name}' in --reward '{spec}'; use names from {sorted(REWARDS)}")
-        try:
-            weights[name] = float(value)
-        except ValueError:
-            raise ValueError(f"reward weight '{part}' is not name=number; write e.g. --reward ssim=1,mse=0") from None
-        if not weights[name] >= 0:
-            raise ValueError(f"reward weight '{part}' is negative; weights must be >= 0")
-    if sum(weights.values()) <= 0:
-        raise ValueError(f"--reward '{spec}' gives every reward weight 0; give at least one a positive weight")
-    return weights
-
-
 # ---- 2. Loading GLM-Image -----------------------------------------------------------------------
 
 def load_glm_image(name: str, device: str = "cpu", dtype: torch.dtype = torch.float32):
@@ -148,20 +133,31 @@ def load_glm_image(name: str, device: str = "cpu", dtype: torch.dtype = torch.fl
     pipe.to(device)
     if name == "tiny" and dtype != torch.float32:
         pipe.to(dtype=dtype)
+    return only_ar_trains(pipe)
+
+
+def only_ar_trains(pipe):
+    """Freeze the DiT, VAE, T5 and the AR's vision tower and VQ; eval mode and no dropout everywhere. Returns `pipe`."""
     pipe.set_progress_bar_config(disable=True)
     for module in (pipe.text_encoder, pipe.transformer, pipe.vae):
         module.requires_grad_(False).eval()
     ar = pipe.vision_language_encoder.eval()  # models built in code start in train mode
-    ar.model.visual.requires_grad_(False)  # the vision tower and VQ encoder only serve image-to-image
+    ar.model.visual.requires_grad_(False)  # the vision tower and VQ encoder only encode source images
     ar.model.vqmodel.requires_grad_(False)
     disable_dropout(ar)
     return pipe
 
 
-def move_decoder(pipe, device) -> None:
-    """The frozen T5, DiT and VAE to `device`: with --offload they sit on the CPU except while decoding."""
-    for module in (pipe.text_encoder, pipe.transformer, pipe.vae):
+@contextlib.contextmanager
+def decoder_on(pipe, device: str, offload: bool):
+    """With --offload the frozen T5, DiT and VAE sit on the CPU and come to `device` only inside this block."""
+    for module in (pipe.text_encoder, pipe.transformer, pipe.vae) if offload else ():
         module.to(device)
+    try:
+        yield
+    finally:
+        for module in (pipe.text_encoder, pipe.transformer, pipe.vae) if offload else ():
+            module.to("cpu")
 
 
 def disable_dropout(model) -> None:
@@ -197,36 +193,67 @@ def reference_model(policy, kl_beta: float):
     return copy.deepcopy(policy).requires_grad_(False).eval()
 
 
-# ---- 3. Prompts and targets ---------------------------------------------------------------------
+# ---- 3. Prompts, targets and source images ------------------------------------------------------
 
-def read_prompts(path: str) -> list[tuple[str, Path]]:
-    """'prompt | target.png' per line -> [(prompt, target_path)]; split at the last '|', paths relative
-    to the prompts file; blank lines and '#' comments skipped. Raises ValueError naming the problem."""
+def read_prompts(path: str) -> list[dict]:
+    """A prompts file -> examples: dicts with "prompt", "target" and "source" (image paths or None), "text" (the
+    text the image should show, or None), "where" (file:line, for messages) and any other fields of a .jsonl line.
+
+    Text file: 'prompt | target.png' per line (split at the last '|'), or a prompt alone (no target).
+    .jsonl: one object per line, {"prompt": "make it night", "target": "night.png", "source": "day.png"}; "target"
+    and "source" (an image to edit) are optional. Paths are relative to the prompts file. "text" is the .jsonl
+    field, else the text in quotes in the prompt (GLM-Image's convention: its glyph encoder renders quoted text).
+    Blank lines and '#' comments are skipped. Raises ValueError naming the file and line.
+    """
     path = Path(path)
     try:
-        text = path.read_text(encoding="utf-8")
+        lines = path.read_text(encoding="utf-8").splitlines()
     except (OSError, UnicodeDecodeError) as error:
         reason = "not UTF-8 text" if isinstance(error, UnicodeDecodeError) else error.strerror or str(error)
-        raise ValueError(f"cannot read --prompts {path} ({reason}); give a text file of 'prompt | target.png' lines")
+        raise ValueError(f"cannot read --prompts {path} ({reason}); give a text file of 'prompt | target.png' lines "
+                         "or a .jsonl file")
     examples = []
-    for number, line in enumerate(text.splitlines(), start=1):
-        line = line.strip()
+    for number, line in enumerate(lines, start=1):
+        line, where = line.strip(), f"{path}:{number}"
         if not line or line.startswith("#"):
             continue
-        prompt, bar, target = line.rpartition("|")
-        if not bar or not prompt.strip() or not target.strip():
-            raise ValueError(f"{path}:{number}: expected 'prompt | target.png', got '{line}'")
-        examples.append((prompt.strip(), path.parent / target.strip()))
+        fields = read_jsonl_line(line, where) if path.suffix == ".jsonl" else read_text_line(line, where)
+        quoted = " ".join(a or b for a, b in re.findall(r'"([^"]+)"|“([^”]+)”', fields["prompt"]))
+        examples.append({**fields, "text": fields.get("text") or quoted or None, "where": where,
+                         **{key: path.parent / fields[key] if fields.get(key) else None for key in ("target", "source")}})
     if not examples:
         raise ValueError(f"{path} has no examples; add lines of the form 'prompt | target.png'")
     return examples
 
 
-def load_target(path: str | Path, height: int, width: int) -> torch.Tensor:
+def read_text_line(line: str, where: str) -> dict:
+    """'prompt | target.png' or a prompt alone -> {"prompt", "target"}."""
+    prompt, bar, target = (part.strip() for part in line.rpartition("|"))
+    if bar and not (prompt and target):
+        raise ValueError(f"{where}: expected 'prompt | target.png' or a prompt alone, got '{line}'")
+    return {"prompt": prompt, "target": target} if bar else {"prompt": line}
+
+
+def read_jsonl_line(line: str, where: str) -> dict:
+    """One JSON object with a "prompt" string and optional "target", "source", "text" strings -> that dict."""
+    example = '{"prompt": "make it night", "target": "night.png", "source": "day.png"}'
+    try:
+        fields = json.loads(line)
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{where}: not JSON ({error.msg}); write one object per line, e.g. {example}") from None
+    if not isinstance(fields, dict) or not isinstance(fields.get("prompt"), str) or not fields["prompt"].strip():
+        raise ValueError(f'{where}: needs a "prompt" string, e.g. {example}')
+    for key in ("target", "source", "text"):
+        if fields.get(key) is not None and not (isinstance(fields[key], str) and fields[key].strip()):
+            raise ValueError(f'{where}: "{key}" must be a non-empty string, e.g. {example}')
+    return {**fields, "prompt": fields["prompt"].strip()}
+
+
+def load_image(path: str | Path, height: int, width: int, role: str = "target") -> torch.Tensor:
     """PNG/JPEG -> (3, H, W) float32 in [0, 1], resized (bicubic) if its size differs.
     Raises ValueError for a missing or unreadable image."""
     if not Path(path).is_file():
-        raise ValueError(f"target {path} does not exist; fix its path in the prompts file")
+        raise ValueError(f"{role} {path} does not exist; fix its path in the prompts file")
     try:
         with Image.open(path) as image:
             image = image.convert("RGB")
@@ -234,7 +261,7 @@ def load_target(path: str | Path, height: int, width: int) -> torch.Tensor:
                 image = image.resize((width, height), Image.BICUBIC)
             pixels = np.asarray(image, dtype=np.float32) / 255.0  # (H, W, 3)
     except OSError as error:
-        raise ValueError(f"target {path} is not a readable image ({error}); replace it or fix the prompts file")
+        raise ValueError(f"{role} {path} is not a readable image ({error}); replace it or fix the prompts file")
     return torch.from_numpy(pixels).permute(2, 0, 1).contiguous()  # (3, H, W)
 
 
@@ -364,14 +391,27 @@ def decode_images(pipe, prompt: str, tokens: torch.Tensor, large_hw: tuple[int, 
 
 
 # ---- 7. Rewards ---------------------------------------------------------------------------------
+# A reward is any function fn(images, example) -> (G,) float tensor, higher is better: images (G, 3, H, W) float32 in
+# [0, 1], example the dict of one prompts line (read_prompts) with "target" loaded as a (3, H, W) tensor (or None).
+# `@needs(...)` names the example fields a reward cannot do without, so a missing one stops the run before it starts.
 
-def mse_reward(images: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """(G, 3, H, W), (3, H, W) in [0, 1] -> (G,) negative mean squared error, in [-1, 0]."""
-    return -((images - target) ** 2).mean(dim=(1, 2, 3))
+def needs(*fields: str):
+    """Mark a reward with the example fields it requires (checked for every example before training)."""
+    def mark(fn):
+        fn.needs = fields
+        return fn
+    return mark
 
 
-def ssim_reward(images: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """(G, 3, H, W), (3, H, W) in [0, 1] -> (G,) SSIM (Wang et al. 2004), in [-1, 1].
+@needs("target")
+def mse_reward(images: torch.Tensor, example: dict) -> torch.Tensor:
+    """(G, 3, H, W) in [0, 1], example["target"] (3, H, W) -> (G,) negative mean squared error, in [-1, 0]."""
+    return -((images - example["target"]) ** 2).mean(dim=(1, 2, 3))
+
+
+@needs("target")
+def ssim_reward(images: torch.Tensor, example: dict) -> torch.Tensor:
+    """(G, 3, H, W) in [0, 1], example["target"] (3, H, W) -> (G,) SSIM (Wang et al. 2004), in [-1, 1].
 
     11-tap Gaussian window (sigma 1.5), K1 = 0.01, K2 = 0.03, data range 1, computed over valid
     (unpadded) windows, averaged over channels and pixels.
@@ -384,7 +424,7 @@ def ssim_reward(images: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     def blur(x):  # (G, 3, H, W) -> (G, 3, H-10, W-10)
         return F.conv2d(x, window, groups=3)
 
-    x, y = images.float(), target.float().expand_as(images)
+    x, y = images.float(), example["target"].float().expand_as(images)
     mu_x, mu_y = blur(x), blur(y)
     var_x = blur(x * x) - mu_x ** 2
     var_y = blur(y * y) - mu_y ** 2
@@ -396,13 +436,55 @@ def ssim_reward(images: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 REWARDS = {"ssim": ssim_reward, "mse": mse_reward}
 
 
-def group_rewards(images: list[torch.Tensor], targets: list[torch.Tensor], weights: dict[str, float]) -> torch.Tensor:
-    """P groups of (G, 3, H, W) images and their P (3, H, W) targets -> (P, G) weighted rewards.
+def parse_rewards(spec: str) -> dict[str, tuple]:
+    """'ssim=1,ocr=0.5,mypkg.rewards:clip=1' -> {name: (fn, weight)}: built-in names (REWARDS) or import paths
+    module:function (found like `python -m` finds modules: installed, or in the current directory). Every reward
+    listed is computed and logged; weight 0 only keeps it out of the sum. Raises ValueError naming the problem."""
+    rewards = {}
+    for part in spec.split(","):
+        name, _, value = (x.strip() for x in part.rpartition("=")) if "=" in part else (part.strip(), "", "")
+        try:
+            weight = float(value)
+        except ValueError:
+            raise ValueError(f"reward weight '{part}' is not name=number; write e.g. --reward ssim=1,mse=0") from None
+        if not weight >= 0:
+            raise ValueError(f"reward weight '{part}' is negative; weights must be >= 0")
+        rewards[name] = (import_reward(name) if ":" in name else REWARDS.get(name), weight)
+        if rewards[name][0] is None:
+            raise ValueError(f"unknown reward '{name}' in --reward '{spec}'; use {', '.join(REWARDS)} or an import "
+                             "path module:function")
+    if sum(w for _, w in rewards.values()) <= 0:
+        raise ValueError(f"--reward '{spec}' gives every reward weight 0; give at least one a positive weight")
+    return rewards
 
-    Row p scores group p against target p only: a reward never meets another prompt's samples.
+
+def import_reward(path: str):
+    """'package.module:function' -> the function."""
+    import importlib
+    module_name, _, attr = path.partition(":")
+    if str(Path.cwd()) not in sys.path:
+        sys.path.append(str(Path.cwd()))
+    try:
+        fn = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as error:
+        raise ValueError(f"--reward {path}: cannot import it ({type(error).__name__}: {error}); give module:function "
+                         "of an installed module or a .py file in the current directory") from None
+    if not callable(fn):
+        raise ValueError(f"--reward {path} is not a function; give module:function")
+    return fn
+
+
+def group_rewards(images: list[torch.Tensor], examples: list[dict], rewards: dict[str, tuple]
+                  ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """P groups of (G, 3, H, W) images and their P examples -> (P, G) weighted sum, and each reward's (P, G).
+
+    Row p scores group p against example p only: a reward never meets another prompt's samples.
     """
-    return torch.stack([sum(w * REWARDS[name](group, target) for name, w in weights.items())
-                        for group, target in zip(images, targets, strict=True)])
+    each = {name: torch.stack([fn(group, example).float().reshape(-1)
+                               for group, example in zip(images, examples, strict=True)])
+            for name, (fn, _) in rewards.items()}
+    total = sum(w * each[name] for name, (_, w) in rewards.items())
+    return total, each
 
 
 # ---- 8. Advantages ------------------------------------------------------------------------------
@@ -509,8 +591,8 @@ def train_step(policy, optimizer, rollouts: list[Rollout], advantages: torch.Ten
                                 kl_beta)
             share = logp.shape[0] / n_seqs  # micro-batch losses are means; weight them to a full-batch mean
             finite = finite and bool(torch.isfinite(loss))
-            if finite:
-                (loss * share).backward()
+            sync_gradients(policy, k == len(batches) - 1)  # FSDP: reduce over processes once, after the last one
+            (loss * share).backward()  # even when not finite: with FSDP every process must join every backward
             m["loss"] = loss.item()
             for name, cut in regions.items():  # diagnostics per region, whichever tokens the loss covers
                 _, mr = grpo_loss(logp[:, cut].detach(), old[:, cut], None if ref is None else ref[:, cut], adv,
@@ -522,7 +604,7 @@ def train_step(policy, optimizer, rollouts: list[Rollout], advantages: torch.Ten
                 totals[key] = totals.get(key, 0.0) + value * share
         params = [p for group in optimizer.param_groups for p in group["params"]]
         totals["grad_norm"] = torch.nn.utils.clip_grad_norm_(params, max_grad_norm).item()
-        if finite and math.isfinite(totals["grad_norm"]):
+        if all_agree(finite) and math.isfinite(totals["grad_norm"]):  # every process steps, or none
             optimizer.step()
         else:  # a NaN / inf loss or gradient never reaches the weights: this update is skipped
             optimizer.zero_grad(set_to_none=True)
@@ -556,54 +638,84 @@ def validate(cfg: Config) -> None:
             raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
     if cfg.dtype not in ("auto", "float32", "bfloat16") or cfg.device not in ("auto", "cpu", "cuda"):
         raise ValueError(f"--dtype {cfg.dtype} / --device {cfg.device}: use auto|float32|bfloat16 / auto|cpu|cuda")
-    parse_reward_weights(cfg.reward)
 
 
-def fail(message: str) -> None:
+def fail(message: str, code: int = 2) -> None:
+    """One line on stderr, no traceback, exit `code` (2: bad input)."""
     print(f"grpo.py: error: {message}", file=sys.stderr)
-    raise SystemExit(2)
+    raise SystemExit(code)
 
 
-def prepare(argv: list[str] | None) -> tuple[Config, list, list, Path]:
-    """Parse and check everything before anything is written: config, prompts, targets, output directory."""
+def load_examples(examples: list[dict], rewards: dict, height: int, width: int) -> list[dict]:
+    """Check that every reward has what it needs in every example, then read the images: "target" and "source"
+    become (3, H, W) float32 tensors in [0, 1] (resized with a one-line note if their size differs)."""
+    loaded = []
+    for example in examples:
+        for name, (fn, _) in rewards.items():
+            for field in getattr(fn, "needs", ()):
+                if example.get(field) is None:
+                    raise ValueError(f"{example['where']}: reward '{name}' needs a {field} and this example has none; "
+                                     f"add one, or leave '{name}' out of --reward")
+        for role in ("target", "source"):
+            if example[role] is not None:
+                with contextlib.suppress(OSError), Image.open(example[role]) as image:  # the header only
+                    if image.size != (width, height):
+                        print(f"note: {role} {example[role]} is {image.size[0]}x{image.size[1]}, resized to "
+                              f"{width}x{height}", file=sys.stderr)
+        loaded.append({**example, **{role: load_image(example[role], height, width, role)
+                                     for role in ("target", "source") if example[role] is not None}})
+    return loaded
+
+
+def check_rewards(rewards: dict, example: dict, height: int, width: int) -> None:
+    """Call every reward once on two gray images, so a missing package or a wrong return shape stops the run now."""
+    for name, (fn, _) in rewards.items():
+        try:
+            value = fn(torch.full((2, 3, height, width), 0.5), example)
+        except Exception as error:
+            raise ValueError(f"reward '{name}' failed on two gray test images: {type(error).__name__}: "
+                             f"{str(error).strip().splitlines()[0] if str(error).strip() else ''}") from None
+        if not (torch.is_tensor(value) and value.shape == (2,)):
+            raise ValueError(f"reward '{name}' must return a (G,) tensor, one value per image; for 2 images it "
+                             f"returned {tuple(value.shape) if torch.is_tensor(value) else type(value).__name__}")
+
+
+def prepare(argv: list[str] | None) -> tuple[Config, list[dict], dict, Path, int]:
+    """Parse and check everything before anything is written: config, prompts, images, rewards, --out or --resume.
+    Returns the config, the examples with their images, the rewards, the run directory and the first step."""
     cfg = parse_config(argv)
-    out = Path(cfg.resume or cfg.out)
+    out, start = Path(cfg.resume or cfg.out), 0
     try:
         if cfg.resume:
-            if not (out / "checkpoint.pt").is_file() or not (out / "config.json").is_file():
-                raise ValueError(f"--resume {out}: no checkpoint.pt there; resume a directory a run saved into")
-            saved = Config(**json.loads((out / "config.json").read_text()))  # not the (large) checkpoint itself
-            cfg = dataclasses.replace(saved, steps=cfg.steps, resume=cfg.resume, out=str(out))  # --steps is the total
+            saved, start = read_resume(out)  # config.json, and the step in checkpoint.pt (memory-mapped, not read)
+            try:
+                cfg = dataclasses.replace(Config(**saved), steps=cfg.steps, resume=cfg.resume, out=str(out))
+            except TypeError:
+                raise ValueError(f"{out / 'config.json'} is not a grpo.py config (its fields differ); restore it from "
+                                 "the checkpoint's copy (torch.load(checkpoint.pt)['config'])") from None
+            read_metrics(out)
+            if cfg.steps < start:
+                raise ValueError(f"--steps {cfg.steps} is below the {start} steps {out} has done; --steps is the "
+                                 f"total, so pass more than {start}")
         validate(cfg)
-        examples = read_prompts(cfg.prompts)
-        targets = [load_target(path, cfg.height, cfg.width) for _, path in examples]
-        for _, path in examples:
-            with Image.open(path) as image:  # reads the header only
-                if image.size != (cfg.width, cfg.height):
-                    print(f"note: target {path} is {image.size[0]}x{image.size[1]}, resized to {cfg.width}x"
-                          f"{cfg.height}", file=sys.stderr)
+        check_out_dir(out)
+        rewards = parse_rewards(cfg.reward)
+        examples = load_examples(read_prompts(cfg.prompts), rewards, cfg.height, cfg.width)
+        check_rewards(rewards, examples[0], cfg.height, cfg.width)
         if not cfg.resume and not cfg.overwrite and any((out / name).exists() for name in RUN_FILES):
             raise ValueError(f"--out {out} holds another run; pass --resume {out} to continue it, --overwrite to "
                              "replace it, or another --out")
     except ValueError as error:
         fail(str(error))
-    return cfg, examples, targets, out
+    if cfg.resume and cfg.steps == start:
+        print(f"{out} has done all {start} steps of --steps {cfg.steps}: nothing to do (pass a larger --steps to "
+              "train on)")
+        raise SystemExit(0)
+    return cfg, examples, rewards, out, start
 
 
-def main(argv: list[str] | None = None) -> dict:
-    import diffusers
-    import transformers
-    from tqdm.auto import tqdm
-    diffusers.logging.set_verbosity_error()  # keep the terminal for our progress bar and one-line errors
-    transformers.logging.set_verbosity_error()
-    cfg, examples, targets, out = prepare(argv)
-    device = ("cuda" if torch.cuda.is_available() else "cpu") if cfg.device == "auto" else cfg.device
-    dtype = {"auto": torch.bfloat16 if device == "cuda" else torch.float32,
-             "float32": torch.float32, "bfloat16": torch.bfloat16}[cfg.dtype]
-    try:
-        pipe = load_glm_image(cfg.model, device, dtype)
-    except Exception as error:  # offline hub, wrong path, ...: one line, no traceback
-        fail(f"cannot load --model {cfg.model} ({type(error).__name__}); offline? use --model tiny or a local path")
+def setup_training(pipe, cfg: Config, dtype: torch.dtype, world: int):
+    """The policy (the AR, maybe with LoRA, sharded over `world` processes), the KL reference and the optimizer."""
     policy = pipe.vision_language_encoder
     if cfg.lora_rank:
         policy = apply_lora(policy, cfg.lora_rank)  # adapters in float32 (peft's default), base weights frozen
@@ -612,74 +724,153 @@ def main(argv: list[str] | None = None) -> dict:
     if cfg.gradient_checkpointing:
         policy.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     if cfg.offload:
-        move_decoder(pipe, "cpu")
+        for module in (pipe.text_encoder, pipe.transformer, pipe.vae):
+            module.to("cpu")
     ref_model = reference_model(policy, cfg.kl_beta)  # taken before a checkpoint is loaded: the initial weights
+    if ref_model is not None and ref_model is not policy:
+        ref_model.to(dtype)  # frozen: bf16 storage is enough (the trainable policy itself stays float32)
+    if world > 1:  # FSDP2: each process keeps 1/world of the weights, gradients and AdamW state
+        for model in {id(m): m for m in (policy, ref_model) if m is not None}.values():
+            shard(model, dtype)
     optimizer = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=cfg.lr,
                                   weight_decay=cfg.weight_decay)
-    start = load_checkpoint(out / "checkpoint.pt", policy, optimizer) if cfg.resume else 0
-    targets = [t.to(device) for t in targets]
+    return policy, ref_model, optimizer
 
-    def precision():  # bf16 compute with float32 trainable weights, the same for sampling and training
-        return torch.autocast(device, dtype=torch.bfloat16) if dtype == torch.bfloat16 else contextlib.nullcontext()
 
-    history = open_run_dir(out, cfg, start)  # the metrics of the steps before `start` (resume), else []
-    reward_weights, skipped = parse_reward_weights(cfg.reward), sum(h["skipped"] for h in history)
-    step = start
-    progress = tqdm(range(start, cfg.steps), desc="grpo", initial=start, total=cfg.steps)
+def main(argv: list[str] | None = None) -> dict:
+    import diffusers
+    import transformers
+    from tqdm.auto import tqdm
+    diffusers.logging.set_verbosity_error()  # keep the terminal for our progress bar and one-line errors
+    transformers.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()  # save_pretrained's "Writing model shards" bar
+    cfg, examples, rewards, out, start = prepare(argv)  # every input checked, nothing written yet
+    rank, world, device = start_processes(cfg.device)  # torchrun: one process per GPU; else rank 0 of 1
+    dtype = {"auto": torch.bfloat16 if device.startswith("cuda") else torch.float32,
+             "float32": torch.float32, "bfloat16": torch.bfloat16}[cfg.dtype]
     try:
-        for step in progress:
-            t0 = time.perf_counter()
-            picks = [(step * cfg.prompts_per_step + j) % len(examples) for j in range(cfg.prompts_per_step)]
-            with precision():
-                rollouts = [sample_group(pipe, examples[i][0], cfg.group_size, cfg.height, cfg.width,
-                                         cfg.temperature, seed=cfg.seed * 1_000_003 + step * cfg.prompts_per_step + j)
-                            for j, i in enumerate(picks)]
-            t1 = time.perf_counter()
-            if cfg.offload:
-                move_decoder(pipe, device)
-            images = [decode_images(pipe, examples[i][0], r.tokens, r.large_hw, cfg.height, cfg.width,
-                                    cfg.num_inference_steps, cfg.decode_seed, cfg.guidance_scale)
-                      for i, r in zip(picks, rollouts)]
-            if cfg.offload:
-                move_decoder(pipe, "cpu")
-            t2 = time.perf_counter()
-            rewards = group_rewards(images, [targets[i] for i in picks], reward_weights)  # (P, G)
-            advantages = group_advantages(rewards)
-            t3 = time.perf_counter()
-            with precision():
-                metrics = train_step(policy, optimizer, rollouts, advantages, ref_model, temperature=cfg.temperature,
-                                     clip_eps=cfg.clip_eps, kl_beta=cfg.kl_beta, micro_batch_size=cfg.micro_batch_size,
-                                     max_grad_norm=cfg.max_grad_norm, mu=cfg.mu, train_tokens=cfg.train_tokens)
-            t4 = time.perf_counter()
-            skipped += metrics["skipped"]
-            if metrics["skipped"]:
-                progress.write(f"warning: step {step}: non-finite loss or gradient, update skipped ({skipped} so far)")
-            record = {"step": step, "prompts": picks, "reward_mean": rewards.mean().item(),
-                      "reward_std": rewards.std(dim=-1, unbiased=False).mean().item(),
-                      "zero_std_groups": int((advantages == 0).all(dim=-1).sum()),  # groups with no signal
-                      "distinct_samples": float(np.mean([len({tuple(t) for t in r.tokens.tolist()}) for r in rollouts])),
-                      **metrics, "skipped_total": skipped,
-                      "sec_sample": t1 - t0, "sec_decode": t2 - t1, "sec_reward": t3 - t2, "sec_train": t4 - t3}
-            append_metrics(out, record)
-            history.append(record)
-            progress.set_postfix(reward=f"{record['reward_mean']:.3f}", kl=f"{record['kl']:.3f}")
-            if cfg.image_every and (step % cfg.image_every == 0 or step == cfg.steps - 1):
-                image_grid([targets[i] for i in picks], images, rewards).save(out / "images" / f"step_{step:05d}.png")
-            if cfg.save_every and (step + 1) % cfg.save_every == 0:
-                save_checkpoint(out / "checkpoint.pt", policy, optimizer, step + 1, cfg)
+        pipe = load_glm_image(cfg.model, device, dtype)
+    except Exception as error:  # offline hub, wrong path, ...: one line, no traceback
+        fail(f"cannot load --model {cfg.model} ({type(error).__name__}); offline? use --model tiny or a local path")
+    policy, ref_model, optimizer = setup_training(pipe, cfg, dtype, world)
+    if cfg.resume:
+        load_trainable_state(policy, optimizer, read_checkpoint(out / "checkpoint.pt"))
+    history = open_run_dir(out, cfg, start) if rank == 0 else []  # the metrics before `start` (resume), else []
+    examples = [{k: v.to(device) if torch.is_tensor(v) else v for k, v in e.items()} for e in examples]
+    autocast = torch.autocast(device.split(":")[0], dtype=torch.bfloat16, enabled=dtype == torch.bfloat16)
+    skipped, done = sum(h["skipped"] for h in history), start  # done: steps whose update is applied and logged
+    progress = tqdm(range(start, cfg.steps), desc="grpo", initial=start, total=cfg.steps, disable=rank != 0)
+    try:
+        with interrupts_caught():  # Ctrl-C and SIGTERM: see parallel.on_interrupt
+            for step in progress:
+                # groups are numbered over all processes; the number picks the prompt and seeds the sampling
+                groups = [(step * world + rank) * cfg.prompts_per_step + j for j in range(cfg.prompts_per_step)]
+                batch = [examples[g % len(examples)] for g in groups]
+                clock = [time.perf_counter()]
+                with autocast, unsharded(policy):  # 1. sample a group of G token grids per prompt
+                    rollouts = [sample_group(pipe, ex["prompt"], cfg.group_size, cfg.height, cfg.width,
+                                             cfg.temperature, seed=cfg.seed * 1_000_003 + g) for ex, g in zip(batch, groups)]
+                clock.append(time.perf_counter())
+                with decoder_on(pipe, device, cfg.offload):  # 2. decode them to images with the frozen DiT
+                    images = [decode_images(pipe, ex["prompt"], r.tokens, r.large_hw, cfg.height, cfg.width,
+                                            cfg.num_inference_steps, cfg.decode_seed, cfg.guidance_scale)
+                              for ex, r in zip(batch, rollouts)]
+                clock.append(time.perf_counter())
+                reward, each = group_rewards(images, batch, rewards)  # 3. score them: (P, G)
+                advantages = group_advantages(reward)  # 4. z-score within each group
+                clock.append(time.perf_counter())
+                with interrupts_held():  # an update and its log line land together (or not at all)
+                    with autocast:  # 5. the clipped policy-gradient update
+                        metrics = train_step(policy, optimizer, rollouts, advantages, ref_model,
+                                             temperature=cfg.temperature, clip_eps=cfg.clip_eps, kl_beta=cfg.kl_beta,
+                                             micro_batch_size=cfg.micro_batch_size, max_grad_norm=cfg.max_grad_norm,
+                                             mu=cfg.mu, train_tokens=cfg.train_tokens)
+                    clock.append(time.perf_counter())
+                    record = step_record(step, groups, len(examples), reward, each, advantages, rollouts, metrics,
+                                         clock)
+                    skipped += record["skipped"]
+                    history.append(record)
+                    if rank == 0:
+                        append_metrics(out, {**record, "skipped_total": skipped})
+                        log_step(progress, record, skipped)
+                    done = step + 1
+                if rank == 0 and cfg.image_every and (step % cfg.image_every == 0 or done == cfg.steps):
+                    save_grid(out / "images" / f"step_{step:05d}.png", batch, images, reward, progress)
+                if cfg.save_every and done % cfg.save_every == 0:
+                    save_run(out, policy, optimizer, done, cfg, rank)
+                if stop_requested():  # with many processes, an interrupt in any of them stops all after this step
+                    raise KeyboardInterrupt
     except KeyboardInterrupt:
         progress.close()
-        save_checkpoint(out / "checkpoint.pt", policy, optimizer, step, cfg)  # `step` did not finish: redo it
-        print(f"interrupted: checkpoint at step {step} in {out}; continue with --resume {out}", file=sys.stderr)
+        if not INTERRUPT["forced"]:
+            save_run(out, policy, optimizer, done, cfg, rank)  # the steps from `done` on did not finish: redone
+        if rank == 0:
+            print(f"interrupted: checkpoint at step {done if not INTERRUPT['forced'] else 'of the last save'} in "
+                  f"{out}; continue with --resume {out}", file=sys.stderr)
         raise SystemExit(130)
-    save_checkpoint(out / "checkpoint.pt", policy, optimizer, cfg.steps, cfg)
-    save_pretrained_atomic(policy, out / "final")  # the full AR, or with --lora-rank only the adapter (peft format)
-    window = min(len(history), len(examples) * math.ceil(5 / len(examples)))  # whole cycles over the prompts
+    except OSError as error:  # a full disk, a vanished directory: the last checkpoint stays good
+        fail(f"cannot write {error.filename or out} ({error.strerror or error}); make room, then continue with "
+             f"--resume {out}", code=1)
+    return finish(out, policy, optimizer, cfg, history, len(examples), skipped, rank)
+
+
+def step_record(step: int, groups: list[int], n_examples: int, reward: torch.Tensor, each: dict,
+                advantages: torch.Tensor, rollouts: list[Rollout], metrics: dict, clock: list[float]) -> dict:
+    """The metrics line of one step: reward statistics over the groups of every process, the update's metrics,
+    and the seconds of each phase (this process)."""
+    reward, advantages, groups = gather_rows(reward), gather_rows(advantages), gather_list(groups)
+    distinct = gather_rows(torch.tensor([[len({tuple(t) for t in r.tokens.tolist()})] for r in rollouts]))
+    return {"step": step, "prompts": [g % n_examples for g in groups], "reward_mean": reward.mean().item(),
+            "reward_std": reward.std(dim=-1, unbiased=False).mean().item(),  # within groups
+            **{f"reward/{name}": gather_rows(value).mean().item() for name, value in each.items()},
+            "zero_std_groups": int((advantages == 0).all(dim=-1).sum()),  # groups that carry no signal
+            "distinct_samples": distinct.float().mean().item(), **reduce_metrics(metrics),
+            **{f"sec_{phase}": b - a for phase, a, b in zip(("sample", "decode", "reward", "train"), clock, clock[1:])}}
+
+
+def log_step(progress, record: dict, skipped: int) -> None:
+    progress.set_postfix(reward=f"{record['reward_mean']:.3f}", kl=f"{record['kl']:.3f}")
+    if record["skipped"]:
+        progress.write(f"warning: step {record['step']}: non-finite loss or gradient, update skipped "
+                       f"({skipped} so far)")
+
+
+def save_grid(path: Path, batch: list[dict], images: list[torch.Tensor], reward: torch.Tensor, progress) -> None:
+    """An image grid of this process's groups (source and target, then the samples); a failed write only warns."""
+    rows = [[(role, ex.get(role)) for role in ("source", "target") if any(e.get(role) is not None for e in batch)]
+            + [("", im) for im in group] for ex, group in zip(batch, images)]
+    try:
+        save_image(image_grid(rows, reward), path)
+    except OSError as error:
+        progress.write(f"warning: could not write {path} ({error.strerror or error}); training goes on")
+
+
+def save_run(out: Path, policy, optimizer, step: int, cfg: Config, rank: int) -> None:
+    """checkpoint.pt: the full trainable state gathered from every process, written by rank 0 (atomically)."""
+    weights, optimizer_state = trainable_state(policy, optimizer)
+    if rank == 0:
+        save_checkpoint(out / "checkpoint.pt", weights, optimizer_state, step, cfg)
+
+
+def finish(out: Path, policy, optimizer, cfg: Config, history: list[dict], n_examples: int, skipped: int,
+           rank: int) -> dict:
+    """The last checkpoint, final/ (the AR, or with LoRA only the adapter, loadable with from_pretrained) and
+    the summary line: mean reward of the first and of the last steps (whole cycles over the prompts)."""
+    try:
+        save_run(out, policy, optimizer, cfg.steps, cfg, rank)
+        weights = final_weights(policy)  # every process takes part; only rank 0 gets the tensors
+        if rank == 0:
+            save_pretrained_atomic(policy, out / "final", state_dict=weights)
+    except OSError as error:
+        fail(f"cannot write {error.filename or out} ({error.strerror or error}); make room, then run --resume {out} "
+             f"--steps {cfg.steps} again", code=1)
+    window = min(len(history), n_examples * math.ceil(5 / n_examples))
     first, last = history[:window], history[-window:]
     summary = {"reward_first": float(np.mean([h["reward_mean"] for h in first])),
                "reward_last": float(np.mean([h["reward_mean"] for h in last])), "skipped": skipped}
-    print(f"reward (mean of first {len(first)} steps) {summary['reward_first']:.4f} -> "
-          f"(mean of last {len(last)} steps) {summary['reward_last']:.4f}; saved to {out}")
+    if rank == 0:
+        print(f"reward (mean of first {len(first)} steps) {summary['reward_first']:.4f} -> "
+              f"(mean of last {len(last)} steps) {summary['reward_last']:.4f}; saved to {out}")
     return summary
 
 

@@ -23,8 +23,8 @@ SOURCES = {
                                "transformers defaults)",
     "transformer": "huggingface.co/xcreates/GLM-Image/blob/main/transformer/config.json (re-upload of the checkpoint); "
                    "same values in hao-ai-lab/FastVideo fastvideo/configs/models/dits/glm_image.py",
-    "vae": "raw config not found; hao-ai-lab/FastVideo fastvideo/configs/models/vaes/glm_image.py and "
-           "ollama/ollama x/imagegen/models/glm_image/vae.go (agree)",
+    "vae": "raw config not found; hao-ai-lab/FastVideo fastvideo/configs/models/vaes/glm_image.py (with the 16 "
+           "latents_mean / latents_std values) and ollama/ollama x/imagegen/models/glm_image/vae.go (agree)",
     "text_encoder": "raw config not found; ollama/ollama x/imagegen/models/glm_image/text_encoder.go (comments)",
     "tokenizer": "GLM-4's special tokens (THUDM/glm-4-9b-chat tokenizer_config.json, <|endoftext|> = 151329 ...) "
                  "shifted by the 16512 visual ids: <|endoftext|> = 167841 = the AR's pad_token_id and <|image|> = "
@@ -57,7 +57,13 @@ PUBLISHED = dict(
     vae=dict(in_channels=3, out_channels=3, latent_channels=16, block_out_channels=(128, 512, 1024, 1024),
              down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4,
              layers_per_block=3, norm_num_groups=32, act_fn="silu", sample_size=1024, scaling_factor=0.18215,
-             force_upcast=True, use_quant_conv=False, use_post_quant_conv=False, mid_block_add_attention=False),
+             force_upcast=True, use_quant_conv=False, use_post_quant_conv=False, mid_block_add_attention=False,
+             # the pipeline un-normalises latents with these before the VAE decodes (it crashes without them)
+             latents_mean=(-0.2080078125, 1.875, -0.470703125, -1.265625, -1.421875, 0.77734375, -0.3671875,
+                           -0.9453125, 0.318359375, 0.7734375, -0.1884765625, -0.022216796875, -0.220703125,
+                           -1.59375, -0.81640625, -0.255859375),
+             latents_std=(3.0625, 2.203125, 2.265625, 4.84375, 2.5, 3.9375, 2.203125, 3.03125, 2.1875, 2.046875,
+                          2.71875, 2.390625, 2.390625, 2.453125, 2.25, 2.15625)),
     t5=dict(vocab_size=384, d_model=1472, d_kv=64, d_ff=3584, num_layers=12, num_heads=6,
             feed_forward_proj="gated-gelu", relative_attention_num_buckets=32, relative_attention_max_distance=128,
             layer_norm_epsilon=1e-6, is_encoder_decoder=False),

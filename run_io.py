@@ -1,12 +1,16 @@
-"""What a GRPO run writes besides its metrics: image grids, and checkpoints that survive a kill.
+"""What a GRPO run writes besides its metrics: image grids, and checkpoints that survive a kill or a full disk.
 
-Helpers of `grpo.py`'s main loop, kept out of the tutorial file; `grpo.py` re-exports them.
+Helpers of `grpo.py`'s main loop, kept out of the tutorial file; `grpo.py` re-exports them. Every file is written
+under a temporary name, flushed to disk, then renamed over the old one, so a kill or a failed write (a full disk)
+never leaves a half-written file in place of a good one.
 """
 
+import contextlib
 import dataclasses
 import json
 import os
 import shutil
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -15,6 +19,67 @@ from PIL import Image, ImageDraw
 
 
 RUN_FILES = ("config.json", "metrics.jsonl", "checkpoint.pt", "images", "final")  # what a run writes in --out
+CHECKPOINT_KEYS = {"weights", "optimizer", "step", "config", "rng"}
+
+
+# ---- Before anything is written: can --out hold a run, and what does --resume continue? ----------
+
+def check_out_dir(out: Path) -> None:
+    """Raise ValueError if `out` cannot hold a run: it is a file, lies under a file, or is not writable.
+    Probes by creating (and removing) a temporary file in `out` or its nearest existing parent."""
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {out} is a file, not a directory; give a directory path")
+    parent = next(p for p in [out, *out.absolute().parents] if p.exists())
+    if not parent.is_dir():
+        raise ValueError(f"--out {out} lies under {parent}, which is a file; give a directory path")
+    try:
+        fd, probe = tempfile.mkstemp(dir=parent, prefix=".grpo-write-test-")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as error:
+        raise ValueError(f"--out {out} is not writable ({error.strerror or error}); choose a directory you can "
+                         "write to") from None
+
+
+def read_resume(out: Path) -> tuple[dict, int]:
+    """The saved config (config.json) and the number of finished steps (checkpoint.pt) of the run in `out`.
+    Raises ValueError naming the file if either is missing, truncated or not written by grpo.py."""
+    config_path, checkpoint_path = out / "config.json", out / "checkpoint.pt"
+    if not checkpoint_path.is_file() or not config_path.is_file():
+        raise ValueError(f"--resume {out}: no checkpoint.pt and config.json there; resume a directory a run saved into")
+    try:
+        config = json.loads(config_path.read_text(encoding="utf-8"))
+        assert isinstance(config, dict)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, AssertionError):
+        raise ValueError(f"{config_path} is truncated or not a grpo.py config; restore it from the checkpoint's "
+                         "copy (torch.load(checkpoint.pt)['config']) or start a new run") from None
+    return config, read_checkpoint(checkpoint_path)["step"]
+
+
+def read_checkpoint(path: Path) -> dict:
+    """torch.load of a checkpoint, memory-mapped (tensors are read only when used) and weights_only (a foreign
+    pickle runs no code). Raises ValueError naming the file if it is truncated or not a grpo.py checkpoint."""
+    try:
+        state = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+        assert isinstance(state, dict) and CHECKPOINT_KEYS <= state.keys()
+    except Exception:  # truncated zip, another format, a foreign pickle: all the same to the user
+        raise ValueError(f"{path} is truncated or not a grpo.py checkpoint; restore it from a backup, or start a new "
+                         "run with --overwrite (which deletes it)") from None
+    return state
+
+
+def read_metrics(out: Path) -> list[dict]:
+    """The metrics lines of `out`; a last line cut off by a kill is dropped. Raises ValueError for other damage."""
+    path = out / "metrics.jsonl"
+    lines = path.read_text(encoding="utf-8").splitlines() if path.is_file() else []
+    records = []
+    for number, line in enumerate(lines, start=1):
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            if number < len(lines):
+                raise ValueError(f"{path}:{number} is not a JSON line; repair or delete the file") from None
+    return records
 
 
 def open_run_dir(out: Path, cfg, start: int) -> list[dict]:
@@ -27,69 +92,90 @@ def open_run_dir(out: Path, cfg, start: int) -> list[dict]:
         for name in RUN_FILES:
             shutil.rmtree(out / name) if (out / name).is_dir() else (out / name).unlink(missing_ok=True)
     (out / "images").mkdir(parents=True, exist_ok=True)
-    (out / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2))
-    history = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()] if cfg.resume else []
-    history = [h for h in history if h["step"] < start]
-    (out / "metrics.jsonl").write_text("".join(json.dumps(h) + "\n" for h in history))
+    history = [h for h in read_metrics(out) if h["step"] < start] if cfg.resume else []
+    atomic_write(out / "config.json", lambda f: f.write(json.dumps(dataclasses.asdict(cfg), indent=2).encode()))
+    atomic_write(out / "metrics.jsonl", lambda f: f.write("".join(json.dumps(h) + "\n" for h in history).encode()))
     return history
 
 
+# ---- Writing ---------------------------------------------------------------------------------------
+
+def atomic_write(path: Path, write) -> None:
+    """write(f) into a temporary file beside `path`, flush it to disk, then rename it over `path`. On any failure
+    (a full disk, Ctrl-C) the temporary file is removed and `path` keeps its previous content."""
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        with open(tmp, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
 def append_metrics(out: Path, record: dict) -> None:
-    """One JSON line per step, appended and closed (flushed) at once: a killed run keeps every finished step."""
-    with open(out / "metrics.jsonl", "a") as f:
-        f.write(json.dumps(record) + "\n")
+    """One JSON line per step, appended and flushed at once: a killed run keeps every finished step. A failed write
+    (a full disk) is cut back off, so the file never ends in half a line."""
+    path = out / "metrics.jsonl"
+    size = path.stat().st_size
+    try:
+        with open(path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError:
+        with contextlib.suppress(OSError):
+            os.truncate(path, size)
+        raise
 
 
-def image_grid(targets: list[torch.Tensor], images: list[torch.Tensor], rewards: torch.Tensor) -> Image.Image:
-    """One row per prompt: the target, then the G samples with their rewards written underneath."""
-    _, H, W = targets[0].shape
-    G, label = images[0].shape[0], 14
-    grid = Image.new("RGB", ((G + 1) * W, len(targets) * (H + label)), "white")
+def save_image(image: Image.Image, path: Path) -> None:
+    atomic_write(path, lambda f: image.save(f, format="PNG"))
+
+
+def image_grid(rows: list[list[tuple[str, torch.Tensor | None]]], rewards: torch.Tensor) -> Image.Image:
+    """One row per prompt: labelled reference tiles (source, target; None draws a blank), then the G samples with
+    their rewards written underneath. rows[p] = [(label, (3, H, W) or None), ...]; rewards (P, G)."""
+    G, label = rewards.shape[1], 14
+    _, H, W = next(t for row in rows for _, t in row if t is not None and t.ndim == 3).shape
+    n_ref = len(rows[0]) - G
+    grid = Image.new("RGB", (len(rows[0]) * W, len(rows) * (H + label)), "white")
     draw = ImageDraw.Draw(grid)
-    for row, (target, group) in enumerate(zip(targets, images)):
-        y = row * (H + label)
-        for col, picture in enumerate([target, *group]):
-            pixels = (picture.permute(1, 2, 0).cpu().numpy() * 255).round().astype(np.uint8)
-            grid.paste(Image.fromarray(pixels), (col * W, y))
-            text = "target" if col == 0 else f"{rewards[row, col - 1].item():.3f}"
+    for r, row in enumerate(rows):
+        y = r * (H + label)
+        for col, (text, picture) in enumerate(row):
+            if picture is not None:
+                pixels = (picture.float().clamp(0, 1).permute(1, 2, 0).cpu().numpy() * 255).round().astype(np.uint8)
+                grid.paste(Image.fromarray(pixels).resize((W, H)), (col * W, y))
+            text = text if col < n_ref else f"{rewards[r, col - n_ref].item():.3f}"
             draw.text((col * W + 2, y + H + 1), text, fill="black")
     return grid
 
 
-def save_checkpoint(path: Path, policy, optimizer, step: int, cfg) -> None:
-    """Trainable weights, optimizer state, RNG states, the next step and the config, in one file written
-    atomically: to a temporary name, flushed to disk, then renamed, so a kill leaves the last good one."""
-    state = {"weights": {n: p.detach().cpu() for n, p in policy.named_parameters() if p.requires_grad},
-             "optimizer": optimizer.state_dict(), "step": step, "config": dataclasses.asdict(cfg),
+def save_checkpoint(path: Path, weights: dict, optimizer_state: dict, step: int, cfg) -> None:
+    """Trainable weights, optimizer state, RNG states, the next step and the config, in one file written atomically
+    (a kill or a full disk leaves the last good checkpoint). `weights` / `optimizer_state`: full (unsharded) state
+    dicts, as `trainable_state` returns them."""
+    state = {"weights": weights, "optimizer": optimizer_state, "step": step, "config": dataclasses.asdict(cfg),
              "rng": {"torch": torch.random.get_rng_state(),
                      "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}}
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        torch.save(state, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    atomic_write(path, lambda f: torch.save(state, f))
 
 
-def load_checkpoint(path: Path, policy, optimizer) -> int:
-    """Restore what save_checkpoint wrote into a freshly built policy/optimizer; returns the next step."""
-    state = torch.load(path, map_location="cpu", weights_only=False)
-    trainable = {n for n, p in policy.named_parameters() if p.requires_grad}
-    if set(state["weights"]) != trainable:
-        raise ValueError(f"{path} holds other trainable weights than this run (different --lora-rank or model?)")
-    missing, unexpected = policy.load_state_dict(state["weights"], strict=False)
-    assert not unexpected and not (trainable & set(missing))
-    optimizer.load_state_dict(state["optimizer"])
-    torch.random.set_rng_state(state["rng"]["torch"])
-    if state["rng"]["cuda"]:
-        torch.cuda.set_rng_state_all(state["rng"]["cuda"])
-    return state["step"]
-
-
-def save_pretrained_atomic(model, path: Path) -> None:
-    """model.save_pretrained into `path`, written under a temporary name first so `path` is never half-written."""
-    tmp = path.with_name(path.name + ".tmp")
+def save_pretrained_atomic(model, path: Path, state_dict: dict | None = None) -> None:
+    """model.save_pretrained into `path` (the full AR, or for a peft model only the adapter), written under a
+    temporary name and swapped in, so `path` is never half-written and the previous one survives a failure."""
+    tmp, old = path.with_name(path.name + ".tmp"), path.with_name(path.name + ".old")
     shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp)  # the full AR, or for a peft model only the adapter
-    shutil.rmtree(path, ignore_errors=True)
+    try:
+        model.save_pretrained(tmp, state_dict=state_dict)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    shutil.rmtree(old, ignore_errors=True)
+    if path.exists():
+        os.replace(path, old)
     os.replace(tmp, path)
+    shutil.rmtree(old, ignore_errors=True)

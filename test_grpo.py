@@ -60,12 +60,22 @@ def test_parse_config():
             "--image-every", "--train-tokens"} <= flags
 
 
-def test_parse_reward_weights():
-    """Weights parse; unknown names, non-numbers, negative or all-zero weights are refused."""
-    assert grpo.parse_reward_weights("ssim=1,mse=0.5") == {"ssim": 1.0, "mse": 0.5}
-    for bad in ["ssmi=1", "ssim=x", "ssim=-1", "ssim=0,mse=0"]:
-        with pytest.raises(ValueError):
-            grpo.parse_reward_weights(bad)
+def test_parse_rewards(tmp_path, monkeypatch):
+    """Built-in names and module:function import paths with weights; bad names, weights and imports are refused."""
+    rewards = grpo.parse_rewards("ssim=1,mse=0.5")
+    assert {k: w for k, (_, w) in rewards.items()} == {"ssim": 1.0, "mse": 0.5}
+    assert rewards["ssim"][0] is grpo.ssim_reward
+    (tmp_path / "my_rewards.py").write_text("import torch\ndef brightness(images, example):\n"
+                                            "    return images.mean(dim=(1, 2, 3))\nnot_a_function = 3\n")
+    monkeypatch.chdir(tmp_path)  # module:function is found in the current directory, as `python -m` would
+    custom = grpo.parse_rewards("my_rewards:brightness=2,ssim=0")
+    assert custom["my_rewards:brightness"][1] == 2.0 and custom["my_rewards:brightness"][0].__name__ == "brightness"
+    for bad, needle in [("ssmi=1", "unknown reward"), ("ssim=x", "name=number"), ("ssim", "name=number"),
+                        ("ssim=-1", "negative"), ("ssim=0,mse=0", "every reward weight 0"),
+                        ("no_such_module:f=1", "cannot import"), ("my_rewards:nope=1", "cannot import"),
+                        ("my_rewards:not_a_function=1", "not a function")]:
+        with pytest.raises(ValueError, match=needle):
+            grpo.parse_rewards(bad)
 
 
 def test_validate():
@@ -73,8 +83,7 @@ def test_validate():
     good = grpo.parse_config(["--model", "tiny"])
     grpo.validate(good)
     for change in [dict(height=48), dict(width=0), dict(group_size=1), dict(micro_batch_size=3),
-                   dict(clip_eps=0.0), dict(kl_beta=-1.0), dict(lr=0.0), dict(train_tokens="some"),
-                   dict(reward="clip=1")]:
+                   dict(clip_eps=0.0), dict(kl_beta=-1.0), dict(lr=0.0), dict(train_tokens="some")]:
         with pytest.raises(ValueError):
             grpo.validate(grpo.dataclasses.replace(good, **change))
 
@@ -118,12 +127,16 @@ def test_reference_model(pipe):
 # ---- 3. prompts and targets ---------------------------------------------------------------------
 
 def test_read_prompts(tmp_path):
-    """Split at the LAST '|', paths relative to the file, comments and blanks skipped, bad lines named."""
+    """Text lines: split at the LAST '|', or a prompt alone (no target); paths relative to the file; comments and
+    blanks skipped; the text to render comes from quotes; bad lines are named."""
     (tmp_path / "sub").mkdir()
     f = tmp_path / "sub" / "p.txt"
-    f.write_text("# comment\n\na | b | img.png\nplain prompt|x/y.png\n")
-    assert grpo.read_prompts(f) == [("a | b", tmp_path / "sub" / "img.png"), ("plain prompt", tmp_path / "sub/x/y.png")]
-    f.write_text("ok | a.png\n# c\nno target here\n")
+    f.write_text('# comment\n\na | b | img.png\nplain prompt|x/y.png\na sign that says "OPEN" and \u201cnow\u201d\n')
+    a, b, c = grpo.read_prompts(f)
+    assert (a["prompt"], a["target"], a["source"], a["text"]) == ("a | b", tmp_path / "sub" / "img.png", None, None)
+    assert (b["prompt"], b["target"], b["where"]) == ("plain prompt", tmp_path / "sub/x/y.png", f"{f}:4")
+    assert (c["target"], c["text"]) == (None, "OPEN now")
+    f.write_text("ok | a.png\n# c\n | no prompt\n")
     with pytest.raises(ValueError, match=":3:"):
         grpo.read_prompts(f)
     f.write_text("# only comments\n")
@@ -131,14 +144,33 @@ def test_read_prompts(tmp_path):
         grpo.read_prompts(f)
 
 
-def test_load_target(tmp_path):
+def test_read_prompts_jsonl(tmp_path):
+    """.jsonl: one object per line with a prompt and optional target, source, text and extra fields; a bad line is
+    named with its number and the fix."""
+    f = tmp_path / "edits.jsonl"
+    f.write_text('{"prompt": "make it night", "target": "night.png", "source": "day.png", "strength": 2}\n\n'
+                 '# a comment\n{"prompt": "a sign", "text": "OPEN"}\n')
+    edit, sign = grpo.read_prompts(f)
+    assert (edit["target"], edit["source"], edit["strength"]) == (tmp_path / "night.png", tmp_path / "day.png", 2)
+    assert (sign["target"], sign["source"], sign["text"], sign["where"]) == (None, None, "OPEN", f"{f}:4")
+    for line, needle in [("not json", "not JSON"), ('["a list"]', '"prompt" string'), ('{"target": "a.png"}',
+                         '"prompt" string'), ('{"prompt": "x", "target": 3}', '"target" must be'),
+                         ('{"prompt": "x", "source": ""}', '"source" must be')]:
+        f.write_text('{"prompt": "fine"}\n' + line + "\n")
+        with pytest.raises(ValueError, match=f"edits.jsonl:2: .*{needle}"):
+            grpo.read_prompts(f)
+
+
+def test_load_image(tmp_path):
     """(3, H, W) float in [0, 1], channels in RGB order, resized to the generation size."""
     pixels = np.zeros((40, 50, 3), np.uint8)
     pixels[..., 0] = 255
     Image.fromarray(pixels).save(tmp_path / "red.png")
-    target = grpo.load_target(tmp_path / "red.png", 64, 96)
+    target = grpo.load_image(tmp_path / "red.png", 64, 96)
     assert target.shape == (3, 64, 96) and target.dtype == torch.float32
     assert torch.allclose(target[0], torch.ones(64, 96)) and target[1:].abs().max() == 0
+    with pytest.raises(ValueError, match="source .* does not exist"):
+        grpo.load_image(tmp_path / "nope.png", 64, 64, "source")
 
 
 # ---- 4. group sampling --------------------------------------------------------------------------
@@ -265,6 +297,76 @@ def test_decode_images(pipe):
     assert torch.allclose(grpo.decode_images(pipe, "a cat", new_preview, r.large_hw, 64, 96, 2, seed=0), images)
 
 
+# ---- the real model's token layout: tiny widths at 1024x1024 and 1024x768 --------------------------
+
+@pytest.fixture(scope="module", params=[(1024, 1024), (1024, 768)], ids=["1024x1024", "1024x768"])
+def real_size_rollout(request, sharp_pipe):
+    """One G=2 group on the sharpened tiny model at a real resolution (~10 s each on 2 cores)."""
+    height, width = request.param
+    return height, width, grpo.sample_group(sharp_pipe, "a cat", 2, height, width, T, seed=0)
+
+
+def test_real_resolution_layout(real_size_rollout):
+    """256-ish preview tokens then the (H/32) x (W/32) large grid: N = 1280 at 1024x1024, as the real model writes."""
+    height, width, r = real_size_rollout
+    assert r.large_hw == (height // 32, width // 32)
+    n = r.preview_hw[0] * r.preview_hw[1] + r.large_hw[0] * r.large_hw[1]
+    assert r.tokens.shape == (2, n) and (n == 1280 if (height, width) == (1024, 1024) else n > 1000)
+    positions = grpo.rope_positions(r.inputs["image_grid_thw"], r.inputs["input_ids"].shape[1], n)
+    P = r.inputs["input_ids"].shape[1]
+    large = positions[:, 0, P + r.preview_hw[0] * r.preview_hw[1]:]  # the large grid as inputs (all but its last)
+    assert large[1].max() - large[1].min() == r.large_hw[0] - 1 and large[2].max() - large[2].min() == r.large_hw[1] - 1
+
+
+def test_real_resolution_parity(real_size_rollout, sharp_pipe):
+    """Sampler vs trainer log-probs within 1e-5 (float32) over all N tokens at a real resolution; a train_step
+    there has ratio exactly 1 and moves the weights."""
+    height, width, r = real_size_rollout
+    ar = sharp_pipe.vision_language_encoder
+    with torch.no_grad():
+        lp = grpo.token_logprobs(ar, r.inputs, r.tokens, T)
+    assert (lp - r.logprobs).abs().max() <= 1e-5
+    policy = copy.deepcopy(ar)
+    opt = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=1e-3)
+    before = policy.lm_head.weight.detach().clone()
+    m = grpo.train_step(policy, opt, [r], torch.tensor([[1.0, -1.0]]), None, temperature=T, clip_eps=0.2,
+                        kl_beta=0.0, micro_batch_size=1, max_grad_norm=1.0)
+    assert m["ratio_min"] == m["ratio_max"] == 1.0 and m["sampler_gap"] <= 1e-5 and m["skipped"] == 0
+    assert not torch.equal(before, policy.lm_head.weight)
+
+
+def test_real_resolution_decode(real_size_rollout, sharp_pipe):
+    """The DiT decodes the (H/32) x (W/32) grid, upsampled 2x, into (G, 3, H, W) images in [0, 1]."""
+    height, width, r = real_size_rollout
+    images = grpo.decode_images(sharp_pipe, "a cat", r.tokens, r.large_hw, height, width, 1, seed=0)
+    assert images.shape == (2, 3, height, width) and images.min() >= 0 and images.max() <= 1
+    assert (images[0] - images[1]).abs().max() > 1e-3  # two different token grids, two images
+
+
+def test_real_shapes_glm_image():
+    """The reduced-depth builder keeps every published width, head count, vocabulary, special id and rope setting."""
+    from offline_model import PUBLISHED, real_shapes_glm_image
+    pipe = real_shapes_glm_image(ar=1, vision=1, dit=1, t5=1, device="meta")
+    ar, tok = pipe.vision_language_encoder, pipe.processor.tokenizer
+    text = ar.config.text_config
+    published = PUBLISHED["ar"]["text_config"]
+    for key in ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "vocab_size",
+                "vision_vocab_size", "pad_token_id", "eos_token_id"):
+        assert getattr(text, key) == published[key], key
+    assert text.rope_parameters["mrope_section"] == [8, 12, 12] and text.rope_parameters["partial_rotary_factor"] == 0.5
+    assert text.num_hidden_layers == 1 and ar.model.visual.config.depth == 1
+    assert ar.lm_head.weight.shape == (16512, 4096) and ar.model.language_model.embed_tokens.weight.shape == (168064, 4096)
+    assert pipe.transformer.config.num_attention_heads * pipe.transformer.config.attention_head_dim == 4096
+    assert pipe.transformer.config.num_layers == 1 and pipe.vae.config.latent_channels == 16
+    assert len(pipe.vae.config.latents_mean) == len(pipe.vae.config.latents_std) == 16  # the pipeline needs them
+    assert (tok.bos_token_id, tok.eos_token_id, tok.pad_token_id) == (16384, 16385, 16385) and len(tok) == 168064
+    assert tok.convert_tokens_to_ids(["<|endoftext|>", "[gMASK]", "<sop>", "<|user|>", "<|image|>"]) == [
+        167841, 167843, 167845, 167848, ar.config.image_token_id]
+    inputs = grpo.group_inputs(pipe.processor, "a cat", 2, 1024, 1024, "cpu")
+    assert inputs["image_grid_thw"].tolist() == [[1, 32, 32], [1, 16, 16]] * 2
+    assert inputs["input_ids"][0, -1] == ar.config.image_start_token_id == 16384
+
+
 # ---- 7. rewards ---------------------------------------------------------------------------------
 
 def naive_ssim(x, y):
@@ -288,32 +390,38 @@ def test_ssim_reward():
     g = torch.Generator().manual_seed(0)
     target = torch.rand(3, 24, 20, generator=g)
     noisy = (target + 0.1 * torch.randn(3, 3, 24, 20, generator=g)).clamp(0, 1)
-    assert torch.allclose(grpo.ssim_reward(target[None], target), torch.ones(1), atol=1e-6)
-    ours = grpo.ssim_reward(noisy, target)
+    assert torch.allclose(grpo.ssim_reward(target[None], {"target": target}), torch.ones(1), atol=1e-6)
+    ours = grpo.ssim_reward(noisy, {"target": target})
     for k in range(3):
         assert abs(ours[k].item() - naive_ssim(noisy[k].double().numpy(), target.double().numpy())) < 1e-4
     levels = torch.stack([(target + s * torch.randn(3, 24, 20, generator=g)).clamp(0, 1) for s in (0.02, 0.1, 0.3)])
-    assert (grpo.ssim_reward(levels, target).diff() < 0).all()
+    assert (grpo.ssim_reward(levels, {"target": target}).diff() < 0).all()
 
 
 def test_mse_reward():
     """0 for identical images, the negative mean squared error otherwise, falls with noise."""
     target = torch.rand(3, 16, 16)
-    assert grpo.mse_reward(target[None], target).item() == 0
-    assert torch.allclose(grpo.mse_reward((target * 0 + 0.5)[None], target), -((target - 0.5) ** 2).mean()[None])
+    assert grpo.mse_reward(target[None], {"target": target}).item() == 0
+    assert torch.allclose(grpo.mse_reward((target * 0 + 0.5)[None], {"target": target}),
+                          -((target - 0.5) ** 2).mean()[None])
     g = torch.Generator().manual_seed(1)
     levels = torch.stack([(target + s * torch.randn(3, 16, 16, generator=g)).clamp(0, 1) for s in (0.02, 0.1, 0.3)])
-    assert (grpo.mse_reward(levels, target).diff() < 0).all()
+    assert (grpo.mse_reward(levels, {"target": target}).diff() < 0).all()
 
 
 def test_group_rewards():
-    """Row p of the rewards scores group p against target p (peer bug: rewards meeting the wrong prompt)."""
-    targets = [torch.zeros(3, 16, 16), torch.ones(3, 16, 16)]
+    """Row p of the rewards scores group p against example p (peer bug: rewards meeting the wrong prompt); each
+    reward comes back on its own besides the weighted sum."""
+    examples = [{"target": torch.zeros(3, 16, 16)}, {"target": torch.ones(3, 16, 16)}]
     images = [torch.zeros(4, 3, 16, 16), torch.ones(4, 3, 16, 16)]
-    rewards = grpo.group_rewards(images, targets, {"mse": 1.0, "ssim": 0.5})
-    assert rewards.shape == (2, 4) and torch.allclose(rewards, torch.full((2, 4), 0.5))
-    swapped = grpo.group_rewards(images[::-1], targets, {"mse": 1.0})
+    total, each = grpo.group_rewards(images, examples, grpo.parse_rewards("mse=1,ssim=0.5"))
+    assert total.shape == (2, 4) and torch.allclose(total, torch.full((2, 4), 0.5))
+    assert set(each) == {"mse", "ssim"} and torch.equal(each["mse"], torch.zeros(2, 4))
+    swapped, _ = grpo.group_rewards(images[::-1], examples, grpo.parse_rewards("mse=1"))
     assert (swapped == -1).all()
+    by_prompt = lambda images, example: torch.full((images.shape[0],), float(len(example["prompt"])))  # noqa: E731
+    total, _ = grpo.group_rewards(images, [{"prompt": "ab"}, {"prompt": "abcd"}], {"len": (by_prompt, 1.0)})
+    assert total[:, 0].tolist() == [2.0, 4.0]
 
 
 # ---- 8. advantages ------------------------------------------------------------------------------
@@ -450,13 +558,14 @@ def test_train_step_mu(pipe):
 # ---- 11. main -----------------------------------------------------------------------------------
 
 def test_image_grid():
-    """One row per prompt (label strip under each), target first, rewards written under the samples."""
-    targets = [torch.zeros(3, 32, 32), torch.ones(3, 32, 32)]
-    images = [torch.full((3, 3, 32, 32), 0.5)] * 2
-    grid = grpo.image_grid(targets, images, torch.tensor([[0.1, 0.2, 0.3], [0.4, 0.5, 0.6]]))
+    """One row per prompt (label strip under each), reference tiles first (None: blank), rewards under the samples."""
+    rows = [[("target", torch.zeros(3, 32, 32))] + [("", torch.full((3, 32, 32), 0.5))] * 3,
+            [("target", None)] + [("", torch.full((3, 32, 32), 0.5))] * 3]
+    grid = grpo.image_grid(rows, torch.tensor([[0.1, 0.2, 0.3], [0.4, 0.5, 0.6]]))
     assert grid.size == (4 * 32, 2 * (32 + 14))
-    label = np.asarray(grid)[32:46, 32:64]
-    assert (label < 128).any()  # text drawn
+    pixels = np.asarray(grid)
+    assert (pixels[32:46, 32:64] < 128).any()  # a reward written under the first sample
+    assert (pixels[:32, :32] == 0).all() and (pixels[46:78, :32] == 255).all()  # the target; a blank tile
 
 
 def test_disable_dropout():
@@ -595,31 +704,41 @@ def test_main_resume(tmp_path, monkeypatch):
     assert len(run_record(tmp_path / "cut")) == 1
 
 
+def checkpoint_of(policy, opt, path, step, cfg):
+    grpo.save_checkpoint(path, *grpo.trainable_state(policy, opt), step, cfg)
+
+
+def fresh_policy_and_optimizer():
+    policy = fresh_pipe().vision_language_encoder
+    return policy, torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad])
+
+
 def test_save_checkpoint(tmp_path, monkeypatch):
-    """Saves are atomic: a crash in the middle of writing leaves the previous checkpoint intact and loadable."""
-    pipe = fresh_pipe()
-    policy = pipe.vision_language_encoder
-    opt = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad])
+    """Saves are atomic: a crash or a full disk in the middle of writing leaves the previous checkpoint intact and
+    loadable, and no temporary file behind."""
+    policy, opt = fresh_policy_and_optimizer()
     cfg = grpo.parse_config(["--model", "tiny"])
     path = tmp_path / "checkpoint.pt"
-    grpo.save_checkpoint(path, policy, opt, 7, cfg)
+    checkpoint_of(policy, opt, path, 7, cfg)
     saved = policy.lm_head.weight.detach().clone()
     real_save = torch.save
+    for failure in (KeyboardInterrupt(), OSError(28, "No space left on device")):
 
-    def dies_half_way(obj, f, *a, **k):
-        f.write(b"partial garbage")
-        raise KeyboardInterrupt  # the process is killed while writing
+        def dies_half_way(obj, f, *a, **k):
+            f.write(b"partial garbage")
+            raise failure  # killed or out of space while writing
 
-    monkeypatch.setattr(torch, "save", dies_half_way)
-    with torch.no_grad():
-        policy.lm_head.weight.add_(1.0)
-    with pytest.raises(KeyboardInterrupt):
-        grpo.save_checkpoint(path, policy, opt, 8, cfg)
-    monkeypatch.setattr(torch, "save", real_save)
-    fresh = fresh_pipe().vision_language_encoder
-    opt2 = torch.optim.AdamW([p for p in fresh.parameters() if p.requires_grad])
-    assert grpo.load_checkpoint(path, fresh, opt2) == 7
-    assert torch.equal(fresh.lm_head.weight, saved) and not torch.equal(saved, policy.lm_head.weight)
+        monkeypatch.setattr(torch, "save", dies_half_way)
+        with torch.no_grad():
+            policy.lm_head.weight.add_(1.0)
+        with pytest.raises(type(failure)):
+            checkpoint_of(policy, opt, path, 8, cfg)
+        monkeypatch.setattr(torch, "save", real_save)
+        assert not (tmp_path / "checkpoint.pt.tmp").exists()
+        fresh, opt2 = fresh_policy_and_optimizer()
+        state = grpo.read_checkpoint(path)
+        grpo.load_trainable_state(fresh, opt2, state)
+        assert state["step"] == 7 and torch.equal(fresh.lm_head.weight, saved)
 
 
 def test_train_step_nonfinite(pipe):
@@ -711,7 +830,7 @@ def test_apply_lora_save_load(tmp_path):
     tiny_run(tmp_path, tmp_path / "lora", "--steps", "2", "--lora-rank", "4", "--lr", "0.05", "--kl-beta", "0.04")
     assert (tmp_path / "lora" / "final" / "adapter_config.json").is_file()
     loaded = PeftModel.from_pretrained(fresh_pipe().vision_language_encoder, tmp_path / "lora" / "final")
-    state = torch.load(tmp_path / "lora" / "checkpoint.pt", weights_only=False)["weights"]
+    state = grpo.read_checkpoint(tmp_path / "lora" / "checkpoint.pt")["weights"]
     for name, p in loaded.named_parameters():
         if "lora_" in name:
             key = name.replace(".lora_A.weight", ".lora_A.default.weight").replace(".lora_B.weight", ".lora_B.default.weight")

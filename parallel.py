@@ -1,0 +1,205 @@
+"""Many processes for grpo.py: `torchrun --nproc-per-node N grpo.py ...` (torch.distributed + FSDP2).
+
+Each process samples, decodes and scores whole groups of its own, so the algorithm never sees the world size;
+FSDP2 (`torch.distributed.fsdp.fully_shard`) shards the AR's weights, gradients and AdamW state over the processes
+and averages the gradients. Without torchrun every function here is an identity or a no-op, so grpo.py reads the
+same for one process and for many.
+"""
+
+import contextlib
+import os
+import signal
+import sys
+
+import torch
+import torch.distributed as dist
+
+
+def distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def start_processes(device: str) -> tuple[int, int, str]:
+    """Under torchrun (WORLD_SIZE > 1): join the process group (NCCL on GPUs, gloo on the CPU), one GPU per process.
+    Returns (rank, world size, device). Without torchrun: (0, 1, device)."""
+    cuda = torch.cuda.is_available() if device == "auto" else device == "cuda"
+    if int(os.environ.get("WORLD_SIZE", 1)) == 1:
+        return 0, 1, "cuda" if cuda else "cpu"
+    local_rank = int(os.environ["LOCAL_RANK"])
+    if cuda:
+        torch.cuda.set_device(local_rank)
+    dist.init_process_group("nccl" if cuda else "gloo")
+    return dist.get_rank(), dist.get_world_size(), f"cuda:{local_rank}" if cuda else "cpu"
+
+
+# ---- Sharding ------------------------------------------------------------------------------------
+
+def unwrapped(model):
+    """The GlmImageForConditionalGeneration inside a peft model (or the model itself)."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+def shard(model, dtype: torch.dtype) -> None:
+    """FSDP2: every decoder layer of the AR's language model is one unit, the rest of the AR (embeddings, lm_head,
+    vision tower, VQ) the root unit. With bf16 the weights are gathered in bf16 and gradients averaged in float32."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    ar = unwrapped(model)
+    policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+    for layer in ar.model.language_model.layers:
+        fully_shard(layer, mp_policy=policy)
+    fully_shard(ar, mp_policy=policy)
+
+
+def fsdp_units(model) -> list:
+    from torch.distributed.fsdp import FSDPModule
+    return [m for m in model.modules() if isinstance(m, FSDPModule)]
+
+
+@contextlib.contextmanager
+def unsharded(model):
+    """Gather the AR's sharded weights once for a whole `generate`, and shard them again after: left to itself,
+    FSDP would all-gather every layer again for every generated token."""
+    units = fsdp_units(model)
+    for unit in units:
+        unit.unshard()
+        unit.set_reshard_after_forward(False, recurse=False)
+    try:
+        yield
+    finally:
+        for unit in units:
+            unit.set_reshard_after_forward(unit is not units[0], recurse=False)  # the root stays gathered, as FSDP does
+            unit.reshard()
+
+
+def sync_gradients(model, sync: bool) -> None:
+    """Micro-batches accumulate gradients locally; only the last one of a step reduces them across processes."""
+    for unit in fsdp_units(model)[:1]:
+        unit.set_requires_gradient_sync(sync)
+
+
+# ---- Collectives of the training loop -------------------------------------------------------------
+
+def all_agree(flag: bool) -> bool:
+    """True only if `flag` is true in every process (e.g. "my loss was finite")."""
+    if not distributed():
+        return flag
+    t = torch.tensor(float(flag))
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return bool(t.item())
+
+
+def gather_rows(t: torch.Tensor) -> torch.Tensor:
+    """(P, ...) on each process -> (world * P, ...) in rank order, on every process."""
+    if not distributed():
+        return t
+    parts = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, t.detach().cpu())
+    return torch.cat(parts)
+
+
+def gather_list(items: list) -> list:
+    if not distributed():
+        return items
+    parts = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, items)
+    return [x for part in parts for x in part]
+
+
+REDUCE = {"ratio_min": min, "ratio_max": max, "sampler_gap": max, "skipped": max}  # the rest: means over processes
+
+
+def reduce_metrics(metrics: dict) -> dict:
+    """train_step's metrics of every process -> one dict: extremes stay extremes, the rest are averaged (every
+    process trains on the same number of sequences, so the mean of means is the mean over all sequences)."""
+    if not distributed():
+        return metrics
+    parts = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, metrics)
+    return {k: REDUCE.get(k, lambda xs: sum(xs) / len(xs))([p[k] for p in parts]) for k in metrics}
+
+
+# ---- State: the same checkpoint format for one process and for many ------------------------------
+
+def trainable_state(policy, optimizer) -> tuple[dict, dict]:
+    """Full (unsharded, on the CPU) state dicts of the trainable weights and of the optimizer, keyed by parameter
+    name. Every process must call it; with FSDP only rank 0 receives the tensors. The format does not depend on the
+    number of processes, so a checkpoint resumes on any number of them."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+    weights, optimizer_state = get_state_dict(policy, optimizer,
+                                              options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    trainable = {name for name, p in policy.named_parameters() if p.requires_grad}
+    return {k: v for k, v in weights.items() if k in trainable}, optimizer_state
+
+
+def load_trainable_state(policy, optimizer, state: dict) -> None:
+    """Put what trainable_state returned (saved in a checkpoint) back into a fresh policy and optimizer, and restore
+    the RNG states."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+    set_state_dict(policy, optimizer, model_state_dict=state["weights"], optim_state_dict=state["optimizer"],
+                   options=StateDictOptions(full_state_dict=True, strict=False))
+    torch.random.set_rng_state(state["rng"]["torch"])
+    if state["rng"]["cuda"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["rng"]["cuda"])
+
+
+def final_weights(policy) -> dict | None:
+    """What save_pretrained should write: None in one process (it reads the model itself); with FSDP the full
+    weights gathered on rank 0 (the adapter alone for a peft model)."""
+    if not fsdp_units(policy):
+        return None
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    weights = get_model_state_dict(policy, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if hasattr(policy, "get_base_model"):
+        trainable = {name for name, p in policy.named_parameters() if p.requires_grad}
+        weights = {k: v for k, v in weights.items() if k in trainable}
+    return weights
+
+
+# ---- Ctrl-C: stop between steps, never between an update and its log line ------------------------
+
+INTERRUPT = {"requested": False, "held": False, "forced": False, "agreed": False}
+
+
+def on_interrupt(signum, frame) -> None:
+    """SIGINT (Ctrl-C) or SIGTERM. One process: stop at once, unless an update is being applied and logged (then
+    when it is logged). Many processes: always finish the step, so that every process stops at the same one. A
+    second signal stops at once, without a checkpoint (the last one stays)."""
+    if INTERRUPT["held"] or distributed():
+        if not INTERRUPT["requested"]:
+            INTERRUPT["requested"] = True
+            print("\ninterrupt: finishing this step, then saving (interrupt again to stop at once)", file=sys.stderr)
+            return
+        INTERRUPT["forced"] = True
+    raise KeyboardInterrupt
+
+
+@contextlib.contextmanager
+def interrupts_caught():
+    """Handle SIGINT and SIGTERM with `on_interrupt` inside the block (torchrun passes Ctrl-C on as SIGTERM)."""
+    INTERRUPT.update(requested=False, held=False, forced=False, agreed=False)
+    previous = {sig: signal.signal(sig, on_interrupt) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+@contextlib.contextmanager
+def interrupts_held():
+    """Within this block an interrupt waits: it is raised when the block ends (one process) or at the next
+    `stop_requested()` (many processes)."""
+    INTERRUPT["held"] = True
+    try:
+        yield
+    finally:
+        INTERRUPT["held"] = False
+    if INTERRUPT["requested"] and not distributed():
+        raise KeyboardInterrupt
+
+
+def stop_requested() -> bool:
+    """At the end of a step every process learns whether any of them was interrupted; then all stop there."""
+    if distributed():
+        INTERRUPT["agreed"] = not all_agree(not INTERRUPT["requested"])
+    return INTERRUPT["agreed"]
