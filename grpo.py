@@ -39,6 +39,7 @@ import dataclasses
 import functools
 import json
 import math
+import os
 import re
 import sys
 import time
@@ -319,7 +320,8 @@ def sample_group(pipe, prompt: str, group_size: int, height: int, width: int, te
         out = model.generate(
             **inputs, do_sample=True, temperature=temperature, top_k=0, top_p=1.0, repetition_penalty=1.0,
             max_new_tokens=n_tokens, suppress_tokens=list(range(K, vision_vocab)),  # codes only, never stop early
-            output_logits=True, return_dict_in_generate=True)
+            output_logits=True, return_dict_in_generate=True,
+            synced_gpus=False)  # every process writes exactly N tokens: no per-token all-reduce under FSDP
     tokens = out.sequences[:, inputs["input_ids"].shape[1]:]  # (G, N)
     logits = torch.stack(out.logits, dim=1)  # (G, N, V) raw, before temperature and suppression
     logprobs = code_logprobs(logits, temperature, K).gather(-1, tokens[..., None]).squeeze(-1)  # (G, N)
@@ -633,7 +635,7 @@ def train_step(policy, optimizer, rollouts: list[Rollout], advantages: torch.Ten
                                 kl_beta)
             share = logp.shape[0] / n_seqs  # micro-batch losses are means; weight them to a full-batch mean
             finite = finite and bool(torch.isfinite(loss))
-            sync_gradients(policy, k == len(batches) - 1)  # FSDP: reduce over processes once, after the last one
+            sync_gradients(policy, k == len(batches) - 1)  # FSDP + LoRA: reduce across processes after the last
             (loss * share).backward()  # even when not finite: with FSDP every process must join every backward
             m["loss"] = loss.item()
             for name, cut in regions.items():  # diagnostics per region, whichever tokens the loss covers
@@ -683,8 +685,9 @@ def validate(cfg: Config) -> None:
 
 
 def fail(message: str, code: int = 2) -> None:
-    """One line on stderr, no traceback, exit `code` (2: bad input)."""
-    print(f"grpo.py: error: {message}", file=sys.stderr)
+    """One line on stderr (from the first process only, under torchrun), no traceback, exit `code` (2: bad input)."""
+    if int(os.environ.get("RANK", 0)) == 0:
+        print(f"grpo.py: error: {message}", file=sys.stderr)
     raise SystemExit(code)
 
 
@@ -731,12 +734,17 @@ def prepare(argv: list[str] | None) -> tuple[Config, list[dict], dict, Path, int
     out, start = Path(cfg.resume or cfg.out), 0
     try:
         if cfg.resume:
-            saved, start = read_resume(out)  # config.json, and the step in checkpoint.pt (memory-mapped, not read)
+            saved, start, saved_world = read_resume(out)  # config.json; step and processes from checkpoint.pt
             try:
                 cfg = dataclasses.replace(Config(**saved), steps=cfg.steps, resume=cfg.resume, out=str(out))
             except TypeError:
                 raise ValueError(f"{out / 'config.json'} is not a grpo.py config (its fields differ); restore it from "
                                  "the checkpoint's copy (torch.load(checkpoint.pt)['config'])") from None
+            total, world = cfg.prompts_per_step * saved_world, int(os.environ.get("WORLD_SIZE", 1))
+            if total % world:  # the same groups per step on another number of processes, or refuse
+                raise ValueError(f"{out} trains {total} groups per step; {world} processes cannot share them evenly: "
+                                 f"resume on a number of processes that divides {total}")
+            cfg = dataclasses.replace(cfg, prompts_per_step=total // world)
             read_metrics(out)
             if cfg.steps < start:
                 raise ValueError(f"--steps {cfg.steps} is below the {start} steps {out} has done; --steps is the "
@@ -841,13 +849,13 @@ def main(argv: list[str] | None = None) -> dict:
                 if rank == 0 and cfg.image_every and (step % cfg.image_every == 0 or done == cfg.steps):
                     save_grid(out / "images" / f"step_{step:05d}.png", batch, images, reward, progress)
                 if cfg.save_every and done % cfg.save_every == 0:
-                    save_run(out, policy, optimizer, done, cfg, rank)
+                    save_run(out, policy, optimizer, done, cfg, rank, world)
                 if stop_requested():  # with many processes, an interrupt in any of them stops all after this step
                     raise KeyboardInterrupt
     except KeyboardInterrupt:
         progress.close()
         if not INTERRUPT["forced"]:
-            save_run(out, policy, optimizer, done, cfg, rank)  # the steps from `done` on did not finish: redone
+            save_run(out, policy, optimizer, done, cfg, rank, world)  # the steps from `done` on did not finish: redone
         if rank == 0:
             saved = "the last checkpoint is kept" if INTERRUPT["forced"] else f"checkpoint at step {done}"
             print(f"interrupted: {saved} in {out}; continue with --resume {out}", file=sys.stderr)
@@ -855,7 +863,7 @@ def main(argv: list[str] | None = None) -> dict:
     except OSError as error:  # a full disk, a vanished directory: the last checkpoint stays good
         fail(f"cannot write {error.filename or out} ({error.strerror or error}); make room, then continue with "
              f"--resume {out}", code=1)
-    return finish(out, policy, optimizer, cfg, history, len(examples), skipped, rank)
+    return finish(out, policy, optimizer, cfg, history, len(examples), skipped, rank, world)
 
 
 def step_record(step: int, groups: list[int], n_examples: int, reward: torch.Tensor, each: dict,
@@ -890,19 +898,19 @@ def save_grid(path: Path, batch: list[dict], images: list[torch.Tensor], reward:
                        file=sys.stderr)
 
 
-def save_run(out: Path, policy, optimizer, step: int, cfg: Config, rank: int) -> None:
+def save_run(out: Path, policy, optimizer, step: int, cfg: Config, rank: int, world: int) -> None:
     """checkpoint.pt: the full trainable state gathered from every process, written by rank 0 (atomically)."""
     weights, optimizer_state = trainable_state(policy, optimizer)
     if rank == 0:
-        save_checkpoint(out / "checkpoint.pt", weights, optimizer_state, step, cfg)
+        save_checkpoint(out / "checkpoint.pt", weights, optimizer_state, step, cfg, world)
 
 
 def finish(out: Path, policy, optimizer, cfg: Config, history: list[dict], n_examples: int, skipped: int,
-           rank: int) -> dict:
+           rank: int, world: int) -> dict:
     """The last checkpoint, final/ (the AR, or with LoRA only the adapter, loadable with from_pretrained) and
     the summary line: mean reward of the first and of the last steps (whole cycles over the prompts)."""
     try:
-        save_run(out, policy, optimizer, cfg.steps, cfg, rank)
+        save_run(out, policy, optimizer, cfg.steps, cfg, rank, world)
         weights = final_weights(policy)  # every process takes part; only rank 0 gets the tensors
         if rank == 0:
             save_pretrained_atomic(policy, out / "final", state_dict=weights)

@@ -77,6 +77,9 @@ import io
 import warnings
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves, tree_map
 
 GiB = 2**30
 
@@ -370,6 +373,217 @@ def trace_activations(L: int = 37, N: int = 23) -> dict:
         measured = (saved_bytes(mode, 2) - saved_bytes(mode, 1)) / L
         result[mode] = (measured, act_bytes_per_token_layer(mode, shapes(text)))
     return result
+
+
+# ---- 4. MEASUREMENT: what the AR keeps and allocates, as grpo.py runs it, on the CPU (--measure) -------------------
+
+ARITHMETIC_OPS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
+                  torch.ops.aten.baddbmm.default, torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+                  torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default}
+# (prompt tokens P, large grid, preview grid): L = P + N - 1, N = large + preview codes
+LENGTHS = {"plan": (100, (32, 32), (16, 16)),  # the plan's sequence: N = 1024 + 256 = 1280, L = 1379
+           "short": (100, (16, 16), (16, 16)),  # N = 512, L = 611: is everything linear in L and N?
+           "few codes": (1355, (4, 4), (3, 3))}  # N = 25, L = 1379: the layers' backward without the logits' transients
+
+
+class LiveStorages(TorchDispatchMode):
+    """A TorchDispatchMode that records every storage an op creates (at the dispatcher, below autograd and autocast):
+    the op count at which it appeared, the op count after which it was found freed (checked after every op), its bytes,
+    and its kind: "L" if the tensor has the sequence axis L, "N" if it has the generated axis N, else "const" (autocast's
+    bf16 weight copies, weight gradients, scalars). Storages that exist before (weights, inputs) are not counted. The
+    sum of the live ones is what a GPU caching allocator reports as allocated, less the buffers a kernel allocates and
+    frees inside itself (cuBLAS / cuDNN / flash-attention workspaces). skip_arithmetic: matrix products and the
+    attention kernel return zeros of the shape, dtype and strides their meta kernels give, without computing (bf16
+    matrix products run at ~0.2-12 GFLOP/s on the 2-core CPU); what autograd saves and allocates does not depend on
+    the values (checked: `check_skip_arithmetic`)."""
+
+    def __init__(self, axes: dict, before, skip_arithmetic: bool = True):
+        super().__init__()
+        self.axes, self.skip = axes, skip_arithmetic
+        self.before = {t.untyped_storage()._cdata for t in before}
+        self.entries = []  # [born, died (None: alive), nbytes, kind, op name, shape, dtype]
+        self.alive = {}  # storage pointer -> (entry index, weak reference)
+        self.ops = 0
+
+    def kind(self, shape) -> str:
+        return next((k for k, n in self.axes.items() if n in shape), "const")
+
+    def prune(self):
+        for key, (i, ref) in list(self.alive.items()):
+            if ref.expired():
+                self.entries[i][1] = self.ops
+                del self.alive[key]
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if self.skip and func in ARITHMETIC_OPS:
+            to_meta = lambda t: t.to("meta") if isinstance(t, torch.Tensor) else t  # noqa: E731
+            meta = func(*tree_map(to_meta, args), **tree_map(to_meta, kwargs))
+            out = tree_map(lambda m: torch.empty_strided(m.shape, m.stride(), dtype=m.dtype).zero_()
+                           if isinstance(m, torch.Tensor) else m, meta)
+        else:
+            out = func(*args, **kwargs)
+        self.ops += 1
+        self.prune()
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                storage = t.untyped_storage()
+                if storage._cdata not in self.alive and storage._cdata not in self.before:
+                    self.alive[storage._cdata] = (len(self.entries), StorageWeakRef(storage))
+                    self.entries.append([self.ops, None, storage.nbytes(), self.kind(t.shape), str(func),
+                                         tuple(t.shape), t.dtype])
+        return out
+
+    def live(self, op: int | None = None, exclude=(), born_after: int = -1) -> dict:
+        """Bytes per kind alive after op `op` (default: now), of the storages born after op `born_after`."""
+        op = self.ops if op is None else op
+        out = {}
+        for i, (born, died, n, kind, *_) in enumerate(self.entries):
+            if born_after < born <= op and (died is None or died > op) and i not in exclude:
+                out[kind] = out.get(kind, 0) + n
+        return out
+
+    def peak(self, scale: dict | None = None, exclude=(), start: int = 0, stop: int | None = None) -> tuple:
+        """(bytes, op): the most live bytes after any op from start to stop, each kind's bytes times scale[kind]."""
+        scale, stop = scale or {}, self.ops if stop is None else stop
+        deltas = [0.0] * (self.ops + 2)
+        for i, (born, died, n, kind, *_) in enumerate(self.entries):
+            if i not in exclude:
+                w = n * scale.get(kind, 1.0)
+                deltas[born] += w
+                deltas[self.ops + 1 if died is None else died] -= w
+        best, at, live = 0.0, start, 0.0
+        for op in range(stop + 1):
+            live += deltas[op]
+            if op >= start and live > best:
+                best, at = live, op
+        return best, at
+
+
+def narrow_ar_config() -> dict:
+    """The AR at h=512, i=1712 (same heads, KV heads, norms, rope layout, GQA ratio), small vocabularies."""
+    text = dict(AR_CONFIG["text_config"], hidden_size=512, intermediate_size=1712, vocab_size=1024,
+                vision_vocab_size=1024, pad_token_id=1001, eos_token_id=1001,
+                rope_parameters=dict(rope_type="default", rope_theta=10000.0, mrope_section=[2, 1, 1],
+                                     partial_rotary_factor=0.5))  # sections sum to head_dim / 4 = 4
+    return dict(AR_CONFIG, text_config=text, image_start_token_id=1000, image_end_token_id=1001,
+                image_token_id=1002, vq_config=dict(embed_dim=32, num_embeddings=1000, latent_channels=64),
+                vision_config=dict(AR_CONFIG["vision_config"], depth=1, hidden_size=64, num_heads=2,
+                                   intermediate_size=64))
+
+
+def one_row_embedding(model):
+    """Freeze the token embedding and make it one row expanded to the whole vocabulary (a view: 0 bytes instead of
+    1.3 / 2.6 GiB); a lookup returns the same shape and dtype, and a frozen lookup keeps nothing for the backward."""
+    embed = model.get_input_embeddings()
+    row = torch.zeros(1, embed.weight.shape[1], dtype=embed.weight.dtype)
+    embed.weight = torch.nn.Parameter(row.expand(embed.weight.shape), requires_grad=False)
+
+
+def measured_ar(ar_config: dict, layers: int, mode: str, lora_rank: int = 16, full_embedding: bool = False):
+    """The AR of `ar_config` with `layers` decoder layers and 1 vision block, zero weights, on the CPU, set up as grpo.py
+    sets it up for `mode`: loaded in bf16 (grpo.py's dtype on a GPU), then `policy.float()` (full_fp32) or
+    `grpo.apply_lora` (lora); vision tower and VQ frozen (`grpo.only_ar_trains`). The token embedding is frozen too
+    (one_row_embedding) unless full_embedding. With 0 layers, the hidden states reaching the final norm come from a
+    trainable scalar added to the embedding (as if from a trainable layer, without keeping the embedding's output)."""
+    from transformers import GlmImageConfig, GlmImageForConditionalGeneration
+    cfg = dict(ar_config, text_config=dict(ar_config["text_config"], num_hidden_layers=layers),
+               vision_config=dict(ar_config["vision_config"], depth=1))
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)  # as from_pretrained(..., dtype=torch.bfloat16)
+    try:
+        with torch.device("meta"):
+            model = GlmImageForConditionalGeneration(GlmImageConfig(**cfg))
+    finally:
+        torch.set_default_dtype(default)
+    model = model.to_empty(device="cpu")
+    with torch.no_grad():
+        for t in (*model.parameters(), *model.buffers()):
+            t.zero_()  # the bytes do not depend on the values
+    model.model.visual.requires_grad_(False)
+    model.model.vqmodel.requires_grad_(False)
+    model.eval()
+    if not full_embedding:
+        one_row_embedding(model)
+    if mode == "full_fp32":
+        model.float()  # (materialises the expanded row for a moment)
+        if not full_embedding:
+            one_row_embedding(model)
+    elif mode == "lora":
+        if layers:
+            from grpo import apply_lora
+            model = apply_lora(model, lora_rank)
+        else:  # nothing to adapt; the base is frozen
+            model.requires_grad_(False)
+    if layers == 0:
+        model.zero = torch.nn.Parameter(torch.zeros((), dtype=torch.float32 if mode == "full_fp32" else torch.bfloat16))
+        model.get_input_embeddings().register_forward_hook(lambda module, args, out: out + model.zero)
+    return model
+
+
+def ar_inputs(model, P: int, large: tuple, preview: tuple, G: int = 1) -> tuple[dict, torch.Tensor]:
+    """grpo.group_inputs' layout by hand (no processor): G copies of a P-token prompt ending in image start, the
+    [large, preview] grid rows, and N = large + preview codes."""
+    ids = (torch.arange(P)[None] % 100 + 500).repeat(G, 1)
+    ids[:, -1] = model.config.image_start_token_id
+    N = large[0] * large[1] + preview[0] * preview[1]
+    inputs = dict(input_ids=ids, attention_mask=torch.ones_like(ids),
+                  image_grid_thw=torch.tensor([[1, *large], [1, *preview]]).repeat(G, 1),
+                  images_per_sample=torch.full((G,), 2))
+    return inputs, (torch.arange(N)[None] % 1000).repeat(G, 1)
+
+
+def measure_step(model, length: tuple, passes: int = 1, skip_arithmetic: bool = True) -> dict:
+    """`passes` micro-batches of one sequence through grpo.train_step's work, inside one autocast(bf16) as grpo.py runs
+    it: grpo.token_logprobs (teacher-forced forward, logits_to_keep=N, code_logprobs), a loss, its backward; gradients
+    accumulate from the second pass on. Returns, per kind: `saved` (saved_tensors_hooks of the first forward: distinct
+    storages, weights excluded), `kept` (live storages at the end of the first forward), and per pass the peak of the
+    live storages less the parameters' .grad (a persistent term of the plan), split into what was born in that pass's
+    forward ("fwd", incl. earlier passes) and in its backward ("bwd")."""
+    from grpo import token_logprobs
+    inputs, tokens = ar_inputs(model, *length)
+    L, N = inputs["input_ids"].shape[1] + tokens.shape[1] - 1, tokens.shape[1]
+    params = list(model.parameters())
+    live = LiveStorages(dict(L=L, N=N), [*params, *model.buffers(), *inputs.values(), tokens], skip_arithmetic)
+    saved, kept, bounds = {}, None, []
+
+    def pack(t):
+        saved.setdefault(t.untyped_storage()._cdata, t)  # (keeps nothing autograd would not keep anyway)
+        return t
+
+    model.train(model.is_activation_checkpointing)  # as grpo.train_step: train mode only to checkpoint
+    with torch.autocast("cpu", dtype=torch.bfloat16), live:
+        for k in range(passes):
+            start = live.ops
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t) if k == 0 else contextlib.nullcontext():
+                loss = -token_logprobs(model, inputs, tokens, 0.9).mean()
+            live.prune()
+            if k == 0:
+                kept = live.live()
+                by_kind = {}
+                for key, t in saved.items():
+                    if key not in live.before:
+                        kind = live.entries[live.alive[key][0]][3] if key in live.alive else live.kind(t.shape)
+                        by_kind[kind] = by_kind.get(kind, 0) + t.untyped_storage().nbytes()
+                saved = by_kind
+            forward_end = live.ops
+            loss.backward()
+            del loss
+            live.prune()
+            bounds.append((start, forward_end, live.ops))
+    grads = {live.alive[p.grad.untyped_storage()._cdata][0] for p in params
+             if p.grad is not None and p.grad.untyped_storage()._cdata in live.alive}
+    for p in params:
+        p.grad = None
+    out = dict(L=L, N=N, saved=saved, kept=kept, passes=[])
+    for start, forward_end, stop in bounds:
+        record = {}
+        for name, scale in (("all", {}), ("tokens", {"const": 0.0})):  # tokens: the L and N kinds alone
+            value, at = live.peak(scale, exclude=grads, start=start, stop=stop)
+            everything, bwd = live.live(at, grads), live.live(at, grads, born_after=forward_end)
+            record[name] = dict(peak=value, bwd=bwd, fwd={k: v - bwd.get(k, 0) for k, v in everything.items()})
+        out["passes"].append(record)
+    return out
 
 
 # ---- 5. Output ---------------------------------------------------------------------------------------------------

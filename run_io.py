@@ -41,8 +41,8 @@ def check_out_dir(out: Path) -> None:
                          "write to") from None
 
 
-def read_resume(out: Path) -> tuple[dict, int]:
-    """The saved config (config.json) and the number of finished steps (checkpoint.pt) of the run in `out`.
+def read_resume(out: Path) -> tuple[dict, int, int]:
+    """The saved config (config.json), the number of finished steps and of processes (checkpoint.pt) of a run.
     Raises ValueError naming the file if either is missing, truncated or not written by grpo.py."""
     config_path, checkpoint_path = out / "config.json", out / "checkpoint.pt"
     if not checkpoint_path.is_file() or not config_path.is_file():
@@ -53,7 +53,8 @@ def read_resume(out: Path) -> tuple[dict, int]:
     except (OSError, UnicodeDecodeError, json.JSONDecodeError, AssertionError):
         raise ValueError(f"{config_path} is truncated or not a grpo.py config; restore it from the checkpoint's "
                          "copy (torch.load(checkpoint.pt)['config']) or start a new run") from None
-    return config, read_checkpoint(checkpoint_path)["step"]
+    state = read_checkpoint(checkpoint_path)
+    return config, state["step"], state.get("world", 1)
 
 
 def read_checkpoint(path: Path) -> dict:
@@ -154,11 +155,12 @@ def image_grid(rows: list[list[tuple[str, torch.Tensor | None]]], rewards: torch
     return grid
 
 
-def save_checkpoint(path: Path, weights: dict, optimizer_state: dict, step: int, cfg) -> None:
+def save_checkpoint(path: Path, weights: dict, optimizer_state: dict, step: int, cfg, world: int = 1) -> None:
     """Trainable weights, optimizer state, RNG states, the next step and the config, in one file written atomically
     (a kill or a full disk leaves the last good checkpoint). `weights` / `optimizer_state`: full (unsharded) state
-    dicts, as `trainable_state` returns them."""
+    dicts, as `trainable_state` returns them. `world`: the number of processes (cfg.prompts_per_step is per process)."""
     state = {"weights": weights, "optimizer": optimizer_state, "step": step, "config": dataclasses.asdict(cfg),
+             "world": world,
              "rng": {"torch": torch.random.get_rng_state(),
                      "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}}
     atomic_write(path, lambda f: torch.save(state, f))

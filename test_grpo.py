@@ -6,6 +6,7 @@
 import copy
 import json
 import math
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -1077,3 +1078,171 @@ def test_gradient_checkpointing(pipe):
     assert ckpt_pipe.vision_language_encoder.is_activation_checkpointing
     norm = torch.sqrt(sum((g ** 2).sum() for g in plain.values()))
     assert torch.sqrt(sum(((plain[k] - ckpt[k]) ** 2).sum() for k in plain)) / norm < 1e-5
+
+
+# ---- many processes: torchrun + FSDP2 (gloo on the CPU, 2 processes of 1 thread each) ----------------
+
+def torchrun(*args, script: Path = HERE / "grpo.py", timeout: int = 600, nproc: int = 2):
+    """Run `script` under torchrun with `nproc` processes; returns the CompletedProcess."""
+    env = {**__import__("os").environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                           str(nproc), str(script), *args], capture_output=True, text=True, cwd=HERE, env=env,
+                          timeout=timeout)
+
+
+def zero_gradient_entries(name: str, config) -> torch.Tensor | None:
+    """The entries of k_proj.bias outside the rotary dims: softmax ignores a constant added to every key, so their
+    true gradient is exactly 0, their float gradient is rounding noise, and AdamW turns that noise into steps of
+    random sign (~lr / 100). Any change of summation order moves them (one process, micro-batch 2 vs 4, too)."""
+    if not name.endswith("k_proj.bias"):
+        return None
+    head_dim = config.hidden_size // config.num_attention_heads
+    rotary = int(head_dim * config.rope_parameters["partial_rotary_factor"])
+    return (torch.arange(config.num_key_value_heads * head_dim) % head_dim) >= rotary
+
+
+def assert_same_weights(dir_a: Path, dir_b: Path, tol: float = 1e-5) -> float:
+    """final/ of two runs hold the same weights within `tol` (the zero-gradient entries above excepted)."""
+    from safetensors.torch import load_file
+    name = "adapter_model.safetensors" if (dir_a / "adapter_model.safetensors").exists() else "model.safetensors"
+    a, b = load_file(dir_a / name), load_file(dir_b / name)
+    config = fresh_pipe().vision_language_encoder.config.text_config
+    assert a.keys() == b.keys() and a
+    worst = 0.0
+    for key in a:
+        diff = (a[key].float() - b[key].float()).abs()
+        mask = zero_gradient_entries(key, config)
+        worst = max(worst, (diff[~mask] if mask is not None else diff).max().item())
+    assert worst <= tol, worst
+    return worst
+
+
+def assert_same_metrics(run_a: Path, run_b: Path, tol: float = 1e-5) -> None:
+    a, b = run_record(run_a), run_record(run_b)
+    assert len(a) == len(b) and [x["prompts"] for x in a] == [x["prompts"] for x in b]
+    for x, y in zip(a, b):
+        assert x.keys() == y.keys()
+        for key in x:
+            if isinstance(x[key], float):
+                assert abs(x[key] - y[key]) <= tol * max(1.0, abs(x[key])), (x["step"], key, x[key], y[key])
+            else:
+                assert x[key] == y[key], (x["step"], key)
+
+
+@pytest.mark.parametrize("extra", [["--kl-beta", "0.04"], ["--kl-beta", "0", "--micro-batch-size", "2"],
+                                   ["--lora-rank", "4", "--kl-beta", "0.04", "--micro-batch-size", "2"]],
+                         ids=["full-kl", "full-microbatch", "lora-kl"])
+def test_torchrun_equals_one_process(tmp_path, extra):
+    """2 processes x 1 prompt per step make the same updates as 1 process x 2 prompts: same prompts and samples,
+    the same per-step metrics and the same final/ weights within 1e-5 (float32)."""
+    prompts = write_example(tmp_path, ["a gray square | t.png", "another | t.png"])
+    common = ["--model", "tiny", "--prompts", str(prompts), "--steps", "3", "--image-every", "0", *extra]
+    # one thread per process in both runs: the thread count changes float summation order (and so, rarely, a sample)
+    assert torchrun(*common, "--out", str(tmp_path / "one"), "--prompts-per-step", "2", nproc=1).returncode == 0
+    proc = torchrun(*common, "--out", str(tmp_path / "two"), "--prompts-per-step", "1")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.count("reward (mean of first") == 1  # rank 0 alone prints the summary
+    assert_same_metrics(tmp_path / "one", tmp_path / "two")
+    assert run_record(tmp_path / "two")[0]["prompts"] == [0, 1]  # both processes' groups, in the metrics of rank 0
+    assert_same_weights(tmp_path / "one" / "final", tmp_path / "two" / "final")
+
+
+def test_torchrun_resume(tmp_path):
+    """Under 2 processes, 2 steps + resume + 2 steps equals 4 steps; the 2-process checkpoint also resumes in one
+    process (with 2 prompts per step, the same groups) and continues the same run."""
+    prompts = write_example(tmp_path, ["a gray square | t.png", "another | t.png"])
+    common = ["--model", "tiny", "--prompts", str(prompts), "--image-every", "0", "--kl-beta", "0.04",
+              "--micro-batch-size", "2"]
+    assert torchrun(*common, "--out", str(tmp_path / "whole"), "--steps", "4").returncode == 0
+    assert torchrun(*common, "--out", str(tmp_path / "half"), "--steps", "2").returncode == 0
+    shutil.copytree(tmp_path / "half", tmp_path / "half_one")
+    proc = torchrun("--resume", str(tmp_path / "half"), "--steps", "4")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert run_record(tmp_path / "half") == run_record(tmp_path / "whole")
+    assert_same_weights(tmp_path / "whole" / "final", tmp_path / "half" / "final", tol=0.0)
+    assert torchrun("--resume", str(tmp_path / "half_one"), "--steps", "4", nproc=1).returncode == 0  # both groups
+    assert json.loads((tmp_path / "half_one" / "config.json").read_text())["prompts_per_step"] == 2
+    assert_same_metrics(tmp_path / "whole", tmp_path / "half_one")
+    assert_same_weights(tmp_path / "whole" / "final", tmp_path / "half_one" / "final")
+
+
+def test_torchrun_bad_input(tmp_path):
+    """A bad prompts file under torchrun: every process exits non-zero at once, our one line printed once."""
+    (tmp_path / "bad.txt").write_text("fine | nope.png\n")
+    proc = torchrun("--model", "tiny", "--prompts", str(tmp_path / "bad.txt"), "--out", str(tmp_path / "out"),
+                    timeout=120)
+    assert proc.returncode != 0 and proc.stderr.count("grpo.py: error:") == 1, proc.stderr[-3000:]
+    assert "nope.png does not exist" in proc.stderr and not (tmp_path / "out").exists()
+
+
+COLLECTIVES = """
+import json, sys, torch, torch.distributed as dist
+sys.path.insert(0, {here!r})
+import grpo, parallel
+counts = {{"all_gather": 0, "reduce_scatter": 0}}
+for op, name in [(op, op.split("_")[0] + "_" + op.split("_")[1]) for op in ("all_gather_into_tensor",
+                 "all_gather_single", "reduce_scatter_tensor", "reduce_scatter_single") if hasattr(dist, op)]:
+    real = getattr(dist, op)
+    def counted(*a, _real=real, _name=name, **k):
+        counts[_name] += 1
+        return _real(*a, **k)
+    setattr(dist, op, counted)
+rank, world, _ = parallel.start_processes("cpu")
+pipe = grpo.load_glm_image("tiny")
+policy = grpo.apply_lora(pipe.vision_language_encoder, 4) if {lora} else pipe.vision_language_encoder
+parallel.shard(policy, torch.float32)
+opt = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=1e-3)
+with parallel.unsharded(policy):
+    r = grpo.sample_group(pipe, "a cat", 4, 64, 64, 0.9, seed=rank)
+sampling = dict(counts)
+counts.update(all_gather=0, reduce_scatter=0)
+grpo.train_step(policy, opt, [r], torch.tensor([[1.0, -1.0, 0.5, -0.5]]), None, temperature=0.9, clip_eps=0.2,
+                kl_beta=0.0, micro_batch_size=1, max_grad_norm=1.0)
+units = len(parallel.fsdp_units(policy))
+if rank == 0:
+    print(json.dumps({{"sampling": sampling, "training": counts, "units": units, "tokens": r.tokens.shape[1]}}))
+"""
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_torchrun_collectives(tmp_path, lora):
+    """Sampling gathers each FSDP unit at most once per generate, not once per token; with LoRA, 4 micro-batches
+    reduce gradients once (after the last), with full fine-tuning once per micro-batch (gradients stay sharded)."""
+    script = tmp_path / "count.py"
+    script.write_text(COLLECTIVES.format(here=str(HERE), lora=lora))
+    proc = torchrun(script=script)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    c = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert c["tokens"] == 260 and c["sampling"]["all_gather"] <= c["units"] and c["sampling"]["reduce_scatter"] == 0
+    layers = 2  # decoder layers: the units that hold trainable weights
+    assert c["training"]["reduce_scatter"] == (layers + (0 if lora else 1)) * (1 if lora else 4)
+
+
+RANK_DIES = """
+import os, sys
+sys.path.insert(0, {here!r})
+import grpo
+real = grpo.train_step
+
+def dies(*args, **kwargs):
+    if os.environ["RANK"] == "1" and len(open({metrics!r}).read().splitlines()) == 2:
+        os._exit(1)  # killed in the middle of step 2
+    return real(*args, **kwargs)
+
+grpo.train_step = dies
+grpo.main(sys.argv[1:])
+"""
+
+
+def test_torchrun_rank_dies(tmp_path):
+    """A process that dies mid-run takes the others down (non-zero exit, no hang); rank 0's checkpoint of the last
+    finished step stays loadable, and the run resumes from it."""
+    prompts = write_example(tmp_path, ["a gray square | t.png", "another | t.png"])
+    out = tmp_path / "run"
+    script = tmp_path / "dies.py"
+    script.write_text(RANK_DIES.format(here=str(HERE), metrics=str(out / "metrics.jsonl")))
+    proc = torchrun("--model", "tiny", "--prompts", str(prompts), "--out", str(out), "--steps", "4",
+                    "--save-every", "1", "--image-every", "0", script=script, timeout=300)
+    assert proc.returncode != 0
+    assert grpo.read_checkpoint(out / "checkpoint.pt")["step"] == 2 and len(run_record(out)) == 2
+    assert torchrun("--resume", str(out), "--steps", "3").returncode == 0 and len(run_record(out)) == 3
