@@ -170,7 +170,9 @@ def on_interrupt(signum, frame) -> None:
     if INTERRUPT["held"] or distributed():
         if not INTERRUPT["requested"]:
             INTERRUPT["requested"] = True
-            print("\ninterrupt: finishing this step, then saving (interrupt again to stop at once)", file=sys.stderr)
+            if not distributed() or dist.get_rank() == 0:
+                print("\ninterrupt: finishing this step, then saving (interrupt again to stop at once)",
+                      file=sys.stderr)
             return
         INTERRUPT["forced"] = True
     raise KeyboardInterrupt

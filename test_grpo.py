@@ -1246,3 +1246,27 @@ def test_torchrun_rank_dies(tmp_path):
     assert proc.returncode != 0
     assert grpo.read_checkpoint(out / "checkpoint.pt")["step"] == 2 and len(run_record(out)) == 2
     assert torchrun("--resume", str(out), "--steps", "3").returncode == 0 and len(run_record(out)) == 3
+
+
+def test_torchrun_interrupt(tmp_path):
+    """Ctrl-C to torchrun (which passes it to every process): all finish the same step, rank 0 saves it, and the
+    resumed run continues from there with no step lost or applied twice."""
+    import os
+    import signal
+    import time
+    prompts = write_example(tmp_path, ["a gray square | t.png", "another | t.png"])
+    out = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                             str(HERE / "grpo.py"), "--model", "tiny", "--prompts", str(prompts), "--out", str(out),
+                             "--steps", "100", "--image-every", "0"], cwd=HERE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    while not (out / "metrics.jsonl").exists() or len(run_record(out)) < 2:
+        assert proc.poll() is None, proc.communicate()
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode != 0 and err.count("interrupted: checkpoint at step") == 1, err[-3000:]
+    done = grpo.read_checkpoint(out / "checkpoint.pt")["step"]
+    assert done == len(run_record(out)) >= 2
+    assert torchrun("--resume", str(out), "--steps", str(done + 1)).returncode == 0
+    assert [r["step"] for r in run_record(out)] == list(range(done + 1))
