@@ -1,6 +1,7 @@
-"""Does the tiny demo learn? Runs `grpo.py --model tiny` for several seeds and prints one table.
+"""Does the tiny demo learn? Runs `grpo.py --model tiny` for several seeds and prints one table per prompts file.
 
-  python bench_learning.py                         # 3 seeds x 100 steps, the shipped prompts.txt (~4 min, 2 cores)
+  python bench_learning.py                         # 3 seeds x 100 steps, text-to-image (prompts.txt) and editing
+                                                   # (examples/edits.jsonl): ~8 min on 2 cores
   python bench_learning.py --seeds 0 1 2 3 4 5 -- --kl-beta 0.04 --lr 3e-3   # extra grpo.py flags after --
 
 Per seed: mean reward of the first and last steps (whole cycles over the prompts, as grpo.py prints),
@@ -37,10 +38,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--steps", type=int, default=100)
-    parser.add_argument("--prompts", default="prompts.txt")
+    parser.add_argument("--prompts", nargs="+", default=["prompts.txt", "examples/edits.jsonl"])
     args = parser.parse_args(argv[: argv.index("--")] if "--" in argv else argv)
-    rows = [run(seed, args.steps, args.prompts, extra) for seed in args.seeds]
-    print(f"\ngrpo.py --model tiny --steps {args.steps} {' '.join(extra)}")
+    for prompts in args.prompts:
+        table(prompts, [run(seed, args.steps, prompts, extra) for seed in args.seeds], args.steps, extra)
+
+
+def table(prompts: str, rows: list[dict], steps: int, extra: list[str]) -> None:
+    print(f"\ngrpo.py --model tiny --prompts {prompts} --steps {steps} {' '.join(extra)}")
     print("| seed | reward first | reward last | gain | collapsed (last 25%) | s/step |")
     print("|---|---|---|---|---|---|")
     for r in rows:

@@ -269,12 +269,19 @@ def load_image(path: str | Path, height: int, width: int, role: str = "target") 
 
 # ---- 4. Group sampling --------------------------------------------------------------------------
 
+class Source(NamedTuple):
+    image: Image.Image  # the image being edited, as the DiT's VAE sees it
+    codes: torch.Tensor  # (h_s * w_s,) long, its VQ codes from the AR's vision tower: encoded once per group
+    grid_hw: tuple[int, int]  # (h_s, w_s) = its size / 32
+
+
 class Rollout(NamedTuple):
-    tokens: torch.Tensor  # (G, N) long, visual codes: preview grid then large grid
+    tokens: torch.Tensor  # (G, N) long, visual codes: preview grid then large grid (editing: the large grid only)
     logprobs: torch.Tensor  # (G, N) float32, log pi_old of each token under the sampled distribution
     inputs: dict  # AR inputs of the group: input_ids (G, P), attention_mask, image_grid_thw (2G, 3), ...
-    preview_hw: tuple[int, int]  # preview grid (h', w'), generated first
-    large_hw: tuple[int, int]  # large grid (H/32, W/32), generated second; the only one the DiT sees
+    preview_hw: tuple[int, int]  # preview grid (h', w'), generated first; (0, 0) when editing (none is generated)
+    large_hw: tuple[int, int]  # large grid (H/32, W/32), generated last; the only one the DiT sees
+    source: Source | None  # the image being edited, or None (text-to-image)
 
 
 def code_logprobs(logits: torch.Tensor, temperature: float, codebook_size: int) -> torch.Tensor:
@@ -286,33 +293,73 @@ def code_logprobs(logits: torch.Tensor, temperature: float, codebook_size: int) 
     return torch.log_softmax(logits[..., :codebook_size].float() / temperature, dim=-1)
 
 
-def group_inputs(processor, prompt: str, group_size: int, height: int, width: int, device) -> dict:
-    """One prompt -> AR inputs repeated G times. Repeating by hand keeps each sample's [large, preview]
-    grid pair together; generate(num_return_sequences=G) would repeat_interleave the grid rows."""
-    messages = [[{"role": "user", "content": [{"type": "text", "text": prompt}]}]]
-    one = processor.apply_chat_template(messages, tokenize=True, return_dict=True,
+def group_inputs(processor, prompt: str, group_size: int, height: int, width: int, device,
+                 source: Image.Image | None = None) -> dict:
+    """One prompt (and the image to edit, if any) -> AR inputs repeated G times. Repeating by hand keeps each
+    sample's grid rows together; generate(num_return_sequences=G) would repeat_interleave them.
+
+    Per sample, image_grid_thw holds [large, preview] for text-to-image and [source, large] for editing (which
+    generates no preview grid). With a source, `pixel_values` (one copy) are its patches and input_ids hold one
+    <|image|> placeholder per source token, until encode_source puts the codes in their place.
+    """
+    content = ([{"type": "image", "image": source}] if source is not None else []) + [{"type": "text", "text": prompt}]
+    one = processor.apply_chat_template([[{"role": "user", "content": content}]], tokenize=True, return_dict=True,
                                         processor_kwargs=dict(target_h=height, target_w=width, return_tensors="pt"))
-    return {
+    inputs = {
         "input_ids": one["input_ids"].repeat(group_size, 1).to(device),  # (G, P)
         "attention_mask": one["attention_mask"].repeat(group_size, 1).to(device),  # (G, P)
-        "image_grid_thw": one["image_grid_thw"].repeat(group_size, 1).to(device),  # (2G, 3): [large, preview] x G
+        "image_grid_thw": one["image_grid_thw"].repeat(group_size, 1).to(device),  # (2G, 3): 2 grid rows per sample
         "images_per_sample": one["images_per_sample"].repeat(group_size).to(device),  # (G,)
     }
+    if source is not None:
+        inputs["pixel_values"] = one["pixel_values"].to(device)  # (h_s * w_s, 3 * 16 * 16), one copy
+    return inputs
+
+
+@torch.no_grad()
+def encode_source(model, inputs: dict, source: Image.Image) -> tuple[dict, Source]:
+    """The source's patches -> its VQ codes (vision tower, then nearest codebook entry), written into input_ids in
+    place of the <|image|> placeholders: the path GlmImageModel.forward takes with pixel_values, done ONCE per group,
+    so generate and every training forward see the very same source tokens (and need no pixel_values)."""
+    core, grid = model.model, inputs["image_grid_thw"][:1]  # (1, 3): the source row of the first sample
+    features = core.get_image_features(inputs["pixel_values"], grid, return_dict=True).pooler_output
+    codes = core.get_image_tokens(features).view(-1)  # (h_s * w_s,)
+    ids = inputs["input_ids"]
+    filled = ids.masked_scatter(ids == model.config.image_token_id, codes.repeat(ids.shape[0]))
+    inputs = {k: v for k, v in inputs.items() if k != "pixel_values"} | {"input_ids": filled}
+    (_, h, w) = grid[0].tolist()
+    if (32 * h, 32 * w) != (source.height, source.width):  # the DiT conditions on the source at (h_s, w_s) x 32
+        raise ValueError(f"the processor made a {h}x{w} token grid of a {source.width}x{source.height} source; the DiT "
+                         "needs size / 32: resize sources (or the processor's size limits) to match")
+    return inputs, Source(source, codes, (h, w))
+
+
+def to_pil(image: torch.Tensor) -> Image.Image:
+    """(3, H, W) float in [0, 1] -> PIL (exact for images read from 8-bit files). The processor rescales by 1/255
+    itself, so it must not get the [0, 1] tensor."""
+    return Image.fromarray((image.float().clamp(0, 1).permute(1, 2, 0).cpu().numpy() * 255).round().astype(np.uint8))
 
 
 @torch.no_grad()
 def sample_group(pipe, prompt: str, group_size: int, height: int, width: int, temperature: float,
-                 seed: int) -> Rollout:
-    """G samples for one prompt from ONE batched generate (KV cache), with their log-probs.
+                 seed: int, source: torch.Tensor | None = None) -> Rollout:
+    """G samples for one prompt (editing: and a (3, H, W) source image) from ONE batched generate (KV cache),
+    with their log-probs.
 
-    Every sample is exactly N = h'w' + (H/32)(W/32) codebook tokens. Log-probs come from the raw logits
-    through `code_logprobs`, i.e. exactly the distribution generate sampled from.
+    Every sample is exactly N = h'w' + (H/32)(W/32) codebook tokens (editing: (H/32)(W/32)). Log-probs come
+    from the raw logits through `code_logprobs`, i.e. exactly the distribution generate sampled from.
     """
     model, K = pipe.vision_language_encoder, pipe.vision_language_encoder.config.vq_config.num_embeddings
     model.eval()  # no dropout: sampler and trainer must draw from one and the same distribution
-    inputs = group_inputs(pipe.processor, prompt, group_size, height, width, model.device)
-    (_, large_h, large_w), (_, prev_h, prev_w) = inputs["image_grid_thw"][:2].tolist()
-    n_tokens = prev_h * prev_w + large_h * large_w
+    image = to_pil(source) if source is not None else None
+    inputs = group_inputs(pipe.processor, prompt, group_size, height, width, model.device, image)
+    first, second = (tuple(row[1:]) for row in inputs["image_grid_thw"][:2].tolist())
+    if image is not None:
+        inputs, src = encode_source(model, inputs, image)
+        preview_hw, large_hw = (0, 0), second  # [source, large]
+    else:
+        src, preview_hw, large_hw = None, second, first  # [large, preview]
+    n_tokens = preview_hw[0] * preview_hw[1] + large_hw[0] * large_hw[1]
     vision_vocab = model.config.text_config.vision_vocab_size
     devices = [model.device] if model.device.type == "cuda" else []
     with torch.random.fork_rng(devices=devices):  # seeded sampling without touching the caller's RNG
@@ -325,27 +372,41 @@ def sample_group(pipe, prompt: str, group_size: int, height: int, width: int, te
     tokens = out.sequences[:, inputs["input_ids"].shape[1]:]  # (G, N)
     logits = torch.stack(out.logits, dim=1)  # (G, N, V) raw, before temperature and suppression
     logprobs = code_logprobs(logits, temperature, K).gather(-1, tokens[..., None]).squeeze(-1)  # (G, N)
-    return Rollout(tokens, logprobs, inputs, (prev_h, prev_w), (large_h, large_w))
+    return Rollout(tokens, logprobs, inputs, preview_hw, large_hw, src)
 
 
 # ---- 5. Log-probs of given tokens ---------------------------------------------------------------
 
-def rope_positions(image_grid_thw: torch.Tensor, prompt_len: int, num_tokens: int) -> torch.Tensor:
-    """3D rotary positions (3, 1, P + N - 1) for prompt + all generated tokens but the last.
+def rope_positions(input_ids: torch.Tensor, image_grid_thw: torch.Tensor, num_tokens: int, image_start_id: int,
+                   image_end_id: int) -> torch.Tensor:
+    """3D rotary positions (3, 1, P + N - 1) of one sample's prompt (input_ids (P,), its grid rows) followed by all
+    of its N generated tokens but the last, as GlmImageModel.get_rope_index gives them to generate.
 
-    The text-to-image prompt holds no image, so its positions are a 1D ramp on all three axes
-    (temporal, height, width). The grids are then generated in REVERSE order of image_grid_thw
-    (preview first): a grid h x w starting at p has t = p, h = p + row, w = p + col, and the next
-    grid starts at p + max(h, w). This mirrors GlmImageModel.get_rope_index, which generate uses.
+    Text is a 1D ramp on all three axes (temporal, height, width). A source image (the tokens between an image-start
+    and an image-end id) with grid h x w starting at p takes t = p, h = p + row, w = p + col, and the ramp goes on
+    at p + max(h, w). The grids the prompt does not hold are then generated in REVERSE order of image_grid_thw
+    (text-to-image: preview, then large; editing: the large grid) by the same rule, each starting where the last
+    one ended.
     """
-    positions = [torch.arange(prompt_len).expand(3, -1)]  # (3, P)
-    p = prompt_len
-    for _, h, w in reversed(image_grid_thw[:2].tolist()):  # this sample's [large, preview] -> preview, large
-        rows = torch.arange(h).repeat_interleave(w)  # (h*w,) 0,0,..,1,1,..
-        cols = torch.arange(w).repeat(h)  # (h*w,) 0,1,..,0,1,..
-        positions.append(torch.stack([torch.full_like(rows, p), p + rows, p + cols]))  # (3, h*w)
+    ids = input_ids.tolist()
+    starts = [i + 1 for i, t in enumerate(ids) if t == image_start_id]  # first token of each image in the prompt
+    ends = [i for i, t in enumerate(ids) if t == image_end_id]  # a source image is complete: it has an end
+    grids = [tuple(row[1:]) for row in image_grid_thw.tolist()]
+
+    def grid(p, h, w):  # (3, h*w): t = p, rows and columns offset from p
+        rows, cols = torch.arange(h).repeat_interleave(w), torch.arange(w).repeat(h)
+        return torch.stack([torch.full_like(rows, p), p + rows, p + cols])
+
+    positions, p, done = [], 0, 0  # p: the next position; done: prompt tokens placed so far
+    for start, end, (h, w) in zip(starts, ends, grids):  # the source images, in order
+        positions += [torch.arange(p, p + start - done).expand(3, -1), grid(p + start - done, h, w)]
+        p, done = p + start - done + max(h, w), end
+    positions.append(torch.arange(p, p + len(ids) - done).expand(3, -1))  # the rest of the prompt
+    p += len(ids) - done
+    for h, w in reversed(grids[len(ends):]):  # the generated grids
+        positions.append(grid(p, h, w))
         p += max(h, w)
-    positions = torch.cat(positions, dim=1)[:, : prompt_len + num_tokens - 1]  # the last token is never an input
+    positions = torch.cat(positions, dim=1)[:, : len(ids) + num_tokens - 1]  # the last token is never an input
     return positions[:, None, :].to(image_grid_thw.device)  # (3, 1, P+N-1)
 
 
@@ -360,8 +421,10 @@ def token_logprobs(model, inputs: dict, tokens: torch.Tensor, temperature: float
     N = tokens.shape[1]
     input_ids = torch.cat([inputs["input_ids"], tokens[:, :-1]], dim=1)  # (G, P+N-1)
     attention_mask = torch.cat([inputs["attention_mask"], torch.ones_like(tokens[:, :-1])], dim=1)
-    positions = rope_positions(inputs["image_grid_thw"], P, N).expand(-1, G, -1)  # (3, G, P+N-1)
-    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions,
+    rows = int(inputs["images_per_sample"][0])  # grid rows of one sample (the G samples share one prompt)
+    positions = rope_positions(inputs["input_ids"][0], inputs["image_grid_thw"][:rows], N,
+                               model.config.image_start_token_id, model.config.image_end_token_id)
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions.expand(-1, G, -1),
                    use_cache=False, logits_to_keep=N).logits  # (G, N, V): the logits that predict each token
     K = model.config.vq_config.num_embeddings
     return code_logprobs(logits, temperature, K).gather(-1, tokens[..., None]).squeeze(-1)
@@ -371,11 +434,15 @@ def token_logprobs(model, inputs: dict, tokens: torch.Tensor, temperature: float
 
 @torch.no_grad()
 def decode_images(pipe, prompt: str, tokens: torch.Tensor, large_hw: tuple[int, int], height: int, width: int,
-                  num_inference_steps: int, seed: int, guidance_scale: float = 1.5) -> torch.Tensor:
+                  num_inference_steps: int, seed: int, guidance_scale: float = 1.5,
+                  source: Source | None = None) -> torch.Tensor:
     """(G, N) tokens -> (G, 3, H, W) float32 images in [0, 1]: large grid -> prior ids -> DiT -> VAE.
 
     The whole group in one pipeline call, all samples from the same latent noise (seeded), so the
-    images differ only through their tokens. The preview tokens never reach the DiT.
+    images differ only through their tokens. The preview tokens never reach the DiT. Editing: the DiT also
+    attends to the source (VAE latents and its codes, upsampled like the prior), as GLM-Image edits. Passing our
+    tokens as prior_token_ids skips the pipeline's own AR step, the part of diffusers 0.42.1 that fails with
+    transformers >= 5.23 for editing (it concatenates the list get_image_features now returns along channels).
     """
     G, (h, w) = tokens.shape[0], large_hw
     device = pipe.transformer.device
@@ -386,10 +453,17 @@ def decode_images(pipe, prompt: str, tokens: torch.Tensor, large_hw: tuple[int, 
     generator = torch.Generator("cpu").manual_seed(seed)
     shape = (1, pipe.transformer.config.in_channels, height // pipe.vae_scale_factor, width // pipe.vae_scale_factor)
     latents = torch.randn(shape, generator=generator).to(device, pipe.transformer.dtype).repeat(G, 1, 1, 1)
+    edit = {}
+    if source is not None:  # one copy per sample: the pipeline's batch is the group
+        hs, ws = source.grid_hw
+        codes = F.interpolate(source.codes.view(1, 1, hs, ws).float(), scale_factor=2, mode="nearest")
+        edit = dict(image=[[source.image]] * G, prior_token_image_ids=[codes.long().view(-1).to(device)] * G,
+                    source_image_grid_thw=[torch.tensor([[1, 2 * hs, 2 * ws]], device=device)] * G)
     images = pipe(prompt_embeds=embeds.repeat(G, 1, 1),
                   negative_prompt_embeds=None if negative is None else negative.repeat(G, 1, 1),
                   prior_token_ids=prior, latents=latents, height=height, width=width,
-                  num_inference_steps=num_inference_steps, guidance_scale=guidance_scale, output_type="pt").images
+                  num_inference_steps=num_inference_steps, guidance_scale=guidance_scale, output_type="pt",
+                  **edit).images
     return images.float().clamp(0, 1)  # (G, 3, H, W)
 
 
@@ -591,9 +665,10 @@ def reference_logprobs(ref_model, inputs: dict, tokens: torch.Tensor, temperatur
 
 
 def select_rows(inputs: dict, rows: slice) -> dict:
-    """The AR inputs of samples `rows` of a group (image_grid_thw holds two grid rows per sample)."""
+    """The AR inputs of samples `rows` of a group (image_grid_thw holds images_per_sample grid rows per sample)."""
+    per_sample = int(inputs["images_per_sample"][0])
     return {"input_ids": inputs["input_ids"][rows], "attention_mask": inputs["attention_mask"][rows],
-            "image_grid_thw": inputs["image_grid_thw"].view(-1, 2, 3)[rows].reshape(-1, 3),
+            "image_grid_thw": inputs["image_grid_thw"].view(-1, per_sample, 3)[rows].reshape(-1, 3),
             "images_per_sample": inputs["images_per_sample"][rows]}
 
 
@@ -623,6 +698,7 @@ def train_step(policy, optimizer, rollouts: list[Rollout], advantages: torch.Ten
     for _ in range(mu):
         optimizer.zero_grad(set_to_none=True)
         totals: dict[str, float] = {}
+        weights: dict[str, float] = {}  # the share of sequences behind each metric (editing has no preview region)
         finite = True
         for k, (inputs, tokens, sampled, adv, n_preview) in enumerate(batches):
             logp = token_logprobs(policy, inputs, tokens, temperature)  # (mb, N), with grad
@@ -639,13 +715,16 @@ def train_step(policy, optimizer, rollouts: list[Rollout], advantages: torch.Ten
             (loss * share).backward()  # even when not finite: with FSDP every process must join every backward
             m["loss"] = loss.item()
             for name, cut in regions.items():  # diagnostics per region, whichever tokens the loss covers
-                _, mr = grpo_loss(logp[:, cut].detach(), old[:, cut], None if ref is None else ref[:, cut], adv,
-                                  clip_eps, kl_beta)
-                m.update({f"{name}/logprob": logp[:, cut].mean().item(), f"{name}/kl": mr["kl"],
-                          f"{name}/clip_frac": mr["clip_frac"]})
+                if logp[:, cut].numel():
+                    _, mr = grpo_loss(logp[:, cut].detach(), old[:, cut], None if ref is None else ref[:, cut], adv,
+                                      clip_eps, kl_beta)
+                    m.update({f"{name}/logprob": logp[:, cut].mean().item(), f"{name}/kl": mr["kl"],
+                              f"{name}/clip_frac": mr["clip_frac"]})
             ratio_min, ratio_max = min(ratio_min, m.pop("ratio_min")), max(ratio_max, m.pop("ratio_max"))
             for key, value in m.items():
                 totals[key] = totals.get(key, 0.0) + value * share
+                weights[key] = weights.get(key, 0.0) + share
+        totals = {key: value / weights[key] for key, value in totals.items()}  # means over the sequences that have it
         params = [p for group in optimizer.param_groups for p in group["params"]]
         totals["grad_norm"] = torch.nn.utils.clip_grad_norm_(params, max_grad_norm).item()
         if all_agree(finite) and math.isfinite(totals["grad_norm"]):  # every process steps, or none
@@ -821,11 +900,12 @@ def main(argv: list[str] | None = None) -> dict:
                 clock = [time.perf_counter()]
                 with autocast, unsharded(policy):  # 1. sample a group of G token grids per prompt
                     rollouts = [sample_group(pipe, ex["prompt"], cfg.group_size, cfg.height, cfg.width,
-                                             cfg.temperature, seed=cfg.seed * 1_000_003 + g) for ex, g in zip(batch, groups)]
+                                             cfg.temperature, cfg.seed * 1_000_003 + g, ex.get("source"))
+                                for ex, g in zip(batch, groups)]
                 clock.append(time.perf_counter())
                 with decoder_on(pipe, device, cfg.offload):  # 2. decode them to images with the frozen DiT
                     images = [decode_images(pipe, ex["prompt"], r.tokens, r.large_hw, cfg.height, cfg.width,
-                                            cfg.num_inference_steps, cfg.decode_seed, cfg.guidance_scale)
+                                            cfg.num_inference_steps, cfg.decode_seed, cfg.guidance_scale, r.source)
                               for ex, r in zip(batch, rollouts)]
                 clock.append(time.perf_counter())
                 reward, each = group_rewards(images, batch, rewards)  # 3. score them: (P, G)

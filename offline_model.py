@@ -81,7 +81,8 @@ TINY = dict(
                          # mrope_section must sum to head_dim * partial_rotary_factor / 2 = 32 * 0.5 / 2
                          rope_parameters=dict(rope_type="default", rope_theta=10000.0, mrope_section=[2, 3, 3],
                                               partial_rotary_factor=0.5)),
-        vision_config=dict(depth=1, hidden_size=32, num_heads=2, image_size=32, patch_size=8, intermediate_size=32),
+        # patch 16 as published: the processor halves a source image, so its AR grid is (H/32, W/32) like the DiT's
+        vision_config=dict(depth=1, hidden_size=32, num_heads=2, image_size=32, patch_size=16, intermediate_size=32),
         vq_config=dict(embed_dim=32, num_embeddings=K_TINY, latent_channels=32),
     ),
     # patch_size 2 x VAE scale factor 8 = 16: the DiT sees the AR grid upsampled 2x (H/16 x W/16)
@@ -97,10 +98,13 @@ TINY = dict(
          "<|observation|>", "<|begin_of_image|>", "<|end_of_image|>", "<|image|>", "<sop>", "<eop>"])},
 )
 
-# The chat template: [gMASK]<sop>, the user turn (text; a source image as its placeholder), the assistant turn
+# The chat template: [gMASK]<sop>, the user turn, the assistant turn. A source image (editing) sits between the image
+# start and end ids (bos / eos = <|dit_token_16384|> / <|dit_token_16385|> in the real model): those are the markers
+# GlmImageModel.get_rope_index looks for to give the image 2D positions. The processor expands <|image|> to one
+# placeholder per source token and appends the target grid(s) and the image start.
 CHAT_TEMPLATE = ("[gMASK]<sop>{% for m in messages %}<|{{ m['role'] }}|>\n{% for c in m['content'] %}"
                  "{% if c['type'] == 'text' %}{{ c['text'] }}"
-                 "{% elif c['type'] == 'image' %}<|begin_of_image|><|image|><|end_of_image|>{% endif %}"
+                 "{% elif c['type'] == 'image' %}{{ bos_token }}<|image|>{{ eos_token }}{% endif %}"
                  "{% endfor %}{% endfor %}<|assistant|>\n")
 
 
@@ -160,8 +164,11 @@ def glm_image(configs: dict, seed: int = 0, device: str | torch.device | None = 
     tokenizer = glm_tokenizer(text.vocab_size, text.vision_vocab_size, configs["specials"],
                               ar_config.image_start_token_id, ar_config.image_end_token_id)
     assert tokenizer.convert_tokens_to_ids("<|image|>") == ar_config.image_token_id
-    processor = GlmImageProcessor(image_processor=GlmImageImageProcessorPil(), tokenizer=tokenizer,
-                                  chat_template=CHAT_TEMPLATE)
+    # a source image: 16-pixel patches after the processor halves it, one VQ code per patch (no merging, no time axis)
+    patch = configs["ar"]["vision_config"]["patch_size"]
+    image_processor = GlmImageImageProcessorPil(patch_size=patch, merge_size=1, temporal_patch_size=1,
+                                                size={"shortest_edge": 32 * 32, "longest_edge": 2048 * 2048})
+    processor = GlmImageProcessor(image_processor=image_processor, tokenizer=tokenizer, chat_template=CHAT_TEMPLATE)
     torch.manual_seed(seed)
     with torch.device(device or "cpu"):
         ar = GlmImageForConditionalGeneration(ar_config)

@@ -122,7 +122,8 @@ def reduce_metrics(metrics: dict) -> dict:
         return metrics
     parts = [None] * dist.get_world_size()
     dist.all_gather_object(parts, metrics)
-    return {k: REDUCE.get(k, lambda xs: sum(xs) / len(xs))([p[k] for p in parts]) for k in metrics}
+    keys = dict.fromkeys(k for part in parts for k in part)  # a process that only edits has no preview/ metrics
+    return {k: REDUCE.get(k, lambda xs: sum(xs) / len(xs))([p[k] for p in parts if k in p]) for k in keys}
 
 
 # ---- State: the same checkpoint format for one process and for many ------------------------------
