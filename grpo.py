@@ -50,6 +50,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from PIL import Image
+from tqdm.auto import tqdm
 
 from offline_model import tiny_glm_image  # a tiny GLM-Image built in code (offline demo, tests, notebook)
 from parallel import (INTERRUPT, final_weights, gather_list, gather_rows, interrupts_caught,  # many GPUs (torchrun)
@@ -672,6 +673,19 @@ def select_rows(inputs: dict, rows: slice) -> dict:
             "images_per_sample": inputs["images_per_sample"][rows]}
 
 
+def region_metrics(regions: dict, logp: torch.Tensor, old: torch.Tensor, ref: torch.Tensor | None,
+                   adv: torch.Tensor, clip_eps: float, kl_beta: float) -> dict:
+    """Mean log-prob, KL and clip fraction of each region (preview / large grid) of (mb, N) log-probs, whichever
+    tokens the loss covers; a region with no tokens (the preview when editing) is left out."""
+    metrics = {}
+    for name, cut in regions.items():
+        if logp[:, cut].numel():
+            _, m = grpo_loss(logp[:, cut], old[:, cut], None if ref is None else ref[:, cut], adv, clip_eps, kl_beta)
+            metrics.update({f"{name}/logprob": logp[:, cut].mean().item(), f"{name}/kl": m["kl"],
+                            f"{name}/clip_frac": m["clip_frac"]})
+    return metrics
+
+
 def train_step(policy, optimizer, rollouts: list[Rollout], advantages: torch.Tensor, ref_model, *,
                temperature: float, clip_eps: float, kl_beta: float, micro_batch_size: int,
                max_grad_norm: float, mu: int = 1, train_tokens: str = "large") -> dict:
@@ -713,13 +727,7 @@ def train_step(policy, optimizer, rollouts: list[Rollout], advantages: torch.Ten
             finite = finite and bool(torch.isfinite(loss))
             sync_gradients(policy, k == len(batches) - 1)  # FSDP + LoRA: reduce across processes after the last
             (loss * share).backward()  # even when not finite: with FSDP every process must join every backward
-            m["loss"] = loss.item()
-            for name, cut in regions.items():  # diagnostics per region, whichever tokens the loss covers
-                if logp[:, cut].numel():
-                    _, mr = grpo_loss(logp[:, cut].detach(), old[:, cut], None if ref is None else ref[:, cut], adv,
-                                      clip_eps, kl_beta)
-                    m.update({f"{name}/logprob": logp[:, cut].mean().item(), f"{name}/kl": mr["kl"],
-                              f"{name}/clip_frac": mr["clip_frac"]})
+            m.update(loss=loss.item(), **region_metrics(regions, logp.detach(), old, ref, adv, clip_eps, kl_beta))
             ratio_min, ratio_max = min(ratio_min, m.pop("ratio_min")), max(ratio_max, m.pop("ratio_max"))
             for key, value in m.items():
                 totals[key] = totals.get(key, 0.0) + value * share
@@ -869,12 +877,7 @@ def setup_training(pipe, cfg: Config, dtype: torch.dtype, world: int):
 
 
 def main(argv: list[str] | None = None) -> dict:
-    import diffusers
-    import transformers
-    from tqdm.auto import tqdm
-    diffusers.logging.set_verbosity_error()  # keep the terminal for our progress bar and one-line errors
-    transformers.logging.set_verbosity_error()
-    transformers.utils.logging.disable_progress_bar()  # save_pretrained's "Writing model shards" bar
+    quiet_libraries()
     cfg, examples, rewards, out, start = prepare(argv)  # every input checked, nothing written yet
     rank, world, device = start_processes(cfg.device)  # torchrun: one process per GPU; else rank 0 of 1
     dtype = {"auto": torch.bfloat16 if device.startswith("cuda") else torch.float32,
@@ -896,58 +899,60 @@ def main(argv: list[str] | None = None) -> dict:
             for step in progress:
                 # groups are numbered over all processes; the number picks the prompt and seeds the sampling
                 groups = [(step * world + rank) * cfg.prompts_per_step + j for j in range(cfg.prompts_per_step)]
-                batch = [examples[g % len(examples)] for g in groups]
-                clock = [time.perf_counter()]
-                with autocast, unsharded(policy):  # 1. sample a group of G token grids per prompt
+                batch, seconds = [examples[g % len(examples)] for g in groups], {}
+                with timed(seconds, "sample"), autocast, unsharded(policy):  # 1. G token grids per prompt
                     rollouts = [sample_group(pipe, ex["prompt"], cfg.group_size, cfg.height, cfg.width,
                                              cfg.temperature, cfg.seed * 1_000_003 + g, ex.get("source"))
                                 for ex, g in zip(batch, groups)]
-                clock.append(time.perf_counter())
-                with decoder_on(pipe, device, cfg.offload):  # 2. decode them to images with the frozen DiT
+                with timed(seconds, "decode"), decoder_on(pipe, device, cfg.offload):  # 2. images, frozen DiT
                     images = [decode_images(pipe, ex["prompt"], r.tokens, r.large_hw, cfg.height, cfg.width,
                                             cfg.num_inference_steps, cfg.decode_seed, cfg.guidance_scale, r.source)
                               for ex, r in zip(batch, rollouts)]
-                clock.append(time.perf_counter())
-                reward, each = group_rewards(images, batch, rewards)  # 3. score them: (P, G)
-                advantages = group_advantages(reward)  # 4. z-score within each group
-                clock.append(time.perf_counter())
+                with timed(seconds, "reward"):
+                    reward, each = group_rewards(images, batch, rewards)  # 3. score them: (P, G)
+                    advantages = group_advantages(reward)  # 4. z-score within each group
                 with interrupts_held():  # an update and its log line land together (or not at all)
-                    with autocast:  # 5. the clipped policy-gradient update
+                    with timed(seconds, "train"), autocast:  # 5. the clipped policy-gradient update
                         metrics = train_step(policy, optimizer, rollouts, advantages, ref_model,
                                              temperature=cfg.temperature, clip_eps=cfg.clip_eps, kl_beta=cfg.kl_beta,
                                              micro_batch_size=cfg.micro_batch_size, max_grad_norm=cfg.max_grad_norm,
                                              mu=cfg.mu, train_tokens=cfg.train_tokens)
-                    clock.append(time.perf_counter())
                     record = step_record(step, groups, len(examples), reward, each, advantages, rollouts, metrics,
-                                         clock)
-                    skipped += record["skipped"]
+                                         seconds)
+                    skipped, done = skipped + record["skipped"], step + 1
                     history.append(record)
                     if rank == 0:
-                        append_metrics(out, {**record, "skipped_total": skipped})
-                        log_step(progress, record, skipped)
-                    done = step + 1
-                if rank == 0 and cfg.image_every and (step % cfg.image_every == 0 or done == cfg.steps):
-                    save_grid(out / "images" / f"step_{step:05d}.png", batch, images, reward, progress)
-                if cfg.save_every and done % cfg.save_every == 0:
-                    save_run(out, policy, optimizer, done, cfg, rank, world)
+                        log_step(out, progress, record, skipped)
+                save_step_outputs(out, step, cfg, batch, images, reward, policy, optimizer, rank, world, progress)
                 if stop_requested():  # with many processes, an interrupt in any of them stops all after this step
                     raise KeyboardInterrupt
     except KeyboardInterrupt:
-        progress.close()
-        if not INTERRUPT["forced"]:
-            save_run(out, policy, optimizer, done, cfg, rank, world)  # the steps from `done` on did not finish: redone
-        if rank == 0:
-            saved = "the last checkpoint is kept" if INTERRUPT["forced"] else f"checkpoint at step {done}"
-            print(f"interrupted: {saved} in {out}; continue with --resume {out}", file=sys.stderr)
-        raise SystemExit(130)
+        interrupted(out, policy, optimizer, done, cfg, rank, world, progress)
     except OSError as error:  # a full disk, a vanished directory: the last checkpoint stays good
         fail(f"cannot write {error.filename or out} ({error.strerror or error}); make room, then continue with "
              f"--resume {out}", code=1)
     return finish(out, policy, optimizer, cfg, history, len(examples), skipped, rank, world)
 
 
+def quiet_libraries() -> None:
+    """Keep the terminal for our progress bar and one-line errors."""
+    import diffusers
+    import transformers
+    diffusers.logging.set_verbosity_error()
+    transformers.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()  # save_pretrained's "Writing model shards" bar
+
+
+@contextlib.contextmanager
+def timed(seconds: dict, phase: str):
+    """seconds[phase] = the wall-clock time the block took."""
+    start = time.perf_counter()
+    yield
+    seconds[phase] = time.perf_counter() - start
+
+
 def step_record(step: int, groups: list[int], n_examples: int, reward: torch.Tensor, each: dict,
-                advantages: torch.Tensor, rollouts: list[Rollout], metrics: dict, clock: list[float]) -> dict:
+                advantages: torch.Tensor, rollouts: list[Rollout], metrics: dict, seconds: dict) -> dict:
     """The metrics line of one step: reward statistics over the groups of every process, the update's metrics,
     and the seconds of each phase (this process)."""
     reward, advantages, groups = gather_rows(reward), gather_rows(advantages), gather_list(groups)
@@ -957,14 +962,36 @@ def step_record(step: int, groups: list[int], n_examples: int, reward: torch.Ten
             **{f"reward/{name}": gather_rows(value).mean().item() for name, value in each.items()},
             "zero_std_groups": int((advantages == 0).all(dim=-1).sum()),  # groups that carry no signal
             "distinct_samples": distinct.float().mean().item(), **reduce_metrics(metrics),
-            **{f"sec_{phase}": b - a for phase, a, b in zip(("sample", "decode", "reward", "train"), clock, clock[1:])}}
+            **{f"sec_{phase}": value for phase, value in seconds.items()}}
 
 
-def log_step(progress, record: dict, skipped: int) -> None:
+def log_step(out: Path, progress, record: dict, skipped: int) -> None:
+    """The step's line in metrics.jsonl, the progress bar, and a warning for a skipped update (rank 0)."""
+    append_metrics(out, {**record, "skipped_total": skipped})
     progress.set_postfix(reward=f"{record['reward_mean']:.3f}", kl=f"{record['kl']:.3f}")
     if record["skipped"]:
         progress.write(f"warning: step {record['step']}: non-finite loss or gradient, update skipped "
                        f"({skipped} so far)", file=sys.stderr)
+
+
+def save_step_outputs(out: Path, step: int, cfg: Config, batch: list[dict], images: list[torch.Tensor],
+                      reward: torch.Tensor, policy, optimizer, rank: int, world: int, progress) -> None:
+    """Every --image-every steps an image grid (rank 0), every --save-every steps a checkpoint (all processes)."""
+    if rank == 0 and cfg.image_every and (step % cfg.image_every == 0 or step + 1 == cfg.steps):
+        save_grid(out / "images" / f"step_{step:05d}.png", batch, images, reward, progress)
+    if cfg.save_every and (step + 1) % cfg.save_every == 0:
+        save_run(out, policy, optimizer, step + 1, cfg, rank, world)
+
+
+def interrupted(out: Path, policy, optimizer, done: int, cfg: Config, rank: int, world: int, progress) -> None:
+    """After Ctrl-C: a checkpoint of the `done` finished steps (unless the user forced an immediate stop), exit 130."""
+    progress.close()
+    if not INTERRUPT["forced"]:
+        save_run(out, policy, optimizer, done, cfg, rank, world)  # the steps from `done` on did not finish: redone
+    if rank == 0:
+        saved = "the last checkpoint is kept" if INTERRUPT["forced"] else f"checkpoint at step {done}"
+        print(f"interrupted: {saved} in {out}; continue with --resume {out}", file=sys.stderr)
+    raise SystemExit(130)
 
 
 def save_grid(path: Path, batch: list[dict], images: list[torch.Tensor], reward: torch.Tensor, progress) -> None:
