@@ -104,7 +104,7 @@ class Config:
 
 MODEL_DEFAULTS = {  # filled in where the command line left a field at None
     "tiny": dict(lr=1e-2, kl_beta=0.0, height=64, width=64, num_inference_steps=2, micro_batch_size=4, lora_rank=0),
-    # LoRA r=16 with micro-batches of 1 fits one 80 GB GPU (about 46 GiB estimated, see memory_plan.py)
+    # LoRA r=16 with micro-batches of 1 fits one 80 GB GPU (about 46 GiB estimated, see tools/memory_plan.py)
     "real": dict(lr=1e-5, kl_beta=0.04, height=1024, width=1024, num_inference_steps=50, micro_batch_size=1,
                  lora_rank=16),
 }

@@ -3,7 +3,7 @@
 No model hub is needed. One function, `glm_image(configs, depths)`, builds a coherent pipeline from a
 set of component configs and a tokenizer made with the `tokenizers` library:
 
-  - `PUBLISHED`: zai-org/GLM-Image's published configs (the one copy in this repository; `memory_plan.py`
+  - `PUBLISHED`: zai-org/GLM-Image's published configs (the one copy in this repository; `tools/memory_plan.py`
     reads them too). `real_shapes_glm_image()` builds them at reduced depth: every width, head count,
     vocabulary size, special token id and rope setting as published, only fewer layers.
   - `TINY`: the same layout at tiny sizes (~0.3M parameters). `tiny_glm_image()` is what

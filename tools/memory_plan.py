@@ -1,9 +1,9 @@
 """Memory plan for one GRPO step of grpo.py on the real GLM-Image, on one 80 GB GPU. An ESTIMATE, with the AR's terms
 checked against measurements on the CPU at the real widths.
 
-    python memory_plan.py                  # CPU, seconds, downloads nothing; shows the last measurement (MEASURED)
-    python memory_plan.py --micro-batch 4  # the tiny model's micro-batch (real-model default: 1)
-    python memory_plan.py --measure        # re-measure the AR's terms at the real widths (CPU, 4-10 min, 8 GB RAM)
+    python tools/memory_plan.py                  # CPU, seconds, downloads nothing; shows the last measurement (MEASURED)
+    python tools/memory_plan.py --micro-batch 4  # the tiny model's micro-batch (real-model default: 1)
+    python tools/memory_plan.py --measure        # re-measure the AR's terms at the real widths (CPU, 4-10 min, 8 GB RAM)
 
 What it does
   1. Builds every component of zai-org/GLM-Image from its published config on the meta device (no memory, no
@@ -91,6 +91,7 @@ import pprint
 import sys
 import time
 import warnings
+from pathlib import Path
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
@@ -101,13 +102,15 @@ GiB = 2**30
 
 # ---- 1. Published configs, and the last measurement -------------------------------------------------------------
 
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # grpo.py and the files it imports live in the repository root
 from offline_model import PUBLISHED, SOURCES  # noqa: E402  (the one copy of the published configs)
 
 AR_CONFIG, DIT_CONFIG, VAE_CONFIG, T5_CONFIG = PUBLISHED["ar"], PUBLISHED["dit"], PUBLISHED["vae"], PUBLISHED["t5"]
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_up_proj", "down_proj"]
 PUBLISHED_INFERENCE_PEAK_GB = {1: 37.82, 4: 52.09}  # github.com/zai-org/GLM-Image README, H100, 1024x1024, T2I
 
-# What `python memory_plan.py --measure` printed last (bytes; see `measure`): pasted here so that a plain run takes
+# What `python tools/memory_plan.py --measure` printed last (bytes; see `measure`): pasted here so that a plain run takes
 # seconds. Per mode: act / act_hooks / act_short: kept per decoder layer and token without checkpointing (live
 # storages at L = 1379 / saved-tensor hooks / L = 611); ckpt / ckpt_short: the same with checkpointing; workspace: a
 # recomputed layer's transient per token beside its saved tensors; autocast_layer: autocast's bf16 copies per layer;
@@ -866,7 +869,7 @@ def table(header: list[str], align: list[str], rows: list[list]) -> str:
 
 def section_title(H: int, W: int, G: int) -> list[str]:
     return [f"## Memory plan ({H}x{W}, G={G}, one 80 GB GPU)",
-            "An ESTIMATE from the published configs and simple formulas (`python memory_plan.py`), not a measurement "
+            "An ESTIMATE from the published configs and simple formulas (`python tools/memory_plan.py`), not a measurement "
             "on a GPU; the AR's terms are checked against measurements on the CPU at the real widths (below). Sizes in "
             "GiB (2^30 bytes)."]
 
@@ -1001,7 +1004,7 @@ def section_measured(m: dict, fresh: bool) -> list[str]:
                        for md in ACT_MODES)
     return [
         "### Measured at the real widths vs the formulas",
-        f"`python memory_plan.py --measure` ({when}) runs the AR at its published widths (h 4096, i 13696, 32 heads, "
+        f"`python tools/memory_plan.py --measure` ({when}) runs the AR at its published widths (h 4096, i 13696, 32 heads, "
         "2 KV heads, vocabularies 168064 / 16512) with 0, 1 and 2 decoder layers on the CPU, set up per mode as "
         "grpo.py sets it up (bf16; `policy.float()`; `apply_lora` r=16; vision tower and VQ frozen, and here the token "
         "embedding too), and runs grpo.py's own `token_logprobs`, a loss and its backward inside one autocast(bf16), "

@@ -1,7 +1,7 @@
 """Benchmark of one GRPO step on the tiny GLM-Image: every number below is measured in one run.
 
-  python bench.py                 # CPU, tiny model, about 1-2 minutes on 2 cores
-  python bench.py --real-shapes   # the published widths at reduced depth, 1024x1024, G=2, float32 and bf16 (minutes)
+  python tools/bench.py                 # CPU, tiny model, about 1-2 minutes on 2 cores
+  python tools/bench.py --real-shapes   # the published widths at reduced depth, 1024x1024, G=2, float32 and bf16 (minutes)
 
 Prints one markdown table:
   - seconds per phase of one step (sample, decode, reward, old / ref / new log-probs, backward, optimizer step);
@@ -22,12 +22,16 @@ import argparse
 import contextlib
 import copy
 import statistics
+import sys
 import time
 from pathlib import Path
 
 import torch
 
-import grpo
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # grpo.py and the files it imports live in the repository root
+
+import grpo  # noqa: E402
 
 G, H, W, T, PROMPT = 4, 64, 64, 0.9, "a red square on a white background"
 
@@ -57,14 +61,14 @@ def saved_activation_bytes(fn) -> int:
 
 
 def phases(pipe, policy, rows):
-    target = grpo.load_target("examples/target_0.png", H, W)
+    target = grpo.load_image(ROOT / "examples" / "target_0.png", H, W)
     ref = copy.deepcopy(policy).requires_grad_(False)
     opt = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=1e-3)
     t, r = timed(lambda: grpo.sample_group(pipe, PROMPT, G, H, W, T, seed=0))
     rows.append(("phase: sample (G=4, one generate)", f"{t:.3f} s"))
     t, images = timed(lambda: grpo.decode_images(pipe, PROMPT, r.tokens, r.large_hw, H, W, 2, seed=0))
     rows.append(("phase: decode (DiT + VAE, whole group)", f"{t:.3f} s"))
-    t, rewards = timed(lambda: grpo.group_rewards([images], [target], {"ssim": 1.0}))
+    t, (rewards, _) = timed(lambda: grpo.group_rewards([images], [{"target": target}], {"ssim": (grpo.ssim_reward, 1.0)}))
     rows.append(("phase: reward (SSIM)", f"{t * 1e3:.2f} ms"))
     with torch.no_grad():
         t, _ = timed(lambda: grpo.token_logprobs(policy, r.inputs, r.tokens, T))

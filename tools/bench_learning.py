@@ -1,8 +1,8 @@
 """Does the tiny demo learn? Runs `grpo.py --model tiny` for several seeds and prints one table per prompts file.
 
-  python bench_learning.py                         # 3 seeds x 100 steps, text-to-image (prompts.txt) and editing
+  python tools/bench_learning.py                         # 3 seeds x 100 steps, text-to-image (prompts.txt) and editing
                                                    # (examples/edits.jsonl): ~8 min on 2 cores
-  python bench_learning.py --seeds 0 1 2 3 4 5 -- --kl-beta 0.04 --lr 3e-3   # extra grpo.py flags after --
+  python tools/bench_learning.py --seeds 0 1 2 3 4 5 -- --kl-beta 0.04 --lr 3e-3   # extra grpo.py flags after --
 
 Per seed: mean reward of the first and last steps (whole cycles over the prompts, as grpo.py prints),
 their difference, the fraction of late steps whose group collapsed (reward std 0), and seconds per step.
@@ -17,7 +17,10 @@ from pathlib import Path
 
 import numpy as np
 
-import grpo
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # grpo.py and the files it imports live in the repository root
+
+import grpo  # noqa: E402
 
 
 def run(seed: int, steps: int, prompts: str, extra: list[str]) -> dict:
@@ -38,7 +41,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--steps", type=int, default=100)
-    parser.add_argument("--prompts", nargs="+", default=["prompts.txt", "examples/edits.jsonl"])
+    parser.add_argument("--prompts", nargs="+", default=[str(ROOT / "prompts.txt"), str(ROOT / "examples/edits.jsonl")])
     args = parser.parse_args(argv[: argv.index("--")] if "--" in argv else argv)
     for prompts in args.prompts:
         table(prompts, [run(seed, args.steps, prompts, extra) for seed in args.seeds], args.steps, extra)

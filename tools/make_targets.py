@@ -9,16 +9,22 @@ image); the source is that image shifted and blurred; the target is the decode o
 conditioned on that source, exactly as grpo.py decodes an editing sample. So the target is reachable from the
 source, and the reward (SSIM to the target) can rise.
 
-  python make_targets.py            # rewrites examples/*.png, examples/edits.jsonl and prompts.txt
+  python tools/make_targets.py            # rewrites examples/*.png, examples/edits.jsonl and prompts.txt
 """
 
 import json
+import os
+import sys
+from pathlib import Path
 
 import numpy as np
 import torch
 from PIL import Image, ImageFilter
 
-import grpo
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # grpo.py and the files it imports live in the repository root
+
+import grpo  # noqa: E402
 
 PROMPTS = ["a red square on a white background", "a blue circle in the snow", "a green triangle at dusk"]
 EDITS = ["sharpen the photo and move it back into place", "restore the picture"]
@@ -31,6 +37,7 @@ def save(image: torch.Tensor, path: str) -> Image.Image:
 
 
 def main(size: int = 64, seed: int = 1234) -> None:
+    os.chdir(ROOT)  # the paths below are the repository's
     cfg = grpo.Config(model="tiny")
     pipe = grpo.load_glm_image("tiny")
     K = pipe.vision_language_encoder.config.vq_config.num_embeddings
@@ -41,7 +48,7 @@ def main(size: int = 64, seed: int = 1234) -> None:
         return grpo.decode_images(pipe, prompt, tokens, (h, w), size, size, num_inference_steps=2,
                                   seed=cfg.decode_seed, guidance_scale=cfg.guidance_scale, source=source)[0]
 
-    lines = ["# prompt | target image (path relative to this file). Targets made by make_targets.py with the tiny model."]
+    lines = ["# prompt | target image (path relative to this file). Targets made by tools/make_targets.py with the tiny model."]
     for i, prompt in enumerate(PROMPTS):
         tokens = torch.randint(0, K, (1, h * w), generator=generator)  # only the large grid reaches the DiT
         save(decode(prompt, tokens), f"examples/target_{i}.png")
