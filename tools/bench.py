@@ -8,7 +8,9 @@ Prints one markdown table:
   - one batched `generate` for the group vs G sequential calls, at G = 4 and 8 (speed-up);
   - activation memory saved for backward vs micro-batch size (1, 2, G): bytes of the tensors autograd keeps for
     the backward of one micro-batch (a saved-tensors hook counts them; on a GPU add torch.cuda.max_memory_allocated);
-  - full fine-tuning vs LoRA (r = 16): trainable parameters, train-step time, optimizer-state memory.
+  - full fine-tuning vs LoRA (r = 16): trainable parameters, train-step time, optimizer-state memory;
+  - the OCR reward (EasyOCR, when installed: bash tools/install_ocr.sh): building its reader, and seconds per image
+    at 64x64 and at 1024x1024 (text rendered with PIL).
 Timings are medians of a few repeats; compare rows as ratios, these machines are noisy.
 
 --real-shapes runs complete GRPO steps through grpo.py's own functions on `offline_model.real_shapes_glm_image()`
@@ -26,6 +28,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -128,6 +131,25 @@ def full_vs_lora(rows):
                      f"{sum(p.numel() for p in params):,} / {t:.3f} s / {state_bytes / 2**10:.0f} KiB"))
 
 
+def ocr_cost(rows):
+    """The ocr reward's cost on the CPU: building EasyOCR's reader once, then per image at 64x64 and 1024x1024."""
+    try:
+        import easyocr  # noqa: F401
+    except ImportError:
+        rows.append(("ocr reward", "not measured: EasyOCR is not installed (bash tools/install_ocr.sh)"))
+        return
+    from PIL import Image, ImageDraw, ImageFont
+    t, _ = timed(grpo.ocr_reader, repeats=1)
+    rows.append(("ocr reward: build the reader (once per process)", f"{t:.1f} s"))
+    for size in (64, 1024):
+        image = Image.new("RGB", (size, size), "white")
+        ImageDraw.Draw(image).text((size // 2, size // 2), "OPEN 24 HOURS", fill="black", anchor="mm",
+                                   font=ImageFont.load_default(size=max(size // 10, 6)))
+        images = torch.from_numpy(np.asarray(image, dtype=np.float32) / 255).permute(2, 0, 1)[None]
+        t, score = timed(lambda: grpo.ocr_reward(images.repeat(2, 1, 1, 1), {"text": "open 24 hours"}), repeats=2)
+        rows.append((f"ocr reward: {size}x{size}, per image", f"{t / 2:.2f} s (read: score {score[0]:.2f})"))
+
+
 def peak_rss_reset() -> None:
     """Reset the kernel's peak-RSS counter of this process (Linux: VmHWM), so each precision gets its own peak."""
     Path("/proc/self/clear_refs").write_text("5")
@@ -216,6 +238,7 @@ def main():
     batched_vs_sequential(pipe, rows)
     memory_vs_micro_batch(policy, r, adv, rows)
     full_vs_lora(rows)
+    ocr_cost(rows)
     print("| measurement | value |\n|---|---|")
     for name, value in rows:
         print(f"| {name} | {value} |")
