@@ -4,8 +4,9 @@ GLM-Image draws a picture in two stages: an autoregressive model (the AR, a 9B G
 visual tokens, and a diffusion transformer (the DiT, 7B) paints pixels conditioned on those tokens.
 This file trains the AR with GRPO (Group Relative Policy Optimization, Shao et al. 2024):
 
-  for each prompt q, sample a group of G token sequences o_1..o_G from the old policy, decode them to
-  images, score them (SSIM / -MSE against a target image), and maximise
+  for each prompt q (and, to edit, a source image), sample a group of G token sequences o_1..o_G from the
+  old policy, decode them to images, score them (SSIM / -MSE against a target, OCR of rendered text, or
+  any function of the images), and maximise
 
     J = 1/G sum_i 1/|o_i| sum_t [ min(r_it A_i, clip(r_it, 1-eps, 1+eps) A_i) - beta KL_it ]
 
@@ -24,12 +25,20 @@ Where this departs from the paper:
   - The DiT and VAE are frozen and run with the same latent noise for every sample of a group, so
     reward differences come from the tokens alone.
   - Advantages use the population std of the group, and a group with no spread gets zero advantage.
+  - Editing: the source image is encoded once per group and its codes written into the prompt, so sampler
+    and trainer see the same tokens; the AR then writes the large grid only (no preview grid).
+
+Many GPUs the nanoGPT way: under torchrun each process takes whole groups of its own (the algorithm never
+sees the world size), FSDP2 shards the AR (`parallel.shard`), rank 0 writes. Helpers live beside this file:
+offline_model.py (GLM-Image built in code), parallel.py (torch.distributed), run_io.py (files).
 
 Commands:
   pip install -r requirements.txt
-  python grpo.py --prompts prompts.txt --model tiny     # tiny GLM-Image built in code, 2 CPU cores, ~1-2 min
-  python grpo.py --prompts prompts.txt                  # the real zai-org/GLM-Image (GPU, bf16)
-  python -m pytest -q test_grpo.py                      # tests, CPU, a few minutes
+  python grpo.py --prompts prompts.txt --model tiny             # tiny GLM-Image built in code, 2 CPU cores, ~1.5 min
+  python grpo.py --prompts examples/edits.jsonl --model tiny    # editing: a source image in the prompt
+  python grpo.py --prompts prompts.txt                          # the real zai-org/GLM-Image (GPU, bf16)
+  torchrun --nproc-per-node 8 grpo.py --prompts prompts.txt     # 8 GPUs, FSDP2
+  python -m pytest -q                                           # tests, CPU, ~10 minutes
 """
 
 import argparse
@@ -55,7 +64,7 @@ from tqdm.auto import tqdm
 from offline_model import tiny_glm_image  # a tiny GLM-Image built in code (offline demo, tests, notebook)
 from parallel import (INTERRUPT, final_weights, gather_list, gather_rows, interrupts_caught,  # many GPUs (torchrun)
                       interrupts_held, load_trainable_state, reduce_metrics, shard, start_processes, stop_requested,
-                      sync_gradients, all_agree, trainable_state, unsharded, unwrapped)
+                      sync_gradients, all_agree, trainable_state, unsharded)
 from run_io import (RUN_FILES, append_metrics, check_out_dir, image_grid, open_run_dir,  # what a run writes
                     read_checkpoint, read_metrics, read_resume, save_checkpoint, save_image, save_pretrained_atomic)
 
@@ -222,8 +231,8 @@ def read_prompts(path: str) -> list[dict]:
             continue
         fields = read_jsonl_line(line, where) if path.suffix == ".jsonl" else read_text_line(line, where)
         quoted = " ".join(a or b for a, b in re.findall(r'"([^"]+)"|“([^”]+)”', fields["prompt"]))
-        examples.append({**fields, "text": fields.get("text") or quoted or None, "where": where,
-                         **{key: path.parent / fields[key] if fields.get(key) else None for key in ("target", "source")}})
+        paths = {key: path.parent / fields[key] if fields.get(key) else None for key in ("target", "source")}
+        examples.append({**fields, "text": fields.get("text") or quoted or None, "where": where, **paths})
     if not examples:
         raise ValueError(f"{path} has no examples; add lines of the form 'prompt | target.png'")
     return examples

@@ -346,7 +346,7 @@ def test_token_logprobs_editing(pipe, sharp_pipe, height, width):
         with torch.no_grad():
             lp = grpo.token_logprobs(p.vision_language_encoder, r.inputs, r.tokens, T)
         assert (lp - r.logprobs).abs().max() <= 1e-5
-    ar, cfg = sharp_pipe.vision_language_encoder, sharp_pipe.vision_language_encoder.config
+    ar = sharp_pipe.vision_language_encoder
     ids = torch.cat([r.inputs["input_ids"], r.tokens[:, :-1]], 1)
     naive = grpo.rope_positions(r.inputs["input_ids"][0], r.inputs["image_grid_thw"][1:2], r.tokens.shape[1], -1, -1)
     with torch.no_grad():

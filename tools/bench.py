@@ -21,7 +21,6 @@ layout. The DiT runs 2 denoising steps (the real default is 50: multiply that ph
 """
 
 import argparse
-import contextlib
 import copy
 import statistics
 import sys
