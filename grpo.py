@@ -803,8 +803,12 @@ def load_examples(examples: list[dict], rewards: dict, height: int, width: int) 
                     if image.size != (width, height):
                         print(f"note: {role} {example[role]} is {image.size[0]}x{image.size[1]}, resized to "
                               f"{width}x{height}", file=sys.stderr)
-        loaded.append({**example, **{role: load_image(example[role], height, width, role)
-                                     for role in ("target", "source") if example[role] is not None}})
+        try:
+            images = {role: load_image(example[role], height, width, role)
+                      for role in ("target", "source") if example[role] is not None}
+        except ValueError as error:
+            raise ValueError(f"{example['where']}: {error}") from None  # name the prompts line
+        loaded.append({**example, **images})
     return loaded
 
 
