@@ -62,9 +62,9 @@ from PIL import Image
 from tqdm.auto import tqdm
 
 from offline_model import tiny_glm_image  # a tiny GLM-Image built in code (offline demo, tests, notebook)
-from parallel import (INTERRUPT, final_weights, gather_list, gather_rows, interrupts_caught,  # many GPUs (torchrun)
-                      interrupts_held, load_trainable_state, reduce_metrics, shard, start_processes, stop_requested,
-                      sync_gradients, all_agree, trainable_state, unsharded)
+from parallel import (INTERRUPT, all_agree, final_weights, gather_list, gather_rows,  # many GPUs (torchrun)
+                      interrupts_caught, interrupts_held, load_trainable_state, reduce_metrics, shard, start_processes,
+                      stop_requested, sync_gradients, trainable_state, unsharded)
 from run_io import (RUN_FILES, append_metrics, check_out_dir, image_grid, open_run_dir,  # what a run writes
                     read_checkpoint, read_metrics, read_resume, save_checkpoint, save_image, save_pretrained_atomic)
 
