@@ -38,7 +38,7 @@ Commands:
   python grpo.py --prompts examples/edits.jsonl --model tiny    # editing: a source image in the prompt
   python grpo.py --prompts prompts.txt                          # the real zai-org/GLM-Image (GPU, bf16)
   torchrun --nproc-per-node 8 grpo.py --prompts prompts.txt     # 8 GPUs, FSDP2
-  python -m pytest -q                                           # tests, CPU, ~10 minutes
+  python -m pytest -q                                           # tests, CPU, ~5 minutes
 """
 
 import argparse

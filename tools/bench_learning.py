@@ -1,7 +1,7 @@
 """Does the tiny demo learn? Runs `grpo.py --model tiny` for several seeds and prints one table per prompts file.
 
   python tools/bench_learning.py                         # 3 seeds x 100 steps, text-to-image (prompts.txt) and editing
-                                                   # (examples/edits.jsonl): ~5 min on 2 cores
+                                                   # (examples/edits.jsonl): ~3 min on 2 cores
   python tools/bench_learning.py --seeds 0 1 2 3 4 5 -- --kl-beta 0.04 --lr 3e-3   # extra grpo.py flags after --
 
 Per seed: mean reward of the first and last steps (whole cycles over the prompts, as grpo.py prints),
@@ -33,8 +33,8 @@ def run(seed: int, steps: int, prompts: str, extra: list[str]) -> dict:
         lines = [json.loads(x) for x in (Path(out) / "metrics.jsonl").read_text().splitlines()]
     late = lines[-len(lines) // 4:]
     return {"seed": seed, **summary, "gain": summary["reward_last"] - summary["reward_first"],
-            # groups whose rewards were all alike (std < grpo.group_advantages' eps: zero advantage, no signal);
-            # not reward_std == 0, which float noise in a batched decode of identical tokens can miss
+            # groups whose rewards were all alike (std < grpo.group_advantages' eps): the count grpo.py itself
+            # gives zero advantage, rather than an exact reward_std == 0
             "collapsed_late": sum(x["zero_std_groups"] for x in late) / sum(len(x["prompts"]) for x in late),
             "sec_per_step": seconds / steps}
 
