@@ -98,6 +98,38 @@ TINY = dict(
          "<|observation|>", "<|begin_of_image|>", "<|end_of_image|>", "<|image|>", "<sop>", "<eop>"])},
 )
 
+# The tiny GLM-Image that tools/train_tiny.py pre-trains on world.py's shapes (a few M parameters): 16 codes (a cell's
+# code is its world label: 0 empty, 1..12 the objects), one token per caption word, a rope whose rotations tell the
+# cells of a 3x3 grid apart (theta 10: the published 10000 turns a tiny head's width axis by < 0.01 rad a column).
+K_WORLD = 16
+WORLD_SPECIALS = ["<|endoftext|>", "[MASK]", "[gMASK]", "[sMASK]", "<|system|>", "<|user|>", "<|assistant|>",
+                  "<|observation|>", "<|begin_of_image|>", "<|end_of_image|>", "<|image|>", "<sop>", "<eop>"]
+WORLD_WORDS = ["a", "two", "three"] + [" " + w for w in (
+    "a and at in on of the above below left right top bottom center red green blue yellow circle circles square "
+    "squares triangle triangles").split()]
+WORLD = dict(
+    ar=dict(
+        image_start_token_id=K_WORLD, image_end_token_id=K_WORLD + 1, image_token_id=K_WORLD + 16 + 10,
+        text_config=dict(vocab_size=K_WORLD + 16 + 13 + 256 + 86, hidden_size=128, intermediate_size=256,
+                         num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                         max_position_embeddings=1024, vision_vocab_size=K_WORLD + 16, pad_token_id=K_WORLD + 1,
+                         eos_token_id=K_WORLD + 1,
+                         rope_parameters=dict(rope_type="default", rope_theta=10.0, mrope_section=[2, 3, 3],
+                                              partial_rotary_factor=0.5)),
+        vision_config=dict(depth=1, hidden_size=32, num_heads=2, image_size=32, patch_size=16, intermediate_size=32),
+        vq_config=dict(embed_dim=32, num_embeddings=K_WORLD, latent_channels=32),
+    ),
+    dit=dict(patch_size=2, in_channels=4, out_channels=4, num_layers=4, attention_head_dim=32, num_attention_heads=4,
+             text_embed_dim=32, time_embed_dim=64, condition_dim=16, prior_vq_quantizer_codebook_size=K_WORLD),
+    vae=dict(block_out_channels=(16, 16, 32, 32), in_channels=3, out_channels=3, latent_channels=4,
+             down_block_types=["DownEncoderBlock2D"] * 4, up_block_types=["UpDecoderBlock2D"] * 4, layers_per_block=1,
+             norm_num_groups=8, sample_size=96, mid_block_add_attention=False, latents_mean=[0.0] * 4,
+             latents_std=[1.0] * 4),
+    t5=dict(vocab_size=384, d_model=32, d_kv=8, d_ff=64, num_layers=1, num_heads=4),
+    specials={token: K_WORLD + 16 + i for i, token in enumerate(WORLD_SPECIALS)},
+    words=WORLD_WORDS,
+)
+
 # The chat template: [gMASK]<sop>, the user turn, the assistant turn. A source image (editing) sits between the image
 # start and end ids (bos / eos = <|dit_token_16384|> / <|dit_token_16385|> in the real model): those are the markers
 # GlmImageModel.get_rope_index looks for to give the image 2D positions. The processor expands <|image|> to one
@@ -124,11 +156,28 @@ def with_depths(configs: dict, ar: int | None = None, vision: int | None = None,
     return c
 
 
-def glm_tokenizer(vocab_size: int, visual_ids: int, specials: dict, image_start: int, image_end: int):
-    """A byte-level BPE tokenizer with no merges (any string encodes) and GLM-Image's id layout.
+def word_merges(words: list[str]) -> list[tuple[str, str]]:
+    """Byte-level BPE merges that make each of `words` one token (" red": the chain (" ", r) -> " r", (" r", e) ->
+    " re", (" re", d) -> " red"); a word that starts a text is given without its space."""
+    from tokenizers import pre_tokenizers
+    to_bytes = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    merges = []
+    for word in words:
+        pieces = [to_bytes.pre_tokenize_str(ch)[0][0] for ch in word]
+        for i in range(1, len(pieces)):
+            merge = ("".join(pieces[:i]), pieces[i])
+            if merge not in merges:
+                merges.append(merge)
+    return merges
+
+
+def glm_tokenizer(vocab_size: int, visual_ids: int, specials: dict, image_start: int, image_end: int,
+                  words: list[str] = ()):
+    """A byte-level BPE tokenizer (any string encodes) with GLM-Image's id layout.
 
     Ids 0..visual_ids-1 are `<|dit_token_i|>` (codes, image start = bos, image end = eos = pad, spare ids);
-    `specials` sit at their given ids; the 256 byte pieces take the lowest free ids, `<|reserved_i|>` the rest.
+    `specials` sit at their given ids; the 256 byte pieces take the lowest free ids, then the pieces of the merges
+    that make each of `words` one token (`word_merges`; none by default), `<|reserved_i|>` the rest.
     """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
@@ -137,9 +186,11 @@ def glm_tokenizer(vocab_size: int, visual_ids: int, specials: dict, image_start:
     by_id = dict(enumerate(visual)) | {i: t for t, i in specials.items()}
     free = (i for i in range(vocab_size) if i not in by_id)
     by_id |= {next(free): piece for piece in sorted(pre_tokenizers.ByteLevel.alphabet())}
+    merges = word_merges(list(words))
+    by_id |= {next(free): a + b for a, b in merges}
     by_id |= {i: f"<|reserved_{i}|>" for i in free}
     assert len(by_id) == vocab_size and max(by_id) == vocab_size - 1, "vocab_size too small for the ids"
-    bpe = Tokenizer(models.BPE(vocab={t: i for i, t in by_id.items()}, merges=[]))
+    bpe = Tokenizer(models.BPE(vocab={t: i for i, t in by_id.items()}, merges=merges))
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     bpe.decoder = decoders.ByteLevel()
     bpe.add_special_tokens(visual + list(specials))
@@ -162,7 +213,7 @@ def glm_image(configs: dict, seed: int = 0, device: str | torch.device | None = 
     ar_config = GlmImageConfig(**configs["ar"])
     text = ar_config.text_config
     tokenizer = glm_tokenizer(text.vocab_size, text.vision_vocab_size, configs["specials"],
-                              ar_config.image_start_token_id, ar_config.image_end_token_id)
+                              ar_config.image_start_token_id, ar_config.image_end_token_id, configs.get("words", ()))
     assert tokenizer.convert_tokens_to_ids("<|image|>") == ar_config.image_token_id
     # a source image: 16-pixel patches after the processor halves it, one VQ code per patch (no merging, no time axis)
     patch = configs["ar"]["vision_config"]["patch_size"]

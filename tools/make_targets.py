@@ -1,19 +1,24 @@
-"""Make the example targets for the tiny demo: images the tiny GLM-Image itself can produce.
+"""Make the demos' prompts files from world.py: `prompts.txt` (captions with rendered targets, for the SSIM demo),
+`examples/shapes.txt` and `examples/shapes_heldout.txt` (the training and held-out captions, no targets, for the
+`shapes` reward), and `examples/edits.jsonl` (editing).
 
-A randomly initialised tiny DiT + VAE only paints a narrow family of images, so a hand-drawn target
-would be out of reach. Each target here is the decode of a random token grid under the same tiny
-weights and the same decoder noise that `python grpo.py --model tiny` uses, so GRPO can climb toward it.
+prompts.txt: training captions of four kinds, each with a target the world renders for it (shapes centred in their
+cells). SSIM to the target rewards the samples that put the asked shapes where the target has them.
 
-Editing examples (examples/edits.jsonl): a random token grid is decoded once without a source (the "clean"
-image); the source is that image shifted and blurred; the target is the decode of the same tokens with the DiT
-conditioned on that source, exactly as grpo.py decodes an editing sample. So the target is reachable from the
-source, and the reward (SSIM to the target) can rise.
+examples/shapes*.txt: world.caption_split() (seeded): GRPO trains on the first, the held-out combinations in the second
+never appear in pre-training or in GRPO training, so they measure what generalises.
 
-  python tools/make_targets.py            # rewrites examples/*.png, examples/edits.jsonl and prompts.txt
+examples/edits.jsonl: the source is a world picture shifted and blurred; the target is what the tiny model's DiT paints
+for that picture's codes when it also sees the source, exactly as grpo.py decodes an editing sample, so the target is
+reachable from the source and SSIM can rise. (The tiny AR was pre-trained for text-to-image only: editing runs here
+to show the mechanics, not a skill.)
+
+  python tools/make_targets.py            # rewrites the files above and examples/*.png
 """
 
 import json
 import os
+import random
 import sys
 from pathlib import Path
 
@@ -25,50 +30,48 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # grpo.py and the files it imports live in the repository root
 
 import grpo  # noqa: E402
+import world  # noqa: E402
 
-PROMPTS = ["a red square on a white background", "a blue circle in the snow", "a green triangle at dusk"]
-EDITS = ["sharpen the photo and move it back into place", "restore the picture"]
-
-
-def save(image: torch.Tensor, path: str) -> Image.Image:
-    pil = grpo.to_pil(image)
-    pil.save(path)
-    return pil
+SSIM_DEMO = ["a red circle at the top left", "two blue squares", "a green triangle above a yellow circle",
+             "a yellow square and a red triangle"]
+EDITS = [("a red square on the left", "move it back into place"), ("two yellow squares", "restore the picture")]
 
 
-def main(size: int = 64, seed: int = 1234) -> None:
+def main(seed: int = 1234) -> None:
     os.chdir(ROOT)  # the paths below are the repository's
-    cfg = grpo.Config(model="tiny")
+    train, held_out = world.caption_split()
+    assert all(c in train for c in SSIM_DEMO + [c for c, _ in EDITS]), "demo captions must be training captions"
+    rng = random.Random(seed)
+    lines = ["# prompt | target image (path relative to this file): world.py's captions and pictures, made by "
+             "tools/make_targets.py"]
+    for i, caption in enumerate(SSIM_DEMO):
+        world.render(world.sample_scene(caption, rng)).save(f"examples/target_{i}.png")
+        lines.append(f"{caption} | examples/target_{i}.png")
+    Path("prompts.txt").write_text("\n".join(lines) + "\n")
+
+    shuffled = random.Random(seed).sample(train, len(train))
+    header = "# captions of world.py for --reward shapes ({}; tools/make_targets.py)\n"
+    Path("examples/shapes.txt").write_text(header.format("GRPO's training split") + "\n".join(shuffled) + "\n")
+    Path("examples/shapes_heldout.txt").write_text(header.format("held out: never in pre-training or GRPO training")
+                                                   + "\n".join(held_out) + "\n")
+
     pipe = grpo.load_glm_image("tiny")
-    K = pipe.vision_language_encoder.config.vq_config.num_embeddings
-    generator = torch.Generator().manual_seed(seed)
-    h = w = size // 32
-
-    def decode(prompt, tokens, source=None):
-        return grpo.decode_images(pipe, prompt, tokens, (h, w), size, size, num_inference_steps=2,
-                                  seed=cfg.decode_seed, guidance_scale=cfg.guidance_scale, source=source)[0]
-
-    lines = ["# prompt | target image (path relative to this file). Targets made by tools/make_targets.py with the tiny model."]
-    for i, prompt in enumerate(PROMPTS):
-        tokens = torch.randint(0, K, (1, h * w), generator=generator)  # only the large grid reaches the DiT
-        save(decode(prompt, tokens), f"examples/target_{i}.png")
-        lines.append(f"{prompt} | examples/target_{i}.png")
-    with open("prompts.txt", "w") as f:
-        f.write("\n".join(lines) + "\n")
-
+    cfg = grpo.parse_config(["--model", "tiny"])
+    size = cfg.height
     edits = []
-    for i, prompt in enumerate(EDITS):
-        tokens = torch.randint(0, K, (1, h * w), generator=generator)
-        clean = grpo.to_pil(decode(prompt, tokens))
-        shifted = Image.fromarray(np.roll(np.asarray(clean), size // 4, axis=1))
-        source = shifted.filter(ImageFilter.GaussianBlur(2))
+    for i, (caption, instruction) in enumerate(EDITS):
+        scene = world.sample_scene(caption, rng)
+        clean = world.render(scene, rng)
+        source = Image.fromarray(np.roll(np.asarray(clean), size // 6, axis=1)).filter(ImageFilter.GaussianBlur(1.5))
         source.save(f"examples/edit_source_{i}.png")
-        inputs = grpo.group_inputs(pipe.processor, prompt, 1, size, size, "cpu", source)
+        inputs = grpo.group_inputs(pipe.processor, instruction, 1, size, size, "cpu", source)
         _, encoded = grpo.encode_source(pipe.vision_language_encoder, inputs, source)
-        save(decode(prompt, tokens, encoded), f"examples/edit_target_{i}.png")
-        edits.append({"prompt": prompt, "source": f"edit_source_{i}.png", "target": f"edit_target_{i}.png"})
-    with open("examples/edits.jsonl", "w") as f:
-        f.write("".join(json.dumps(e) + "\n" for e in edits))
+        tokens = torch.tensor([world.labels(scene)])  # the large grid: the codes of the clean picture
+        target = grpo.decode_images(pipe, instruction, tokens, (world.GRID, world.GRID), size, size,
+                                    cfg.num_inference_steps, cfg.decode_seed, cfg.guidance_scale, encoded)[0]
+        grpo.to_pil(target).save(f"examples/edit_target_{i}.png")
+        edits.append({"prompt": instruction, "source": f"edit_source_{i}.png", "target": f"edit_target_{i}.png"})
+    Path("examples/edits.jsonl").write_text("".join(json.dumps(e) + "\n" for e in edits))
 
 
 if __name__ == "__main__":
