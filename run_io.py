@@ -136,23 +136,39 @@ def save_image(image: Image.Image, path: Path) -> None:
     atomic_write(path, lambda f: image.save(f, format="PNG"))
 
 
-def image_grid(rows: list[list[tuple[str, torch.Tensor | None]]], rewards: torch.Tensor) -> Image.Image:
-    """One row per prompt: labelled reference tiles (source, target; None draws a blank), then the G samples with
-    their rewards written underneath. rows[p] = [(label, (3, H, W) or None), ...]; rewards (P, G)."""
-    G, label = rewards.shape[1], 14
+def image_grid(rows: list[list[tuple[str, torch.Tensor | None]]], rewards: torch.Tensor,
+               titles: list[str] | None = None) -> Image.Image:
+    """One row per prompt: labelled reference tiles (source, target; None draws a blank), then the samples with their
+    rewards written underneath, and a title strip above each row when `titles` are given (the prompt, the step).
+    rows[p] = [(label, (3, H, W) or None), ...]; rewards (P, n samples). Tiles smaller than 128 pixels are enlarged
+    (nearest neighbour) so that a tiny model's pictures can be seen."""
+    G, label, title = rewards.shape[1], 14, 14 if titles else 0
     _, H, W = next(t for row in rows for _, t in row if t is not None and t.ndim == 3).shape
+    zoom = max(1, 128 // max(H, W))
+    H, W = H * zoom, W * zoom
     n_ref = len(rows[0]) - G
-    grid = Image.new("RGB", (len(rows[0]) * W, len(rows) * (H + label)), "white")
+    grid = Image.new("RGB", (len(rows[0]) * W, len(rows) * (title + H + label)), "white")
     draw = ImageDraw.Draw(grid)
     for r, row in enumerate(rows):
-        y = r * (H + label)
+        y = r * (title + H + label)
+        if titles:
+            draw.text((2, y + 1), titles[r], fill="black")
         for col, (text, picture) in enumerate(row):
             if picture is not None:
                 pixels = (picture.float().clamp(0, 1).permute(1, 2, 0).cpu().numpy() * 255).round().astype(np.uint8)
-                grid.paste(Image.fromarray(pixels).resize((W, H)), (col * W, y))
+                grid.paste(Image.fromarray(pixels).resize((W, H), Image.NEAREST), (col * W, y + title))
             text = text if col < n_ref else f"{rewards[r, col - n_ref].item():.3f}"
-            draw.text((col * W + 2, y + H + 1), text, fill="black")
+            draw.text((col * W + 2, y + title + H + 1), text, fill="black")
     return grid
+
+
+def side_by_side(left: Path, right: Path) -> Image.Image:
+    """Two image grids next to each other, 16 white pixels apart (the before and the after grid)."""
+    with Image.open(left) as a, Image.open(right) as b:
+        both = Image.new("RGB", (a.width + 16 + b.width, max(a.height, b.height)), "white")
+        both.paste(a, (0, 0))
+        both.paste(b, (a.width + 16, 0))
+    return both
 
 
 def save_checkpoint(path: Path, weights: dict, optimizer_state: dict, step: int, cfg, world: int = 1) -> None:

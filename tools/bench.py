@@ -35,6 +35,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # grpo.py and the files it imports live in the repository root
 
 import grpo  # noqa: E402
+import rewards  # noqa: E402
 
 G, H, W, T, PROMPT = 4, 64, 64, 0.9, "a red square on a white background"
 
@@ -139,14 +140,14 @@ def ocr_cost(rows):
         rows.append(("ocr reward", "not measured: EasyOCR is not installed (bash tools/install_ocr.sh)"))
         return
     from PIL import Image, ImageDraw, ImageFont
-    t, _ = timed(grpo.ocr_reader, repeats=1)
+    t, _ = timed(rewards.ocr_reader, repeats=1)
     rows.append(("ocr reward: build the reader (once per process)", f"{t:.1f} s"))
     for size in (64, 1024):
         image = Image.new("RGB", (size, size), "white")
         ImageDraw.Draw(image).text((size // 2, size // 2), "OPEN 24 HOURS", fill="black", anchor="mm",
                                    font=ImageFont.load_default(size=max(size // 10, 6)))
         images = torch.from_numpy(np.asarray(image, dtype=np.float32) / 255).permute(2, 0, 1)[None]
-        t, score = timed(lambda: grpo.ocr_reward(images.repeat(2, 1, 1, 1), {"text": "open 24 hours"}), repeats=2)
+        t, score = timed(lambda: rewards.ocr_reward(images.repeat(2, 1, 1, 1), {"text": "open 24 hours"}), repeats=2)
         rows.append((f"ocr reward: {size}x{size}, per image", f"{t / 2:.2f} s (read: score {score[0]:.2f})"))
 
 
