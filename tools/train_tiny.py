@@ -2,6 +2,7 @@
 
   python tools/train_tiny.py                          # ~30 min on 2 CPU cores; rewrites tiny_glm_image/
   python tools/train_tiny.py --quick --out /tmp/t     # a few steps of every stage (what the test runs)
+  python tools/train_tiny.py --check-only             # re-measure the checks of tiny_glm_image/ (2 min)
 
 The model is GLM-Image's own classes at small sizes (offline_model.WORLD: AR 0.7M parameters, DiT 1.3M, VAE 0.25M),
 trained on CPU in the order the picture depends on them, with the pipeline's own conventions:
@@ -312,6 +313,39 @@ def swap_in(tmp: Path, out: Path) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
+def dit_check(pipe, test_labels: torch.Tensor, seed: int) -> float:
+    """The fraction of pictures whose codes (N, 9) the DiT + VAE decode, at grpo.py's tiny settings (steps, guidance),
+    into pictures read back (world.read_scene) as exactly those objects in those cells."""
+    cfg = grpo.parse_config(["--model", "tiny"])
+    zeros = torch.zeros(len(test_labels), 256, dtype=torch.long)  # the blank preview
+    decoded = torch.cat([grpo.decode_images(pipe, "", torch.cat([zeros, test_labels], 1)[i:i + 50], (3, 3), SIZE, SIZE,
+                                            cfg.num_inference_steps, seed, cfg.guidance_scale)
+                         for i in range(0, len(test_labels), 50)])
+    read = [{(r, c): o for r, c, o in world.read_scene(im)} for im in (decoded.permute(0, 2, 3, 1) * 255).byte().numpy()]
+    return float(np.mean([r == world.scene_of_labels(l.tolist()) for r, l in zip(read, test_labels)]))
+
+
+def check_only(args) -> dict:
+    """Re-measure the checks of the checkpoint in --out (the DiT's decoding and the held-out accuracy, at grpo.py's
+    current tiny settings) and update those fields of its training_report.json; the weights are not touched."""
+    from diffusers import GlmImagePipeline
+    out = Path(args.out)
+    report = json.loads((out / "training_report.json").read_text())
+    seed = report["seed"]
+    train_captions, held_out = world.caption_split()
+    _, test_labels = pictures(200, random.Random(seed + 1), captions_by_kind(train_captions))
+    pipe = grpo.only_ar_trains(GlmImagePipeline.from_pretrained(out))
+    pipe.set_progress_bar_config(disable=True)
+    report["dit_decoded_right"] = dit_check(pipe, test_labels, seed)
+    report["held_out"] = shapes_accuracy(pipe, held_out[:args.eval_captions], 8, seed)
+    report["checked_with"] = {k: getattr(grpo.parse_config(["--model", "tiny"]), k)
+                              for k in ("height", "width", "num_inference_steps", "guidance_scale", "temperature")}
+    grpo.atomic_write(out / "training_report.json", lambda f: f.write((json.dumps(report, indent=1) + "\n").encode()))
+    log(f"re-checked {out}: dit decoded right {report['dit_decoded_right']:.3f}, held-out accuracy "
+        f"{report['held_out']['accuracy']:.3f}")
+    return report
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default=str(ROOT / "tiny_glm_image"), help="checkpoint folder to write")
@@ -320,10 +354,13 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--images", type=int, default=4000, help="rendered pictures for the VAE, VQ and DiT")
     parser.add_argument("--eval-captions", type=int, default=161, help="held-out captions in the final check (all: 161)")
     parser.add_argument("--quick", action="store_true", help="a few steps of every stage (for the test)")
+    parser.add_argument("--check-only", action="store_true", help="re-measure the checks of the checkpoint in --out")
     args = parser.parse_args(argv)
+    grpo.quiet_libraries()
+    if args.check_only:
+        return check_only(args)
     steps = QUICK if args.quick else STEPS
     n_images = 32 if args.quick else args.images
-    grpo.quiet_libraries()
     torch.manual_seed(args.seed)
     total = time.perf_counter()
     seconds = {}
@@ -362,14 +399,10 @@ def main(argv: list[str] | None = None) -> dict:
     start = time.perf_counter()
     normalised = (latents - mean.view(1, -1, 1, 1)) / std.view(1, -1, 1, 1)
     train_dit(pipe, normalised, labels, steps["dit"], args.seed)
-    zeros = torch.zeros(len(test_labels), 256, dtype=torch.long)
-    decoded = torch.cat([grpo.decode_images(pipe, "", torch.cat([zeros, test_labels], 1)[i:i + 50], (3, 3), SIZE, SIZE,
-                                            2, args.seed) for i in range(0, len(test_labels), 50)])
-    read = [{(r, c): o for r, c, o in world.read_scene(im)} for im in (decoded.permute(0, 2, 3, 1) * 255).byte().numpy()]
-    decoded_right = float(np.mean([r == world.scene_of_labels(l.tolist()) for r, l in zip(read, test_labels)]))
+    decoded_right = dit_check(pipe, test_labels, args.seed)
     seconds["dit"] = time.perf_counter() - start
     log(f"4. dit: new pictures decoded from their codes and read back fully right {decoded_right:.3f} "
-        f"(2 steps, guidance 1.5), {seconds['dit']:.0f} s")
+        f"(grpo.py's tiny settings), {seconds['dit']:.0f} s")
 
     start = time.perf_counter()
     train_ar(pipe, by_kind, steps["ar_short"], short=True, seed=args.seed, noise=args.noise, batch=64, peak=2e-3)
@@ -392,7 +425,9 @@ def main(argv: list[str] | None = None) -> dict:
     size = sum(f.stat().st_size for f in tmp.rglob("*") if f.is_file()) / 2 ** 20
     report = {"seed": args.seed, "noise": args.noise, "steps": steps, "vae_psnr": psnr, "vq_cells_right": codes_right,
               "dit_decoded_right": decoded_right, "held_out": result, "seconds": seconds,
-              "minutes": (time.perf_counter() - total) / 60, "size_mb": size, "torch_threads": torch.get_num_threads()}
+              "minutes": (time.perf_counter() - total) / 60, "size_mb": size, "torch_threads": torch.get_num_threads(),
+              "checked_with": {k: getattr(grpo.parse_config(["--model", "tiny"]), k)
+                               for k in ("height", "width", "num_inference_steps", "guidance_scale", "temperature")}}
     (tmp / "training_report.json").write_text(json.dumps(report, indent=1) + "\n")
     swap_in(tmp, out)
     log(f"6. saved {out} ({size:.1f} MB); reloaded with GlmImagePipeline.from_pretrained: held-out accuracy "
