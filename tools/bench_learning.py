@@ -93,7 +93,7 @@ def main() -> None:
     extra = argv[argv.index("--") + 1:] if "--" in argv else []
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    parser.add_argument("--steps", type=int, default=300, help="GRPO steps of the shapes demo")
+    parser.add_argument("--steps", type=int, default=400, help="GRPO steps of the shapes demo")
     parser.add_argument("--ssim-steps", type=int, default=100, help="GRPO steps of the SSIM demo")
     parser.add_argument("--samples", type=int, default=8, help="samples per held-out caption")
     parser.add_argument("--demos", nargs="+", default=["shapes", "ssim"], choices=["shapes", "ssim"])
