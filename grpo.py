@@ -125,16 +125,27 @@ MODEL_DEFAULTS = {  # filled in where the command line left a field at None
 }
 
 
-def parse_config(argv: list[str] | None = None) -> Config:
-    """Command line -> Config. Flags are the field names with dashes; None fields get MODEL_DEFAULTS."""
+def config_parser(default=None) -> argparse.ArgumentParser:
+    """One flag per Config field (the name with dashes), defaulting to the field's default (or to `default`)."""
     parser = argparse.ArgumentParser(description="GRPO on GLM-Image", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     for f in dataclasses.fields(Config):
         flag, kind = "--" + f.name.replace("_", "-"), {"int | None": int, "float | None": float}.get(str(f.type), f.type)
+        value = f.default if default is None else default
         if kind is bool:
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=f.metadata["help"])
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=value, help=f.metadata["help"])
         else:
-            parser.add_argument(flag, type=kind, default=f.default, help=f.metadata["help"])
-    cfg = Config(**vars(parser.parse_args(argv)))
+            parser.add_argument(flag, type=kind, default=value, help=f.metadata["help"])
+    return parser
+
+
+def given_flags(argv: list[str] | None = None) -> set[str]:
+    """The Config fields the command line sets itself (not left at their defaults)."""
+    return set(vars(config_parser(default=argparse.SUPPRESS).parse_args(argv)))
+
+
+def parse_config(argv: list[str] | None = None) -> Config:
+    """Command line -> Config. Flags are the field names with dashes; None fields get MODEL_DEFAULTS."""
+    cfg = Config(**vars(config_parser().parse_args(argv)))
     defaults = MODEL_DEFAULTS["tiny" if cfg.model == "tiny" else "real"]
     return dataclasses.replace(cfg, **{k: v for k, v in defaults.items() if getattr(cfg, k) is None})
 
@@ -432,9 +443,14 @@ def token_logprobs(model, inputs: dict, tokens: torch.Tensor, temperature: float
 
     Differentiable (call under torch.no_grad() for the reference). Passing explicit `position_ids`
     is what makes this agree with sample_group: without them the model puts the image tokens on the
-    1D text ramp and the log-probs are wrong (see the tests and the notebook).
+    1D text ramp and the log-probs are wrong (see the tests and the notebook). The rows share one
+    prompt (a group, as sample_group makes it): the positions are built from row 0, so other prompts
+    in the same call are refused rather than scored at the wrong positions.
     """
     G, P = inputs["input_ids"].shape
+    if not (inputs["input_ids"] == inputs["input_ids"][:1]).all():
+        raise ValueError("token_logprobs scores one prompt per call (its positions come from row 0), but the rows of "
+                         "input_ids differ: call it once per group")
     N = tokens.shape[1]
     input_ids = torch.cat([inputs["input_ids"], tokens[:, :-1]], dim=1)  # (G, P+N-1)
     attention_mask = torch.cat([inputs["attention_mask"], torch.ones_like(tokens[:, :-1])], dim=1)
@@ -560,15 +576,18 @@ def group_rewards(images: list[torch.Tensor], examples: list[dict], rewards: dic
 
 # ---- 8. Advantages ------------------------------------------------------------------------------
 
-def group_advantages(rewards: torch.Tensor, eps: float = 1e-4) -> torch.Tensor:
+def group_advantages(rewards: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """(P, G) or (G,) rewards -> same-shape advantages, z-scored within each group (last dim).
 
-    Population std; a group whose std is below eps (all samples alike) carries no signal and gets
-    zeros rather than a division by ~0. Invariant to r -> a r + b for a > 0.
+    Population std. A group with no spread carries no signal and gets zeros rather than a division by ~0;
+    "no spread" is relative to the rewards' size (std <= eps x the group's largest |reward|: float rounding,
+    whatever the reward's scale), so the advantages are invariant to r -> a r for a > 0, and to r -> r + b
+    for every group whose spread is above rounding.
     """
     mean = rewards.mean(dim=-1, keepdim=True)
     std = rewards.std(dim=-1, unbiased=False, keepdim=True)
-    return torch.where(std > eps, (rewards - mean) / std.clamp_min(eps), torch.zeros_like(rewards))
+    spread = std > eps * rewards.abs().amax(dim=-1, keepdim=True)
+    return torch.where(spread, (rewards - mean) / std.clamp_min(torch.finfo(std.dtype).tiny), torch.zeros_like(rewards))
 
 
 # ---- 9. Loss ------------------------------------------------------------------------------------
@@ -721,6 +740,9 @@ def validate(cfg: Config) -> None:
             raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
     if cfg.dtype not in ("auto", "float32", "bfloat16") or cfg.device not in ("auto", "cpu", "cuda"):
         raise ValueError(f"--dtype {cfg.dtype} / --device {cfg.device}: use auto|float32|bfloat16 / auto|cpu|cuda")
+    if cfg.device == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device cuda, but torch {torch.__version__} sees no CUDA GPU here; use --device cpu (or "
+                         "auto), or install a CUDA build of torch on a machine with a GPU")
 
 
 def fail(message: str, code: int = 2) -> None:
@@ -781,8 +803,15 @@ def prepare(argv: list[str] | None) -> tuple[Config, list[dict], dict, Path, int
     try:
         if cfg.resume:
             saved, start, saved_world = read_resume(out)  # config.json; step and processes from checkpoint.pt
+            given = given_flags(argv)
+            refused = sorted(given - {"resume", "steps", "device"})  # a run goes on as it was; only these may change
+            if refused:
+                raise ValueError(f"--resume continues {out} with its saved settings, so it cannot take "
+                                 f"{', '.join('--' + f.replace('_', '-') for f in refused)}: drop them (or start a new "
+                                 "run with another --out)")
+            keep = {f: getattr(cfg, f) for f in ("steps", "device") if f in given}
             try:
-                cfg = dataclasses.replace(Config(**saved), steps=cfg.steps, resume=cfg.resume, out=str(out))
+                cfg = dataclasses.replace(Config(**saved), **keep, resume=cfg.resume, out=str(out))
             except TypeError:
                 raise ValueError(f"{out / 'config.json'} is not a grpo.py config (its fields differ); restore it from "
                                  "the checkpoint's copy (torch.load(checkpoint.pt)['config'])") from None
@@ -839,12 +868,19 @@ def main(argv: list[str] | None = None) -> dict:
     quiet_libraries()
     cfg, examples, rewards, out, start = prepare(argv)  # every input checked, nothing written yet
     rank, world, device = start_processes(cfg.device)  # torchrun: one process per GPU; else rank 0 of 1
+    if device == "cpu" and "OMP_NUM_THREADS" not in os.environ:
+        # one thread unless OMP_NUM_THREADS says otherwise: on 2 cores the tiny demo ran 1.2x faster with 2 threads but
+        # used 1.5x the CPU, and more threads than free cores stalled a busy machine 10-60x
+        torch.set_num_threads(1)
     dtype = {"auto": torch.bfloat16 if device.startswith("cuda") else torch.float32,
              "float32": torch.float32, "bfloat16": torch.bfloat16}[cfg.dtype]
     try:
         pipe = load_glm_image(cfg.model, device, dtype)
     except Exception as error:  # offline hub, wrong path, ...: one line, no traceback
-        fail(f"cannot load --model {cfg.model} ({type(error).__name__}); offline? use --model tiny or a local path")
+        cause = (str(error).strip().splitlines() or [""])[0][:200]
+        hint = ("tools/train_tiny.py rebuilds it" if cfg.model == "tiny" else
+                "offline? use --model tiny or a local path")
+        fail(f"cannot load --model {cfg.model} ({type(error).__name__}: {cause}); {hint}")
     policy, ref_model, optimizer = setup_training(pipe, cfg, dtype, world)
     if cfg.resume:
         load_trainable_state(policy, optimizer, read_checkpoint(out / "checkpoint.pt"))
@@ -884,7 +920,7 @@ def main(argv: list[str] | None = None) -> dict:
                     skipped, done = skipped + record["skipped"], step + 1
                     history.append(record)
                     if rank == 0:
-                        log_step(out, progress, record, skipped)
+                        log_step(out, progress, record, skipped, history, cfg.kl_beta)
                 save_step_outputs(out, step, cfg, batch, images, reward, policy, optimizer, rank, world)
                 if stop_requested():  # with many processes, an interrupt in any of them stops all after this step
                     raise KeyboardInterrupt
@@ -909,11 +945,23 @@ def quiet_libraries() -> None:
     transformers.utils.logging.disable_progress_bar()  # save_pretrained's "Writing model shards" bar
 
 
+PHASES = {"sample": "sampling (generate)", "decode": "decoding (DiT + VAE)", "reward": "scoring the images",
+          "train": "the update (train_step)", "show": "sampling the before / after grids"}
+
+
 @contextlib.contextmanager
 def timed(seconds: dict, phase: str):
-    """seconds[phase] = the wall-clock time the block took."""
+    """seconds[phase] = the wall-clock time the block took. Running out of (GPU) memory in it stops the run like bad
+    input: one line naming the phase and the levers, exit 2; the step is not saved, so the last checkpoint stays."""
     start = time.perf_counter()
-    yield
+    try:
+        yield
+    except torch.OutOfMemoryError:
+        rank = int(os.environ.get("RANK", 0))
+        print(f"grpo.py: error: out of memory while {PHASES.get(phase, phase)}{f' (process {rank})' if rank else ''}; "
+              "the last checkpoint is kept. To fit: --lora-rank 16, --micro-batch-size 1, --gradient-checkpointing, "
+              "--offload, a smaller --group-size, or more GPUs (torchrun shards the AR)", file=sys.stderr)
+        raise SystemExit(2) from None
     seconds[phase] = time.perf_counter() - start
 
 
@@ -931,10 +979,13 @@ def step_record(step: int, groups: list[int], n_examples: int, reward: torch.Ten
             **{f"sec_{phase}": value for phase, value in seconds.items()}}
 
 
-def log_step(out: Path, progress, record: dict, skipped: int) -> None:
-    """The step's line in metrics.jsonl, the progress bar, and a warning for a skipped update (rank 0)."""
+def log_step(out: Path, progress, record: dict, skipped: int, history: list[dict], kl_beta: float) -> None:
+    """The step's line in metrics.jsonl, the progress bar, and a warning for a skipped update (rank 0). The bar shows
+    the step's reward, its mean over the last 20 steps (steps differ by prompt) and, when there is a KL term, the KL."""
     append_metrics(out, {**record, "skipped_total": skipped})
-    progress.set_postfix(reward=f"{record['reward_mean']:.3f}", kl=f"{record['kl']:.3f}")
+    recent = np.mean([h["reward_mean"] for h in history[-20:]])
+    progress.set_postfix(reward=f"{record['reward_mean']:.3f}", reward_avg20=f"{recent:.3f}",
+                         **({"kl": f"{record['kl']:.4f}"} if kl_beta > 0 else {}))
     if record["skipped"]:
         progress.write(f"warning: step {record['step']}: non-finite loss or gradient, update skipped "
                        f"({skipped} so far)", file=sys.stderr)
@@ -957,7 +1008,8 @@ def interrupted(out: Path, policy, optimizer, done: int, cfg: Config, rank: int,
         save_run(out, policy, optimizer, done, cfg, rank, world)  # the steps from `done` on did not finish: redone
     if rank == 0:
         saved = "the last checkpoint is kept" if INTERRUPT["forced"] else f"checkpoint at step {done}"
-        print(f"interrupted: {saved} in {out}; continue with --resume {out}", file=sys.stderr)
+        launch = f"torchrun --nproc-per-node {world} grpo.py" if world > 1 else "python grpo.py"
+        print(f"interrupted: {saved} in {out}; continue it with: {launch} --resume {out}", file=sys.stderr)
     raise SystemExit(130)
 
 
@@ -981,7 +1033,7 @@ def show(path: Path, pipe, policy, examples: list[dict], rewards: dict, cfg: Con
     step), decoded and scored as in training, into an image grid at `path` (rank 0); after training also
     images/before_after.png beside the grid from before. Every process samples (FSDP gathers the AR). Returns the
     mean reward."""
-    with autocast, unsharded(policy), decoder_on(pipe, device, cfg.offload):
+    with timed({}, "show"), autocast, unsharded(policy), decoder_on(pipe, device, cfg.offload):
         rollouts = [sample_group(pipe, ex["prompt"], cfg.group_size, cfg.height, cfg.width, cfg.temperature,
                                  SHOW_SEED + i, ex.get("source")) for i, ex in enumerate(examples)]
         images = [decode_images(pipe, ex["prompt"], r.tokens, r.large_hw, cfg.height, cfg.width,
@@ -1039,4 +1091,8 @@ def summarize(out: Path, history: list[dict], n_examples: int, skipped: int, ran
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except KeyboardInterrupt:  # Ctrl-C while loading or checking (the training loop handles its own): no traceback
+        print("grpo.py: interrupted", file=sys.stderr)
+        raise SystemExit(130) from None

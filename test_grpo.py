@@ -296,6 +296,15 @@ def test_token_logprobs_temperature_mismatch(sharp_pipe):
     assert max(m["ratio_max"] - 1, 1 - m["ratio_min"]) > 0.2
 
 
+def test_token_logprobs_one_prompt_per_call(pipe):
+    """Rows of different prompts in one call would be scored at row 0's positions: refused with a clear error."""
+    a, b = (grpo.sample_group(pipe, p, 2, 96, 96, T, seed=0) for p in ("a red circle", "a blue square"))
+    assert a.inputs["input_ids"].shape == b.inputs["input_ids"].shape  # same length, different words
+    both = {k: torch.cat([a.inputs[k], b.inputs[k]]) for k in a.inputs}
+    with pytest.raises(ValueError, match="one prompt per call"):
+        grpo.token_logprobs(pipe.vision_language_encoder, both, torch.cat([a.tokens, b.tokens]), T)
+
+
 def test_token_logprobs_differentiable(pipe):
     """Gradients reach the AR weights through token_logprobs."""
     ar = copy.deepcopy(pipe.vision_language_encoder)
@@ -604,7 +613,8 @@ def test_ocr_reward_missing_package(tmp_path, capsys, monkeypatch):
 # ---- 8. advantages ------------------------------------------------------------------------------
 
 def test_group_advantages():
-    """Zero mean and unit std per group; zeros (not NaN) for equal rewards; invariant to a r + b, a > 0."""
+    """Zero mean and unit std per group; zeros (not NaN) for equal rewards; invariant to a r + b, a > 0, at any scale
+    (a reward whose spread is 1e-6 still teaches; the no-spread threshold is relative to the rewards' size)."""
     r = torch.tensor([[0.1, 0.5, 0.3, 0.9], [2.0, 2.0, 2.0, 2.0], [1.0, -1.0, 0.0, 0.0]])
     a = grpo.group_advantages(r)
     assert a.shape == r.shape and torch.isfinite(a).all()
@@ -614,6 +624,9 @@ def test_group_advantages():
     assert torch.allclose(grpo.group_advantages(3.0 * r - 7.0), a, atol=1e-5)
     assert torch.allclose(grpo.group_advantages(r[0]), a[0])  # (G,) works too
     assert torch.equal(grpo.group_advantages(torch.full((4,), 0.3) + torch.tensor([0, 1e-7, 0, 0])), torch.zeros(4))
+    for scale, shift in [(1e-5, 0.0), (1e-5, 1e-3), (1e4, -3e4)]:
+        assert torch.allclose(grpo.group_advantages(scale * r + shift), a, atol=1e-3), (scale, shift)
+    assert torch.equal(grpo.group_advantages(torch.zeros(2, 4)), torch.zeros(2, 4))
 
 
 # ---- 9. loss ------------------------------------------------------------------------------------
@@ -878,6 +891,8 @@ def test_prepare_bad_input(tmp_path, capsys):
              (["--steps", "0"], "--steps"), (["--resume", str(tmp_path / "none")], "no checkpoint.pt"),
              (P("no_target.txt"), "no_target.txt:1: reward 'ssim' needs a target"),
              (["--reward", "nosuchmodule:f=1"], "cannot import")]
+    if not torch.cuda.is_available():
+        cases.append((["--device", "cuda"], "--device cuda, but torch .* sees no CUDA GPU here; use --device cpu"))
     for args, needle in cases:
         with pytest.raises(SystemExit) as exit_info:
             grpo.main([*TINY, "--out", str(out), *(args if "--prompts" in args else ["--prompts", str(good), *args])])
@@ -893,7 +908,7 @@ def test_main_bad_input_cli(tmp_path):
     (tmp_path / "bad.txt").write_text("fine | t.png\nno target\n")
     out = tmp_path / "out"
     for args, needle in [(["--prompts", str(tmp_path / "bad.txt"), *TINY], "bad.txt:2"),
-                         (["--prompts", str(good), "--model", str(tmp_path / "no-such-model")], "--model tiny")]:
+                         (["--prompts", str(good), "--model", str(tmp_path / "no-such-model")], "no-such-model")]:
         proc = run_cli(*args, "--out", str(out))
         assert proc.returncode == 2, (args, proc.stderr)
         assert needle in proc.stderr and "Traceback" not in proc.stderr + proc.stdout
@@ -921,7 +936,7 @@ def test_main_resume(tmp_path, monkeypatch):
     """2N steps == N steps + resume + N steps (metrics and weights), also after a Ctrl-C; --overwrite replaces."""
     tiny_run(tmp_path, tmp_path / "whole", "--steps", "4", "--kl-beta", "0.04")
     tiny_run(tmp_path, tmp_path / "half", "--steps", "2", "--kl-beta", "0.04")
-    tiny_run(tmp_path, tmp_path / "half", "--resume", str(tmp_path / "half"), "--steps", "4")
+    grpo.main(["--resume", str(tmp_path / "half"), "--steps", "4"])
     assert run_record(tmp_path / "whole") == run_record(tmp_path / "half") and len(run_record(tmp_path / "half")) == 4
     from transformers import GlmImageForConditionalGeneration
     a, b = (GlmImageForConditionalGeneration.from_pretrained(tmp_path / d / "final") for d in ("whole", "half"))
@@ -953,16 +968,42 @@ def interrupted_run(tmp_path, monkeypatch, name, where, signals=1):
 def test_main_interrupt(tmp_path, monkeypatch, capsys):
     """Ctrl-C while sampling stops at once and redoes the step; Ctrl-C during an update lets it finish and log
     first (never applied twice); a second Ctrl-C there stops at once and keeps the last checkpoint. Exit code 130,
-    and every resumed run equals the uninterrupted one."""
+    and every run resumed with the printed command equals the uninterrupted one."""
     tiny_run(tmp_path, tmp_path / "whole", "--steps", "4", "--kl-beta", "0.04")
     for name, where, signals, logged in [("sample", "sample", 1, 2), ("update", "update", 1, 3),
                                          ("twice", "update", 2, 2)]:
         assert interrupted_run(tmp_path, monkeypatch, name, where, signals) == 130
         assert len(run_record(tmp_path / name)) == logged, name
         assert grpo.read_checkpoint(tmp_path / name / "checkpoint.pt")["step"] == logged, name
-        assert "--resume" in capsys.readouterr().err
-        tiny_run(tmp_path, tmp_path / name, "--resume", str(tmp_path / name), "--steps", "4")
+        assert f"continue it with: python grpo.py --resume {tmp_path / name}" in capsys.readouterr().err
+        grpo.main(["--resume", str(tmp_path / name)])  # that command, as printed: on to the 4 steps asked for
         assert run_record(tmp_path / name) == run_record(tmp_path / "whole"), name
+
+
+@pytest.mark.parametrize("phase", ["decode_images", "train_step"])
+def test_main_out_of_memory(tmp_path, monkeypatch, capsys, phase):
+    """A CUDA out-of-memory error (simulated) in a phase of step 2: exit 2, one line naming the phase and the levers,
+    no traceback; the checkpoint of step 2 stays loadable and the run resumes to its end."""
+    original, calls = getattr(grpo, phase), []
+
+    def runs_out(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:  # step 2 (one group a step)
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(grpo, phase, runs_out)
+    with pytest.raises(SystemExit) as exit_info:
+        tiny_run(tmp_path, tmp_path / "run", "--steps", "4", "--save-every", "1")
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("grpo.py: error:")]
+    assert exit_info.value.code == 2 and len(lines) == 1 and "Traceback" not in err, err
+    assert f"out of memory while {'decoding' if phase == 'decode_images' else 'the update'}" in lines[0]
+    assert "--gradient-checkpointing" in lines[0] and "--lora-rank" in lines[0]
+    assert grpo.read_checkpoint(tmp_path / "run" / "checkpoint.pt")["step"] == 2 and len(run_record(tmp_path / "run")) == 2
+    monkeypatch.setattr(grpo, phase, original)
+    grpo.main(["--resume", str(tmp_path / "run")])
+    assert len(run_record(tmp_path / "run")) == 4
 
 
 def snapshot(directory: Path) -> dict:
@@ -983,7 +1024,8 @@ def expect_exit(argv, code, needle, capsys):
 
 def test_resume_damaged_run(tmp_path, capsys):
     """--resume with a truncated or foreign checkpoint.pt or config.json, or a damaged metrics line: exit 2, one line
-    naming the file, nothing changed. --steps equal to the steps done: nothing to do (exit 0); below: refused."""
+    naming the file, nothing changed. --steps equal to the steps done: nothing to do (exit 0); below: refused; a
+    flag that would change the run (--lr, --prompts, ...): refused."""
     prompts = write_example(tmp_path, ["a | t.png"])
     run = tmp_path / "run"
     tiny_run(tmp_path, run, "--steps", "2", "--image-every", "1")
@@ -999,17 +1041,19 @@ def test_resume_damaged_run(tmp_path, capsys):
     for name, content, needle in damages:
         (run / name).write_bytes(content)
         damaged = snapshot(run)
-        expect_exit(["--prompts", str(prompts), *resume], 2, needle, capsys)
+        expect_exit(resume, 2, needle, capsys)
         assert snapshot(run) == damaged, name
         (run / name).write_bytes(good[run / name])
     with pytest.raises(SystemExit) as exit_info:
         grpo.main(["--resume", str(run), "--steps", "2"])
     assert exit_info.value.code == 0 and "nothing to do" in capsys.readouterr().out
     expect_exit(["--resume", str(run), "--steps", "1"], 2, "below the 2 steps", capsys)
+    # a resumed run goes on as it was saved: other flags are refused, not silently dropped
+    expect_exit([*resume, "--prompts", str(prompts), "--lr", "0.5"], 2, "cannot take --lr, --prompts", capsys)
     assert snapshot(run) == good
     # a last metrics line cut off by a kill is dropped, and the run continues
     (run / "metrics.jsonl").write_bytes(good[run / "metrics.jsonl"] + b'{"step": 2, "rew')
-    tiny_run(tmp_path, run, "--resume", str(run), "--steps", "3")
+    grpo.main(["--resume", str(run), "--steps", "3"])
     assert [r["step"] for r in run_record(run)] == [0, 1, 2]
 
 
@@ -1467,3 +1511,20 @@ def test_torchrun_interrupt(tmp_path):
     assert done == len(run_record(out)) >= 2
     assert torchrun("--resume", str(out), "--steps", str(done + 1)).returncode == 0
     assert [r["step"] for r in run_record(out)] == list(range(done + 1))
+
+
+def test_readme_commands():
+    """Every grpo.py command in the README's code blocks parses; those that run as written here (the tiny model on the
+    shipped prompts) write to different --out directories, so they run in any order without "holds another run"."""
+    import shlex
+    blocks = re.findall(r"```bash\n(.*?)```", (HERE / "README.md").read_text(), flags=re.S)
+    commands = [line.split("#")[0].split("grpo.py", 1)[1] for block in blocks for line in block.splitlines()
+                if "grpo.py" in line and "..." not in line.split("#")[0]]
+    assert len(commands) >= 8
+    outs = []
+    for command in commands:
+        argv = shlex.split(command)
+        cfg = grpo.parse_config(argv)  # a bad flag would exit 2 here
+        if cfg.model == "tiny" and not cfg.resume and (HERE / cfg.prompts).is_file():
+            outs.append(cfg.out)
+    assert len(outs) >= 3 and len(set(outs)) == len(outs), outs
