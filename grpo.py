@@ -18,13 +18,18 @@ Where this departs from the paper:
     (H/32 x W/32). Only the large grid reaches the DiT, so by default the loss covers only those tokens
     (`--train-tokens large`); the preview tokens still condition them.
   - Sampling is restricted to the VQ codebook ids and never stops early, so every sample has exactly N
-    tokens; sampler and trainer share one definition of the distribution (softmax(logits / T) over the
-    codebook, no top-k / top-p), which is what makes pi / pi_old exactly 1 on the first update.
+    tokens; sampler and trainer share one definition of the distribution (`code_logprobs`: softmax(logits / T)
+    over the codebook, truncated by --top-k / --top-p as deployed: GLM-Image samples with top-p 0.75), which
+    is what makes pi / pi_old exactly 1 on the first update. Peers that sample with top-p but score the full
+    softmax break that ratio; here a token outside the trainer's truncation has probability 0 (ratio 0, no
+    gradient) and is counted (`outside_truncation`).
   - The AR uses 3D rotary positions. A teacher-forced forward must be given the positions that
     generation used (`rope_positions`); the default forward gets them wrong for every image token.
   - The DiT and VAE are frozen and run with the same latent noise for every sample of a group, so
     reward differences come from the tokens alone.
-  - Advantages use the population std of the group, and a group with no spread gets zero advantage.
+  - Advantages use the population std of the group (`--scale-rewards batch`: of the step's whole batch; `none`:
+    Dr. GRPO's centring only), and a group with no spread gets zero advantage. The clip range may be asymmetric
+    (`--clip-eps-high`, DAPO's clip-higher).
   - Editing: the source image is encoded once per group and its codes written into the prompt, so sampler
     and trainer see the same tokens; the AR then writes the large grid only (no preview grid).
 
@@ -91,10 +96,15 @@ class Config:
     lr: float | None = arg(None, "AdamW lr (default 1e-4 tiny, 1e-5 real)")
     weight_decay: float = arg(0.01, "AdamW weight decay")
     max_grad_norm: float = arg(1.0, "gradient-norm clip")
-    clip_eps: float = arg(0.2, "PPO clip range eps")
+    clip_eps: float = arg(0.2, "PPO clip range eps: the ratio is clipped to [1 - eps, 1 + eps_high]")
+    clip_eps_high: float | None = arg(None, "upper clip range (DAPO's clip-higher; default: --clip-eps)")
+    scale_rewards: str = arg("group", "advantages divided by the std of the group, the batch, or none (Dr. GRPO)")
     kl_beta: float | None = arg(None, "weight of the k3 KL to the reference (default 0 tiny, 0.04 real)")
     mu: int = arg(1, "policy updates per batch of rollouts")
     temperature: float = arg(0.9, "sampling temperature (GLM-Image: 0.9)")
+    top_p: float | None = arg(None, "nucleus sampling, scored exactly: the fewest codes with probability >= p "
+                                    "(default 1.0 tiny: off; 0.75 real: GLM-Image's)")
+    top_k: int = arg(0, "sample from the k most likely codes only, scored exactly (0: off)")
     height: int | None = arg(None, "image height (default 96 tiny, 1024 real)")
     width: int | None = arg(None, "image width (default 96 tiny, 1024 real)")
     num_inference_steps: int | None = arg(None, "DiT denoising steps (default 2 tiny, 50 real)")
@@ -116,11 +126,12 @@ class Config:
 
 
 MODEL_DEFAULTS = {  # filled in where the command line left a field at None
-    "tiny": dict(lr=1e-4, kl_beta=0.0, height=96, width=96, num_inference_steps=2, guidance_scale=1.0,
+    "tiny": dict(lr=1e-4, kl_beta=0.0, height=96, width=96, num_inference_steps=2, guidance_scale=1.0, top_p=1.0,
                  group_size=8, prompts_per_step=2,
                  micro_batch_size=4, lora_rank=0, before_after=4),
     # LoRA r=16 with micro-batches of 1 fits one 80 GB GPU (about 46 GiB estimated, see tools/memory_plan.py)
-    "real": dict(lr=1e-5, kl_beta=0.04, height=1024, width=1024, num_inference_steps=50, guidance_scale=1.5, group_size=4,
+    "real": dict(lr=1e-5, kl_beta=0.04, height=1024, width=1024, num_inference_steps=50, guidance_scale=1.5, top_p=0.75,
+                 group_size=4,
                  prompts_per_step=1, micro_batch_size=1, lora_rank=16, before_after=0),
 }
 
@@ -312,13 +323,27 @@ class Rollout(NamedTuple):
     source: Source | None  # the image being edited, or None (text-to-image)
 
 
-def code_logprobs(logits: torch.Tensor, temperature: float, codebook_size: int) -> torch.Tensor:
-    """(..., V) raw AR logits -> (..., K) float32 log-probs of softmax(logits / T) over the codebook ids.
+def code_logprobs(logits: torch.Tensor, temperature: float, codebook_size: int, top_k: int = 0,
+                  top_p: float = 1.0) -> torch.Tensor:
+    """(..., V) raw AR logits -> (..., K) float32 log-probs of the sampled distribution over the codebook ids:
+    softmax(logits / T), truncated to the `top_k` most likely codes (ties at the k-th kept) and to the nucleus
+    (the most likely codes down to the first whose cumulative probability reaches `top_p`), renormalised.
 
-    The one definition of the policy's distribution, shared by the sampler and the trainer: no top-k,
-    no top-p, ids >= K (image start/end, spare ids) impossible.
+    The one definition of the policy's distribution: sample_group samples from it and the trainer scores with it,
+    so pi / pi_old is exactly 1 before the first update. A code outside the truncation has log-prob -inf. A token
+    that leaves the nucleus after an update therefore has ratio 0: with A > 0 the surrogate is 0 and without
+    gradient (the clip takes (1 - eps) A only when that is smaller), with A < 0 it is the clipped (1 - eps) A, also
+    without gradient; grpo_loss keeps it finite (tested). ids >= K (image start/end, spare ids) are impossible.
     """
-    return torch.log_softmax(logits[..., :codebook_size].float() / temperature, dim=-1)
+    scores = logits[..., :codebook_size].float() / temperature
+    if 0 < top_k < codebook_size:  # as transformers' TopKLogitsWarper
+        scores = scores.masked_fill(scores < scores.topk(top_k, dim=-1).values[..., -1:], -math.inf)
+    if top_p < 1.0:  # as transformers' TopPLogitsWarper: drop the least likely codes while their total is <= 1 - p
+        ascending, order = scores.sort(dim=-1, stable=True)
+        drop = ascending.softmax(dim=-1).cumsum(dim=-1) <= 1 - top_p
+        drop[..., -1] = False  # the most likely code always stays
+        scores = scores.masked_fill(drop.scatter(-1, order, drop), -math.inf)
+    return torch.log_softmax(scores, dim=-1)
 
 
 def group_inputs(processor, prompt: str, group_size: int, height: int, width: int, device,
@@ -370,13 +395,15 @@ def to_pil(image: torch.Tensor) -> Image.Image:
 
 @torch.no_grad()
 def sample_group(pipe, prompt: str, group_size: int, height: int, width: int, temperature: float,
-                 seed: int, source: torch.Tensor | None = None) -> Rollout:
+                 seed: int, source: torch.Tensor | None = None, top_k: int = 0, top_p: float = 1.0) -> Rollout:
     """G samples for one prompt (editing: and a (3, H, W) source image) from ONE batched generate (KV cache),
     with their log-probs.
 
-    Every sample is exactly N = h'w' + (H/32)(W/32) codebook tokens (editing: (H/32)(W/32)). Log-probs come
-    from the raw logits through `code_logprobs`, i.e. exactly the distribution generate sampled from.
+    Every sample is exactly N = h'w' + (H/32)(W/32) codebook tokens (editing: (H/32)(W/32)). generate samples
+    from `code_logprobs` itself (a logits processor: temperature, top-k, top-p and the codebook in one place), and
+    the log-probs come from its raw logits through the same function.
     """
+    from transformers import LogitsProcessorList
     model, K = pipe.vision_language_encoder, pipe.vision_language_encoder.config.vq_config.num_embeddings
     model.eval()  # no dropout: sampler and trainer must draw from one and the same distribution
     image = to_pil(source) if source is not None else None
@@ -388,18 +415,22 @@ def sample_group(pipe, prompt: str, group_size: int, height: int, width: int, te
     else:
         src, preview_hw, large_hw = None, second, first  # [large, preview]
     n_tokens = preview_hw[0] * preview_hw[1] + large_hw[0] * large_hw[1]
-    vision_vocab = model.config.text_config.vision_vocab_size
+
+    def sampled_distribution(input_ids, scores):  # what generate draws from: code_logprobs, -inf beyond the codebook
+        return F.pad(code_logprobs(scores, temperature, K, top_k, top_p), (0, scores.shape[-1] - K), value=-math.inf)
+
     devices = [model.device] if model.device.type == "cuda" else []
     with torch.random.fork_rng(devices=devices):  # seeded sampling without touching the caller's RNG
         torch.manual_seed(seed)
         out = model.generate(
-            **inputs, do_sample=True, temperature=temperature, top_k=0, top_p=1.0, repetition_penalty=1.0,
-            max_new_tokens=n_tokens, suppress_tokens=list(range(K, vision_vocab)),  # codes only, never stop early
+            **inputs, do_sample=True, temperature=1.0, top_k=0, top_p=1.0, repetition_penalty=1.0,  # all in ...
+            logits_processor=LogitsProcessorList([sampled_distribution]),  # ... code_logprobs
+            max_new_tokens=n_tokens,  # never stops early: image end, like every id beyond the codebook, is -inf
             output_logits=True, return_dict_in_generate=True,
             synced_gpus=False)  # every process writes exactly N tokens: no per-token all-reduce under FSDP
     tokens = out.sequences[:, inputs["input_ids"].shape[1]:]  # (G, N)
-    logits = torch.stack(out.logits, dim=1)  # (G, N, V) raw, before temperature and suppression
-    logprobs = code_logprobs(logits, temperature, K).gather(-1, tokens[..., None]).squeeze(-1)  # (G, N)
+    logits = torch.stack(out.logits, dim=1)  # (G, N, V) raw, before any processing
+    logprobs = code_logprobs(logits, temperature, K, top_k, top_p).gather(-1, tokens[..., None]).squeeze(-1)  # (G, N)
     return Rollout(tokens, logprobs, inputs, preview_hw, large_hw, src)
 
 
@@ -438,7 +469,8 @@ def rope_positions(input_ids: torch.Tensor, image_grid_thw: torch.Tensor, num_to
     return positions[:, None, :].to(image_grid_thw.device)  # (3, 1, P+N-1)
 
 
-def token_logprobs(model, inputs: dict, tokens: torch.Tensor, temperature: float) -> torch.Tensor:
+def token_logprobs(model, inputs: dict, tokens: torch.Tensor, temperature: float, top_k: int = 0,
+                   top_p: float = 1.0) -> torch.Tensor:
     """(G, N) float32 log-probs of `tokens` given the prompt, from one teacher-forced forward.
 
     Differentiable (call under torch.no_grad() for the reference). Passing explicit `position_ids`
@@ -460,7 +492,7 @@ def token_logprobs(model, inputs: dict, tokens: torch.Tensor, temperature: float
     logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions.expand(-1, G, -1),
                    use_cache=False, logits_to_keep=N).logits  # (G, N, V): the logits that predict each token
     K = model.config.vq_config.num_embeddings
-    return code_logprobs(logits, temperature, K).gather(-1, tokens[..., None]).squeeze(-1)
+    return code_logprobs(logits, temperature, K, top_k, top_p).gather(-1, tokens[..., None]).squeeze(-1)
 
 
 # ---- 6. Decoding tokens to images ---------------------------------------------------------------
@@ -576,49 +608,63 @@ def group_rewards(images: list[torch.Tensor], examples: list[dict], rewards: dic
 
 # ---- 8. Advantages ------------------------------------------------------------------------------
 
-def group_advantages(rewards: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    """(P, G) or (G,) rewards -> same-shape advantages, z-scored within each group (last dim).
+def group_advantages(rewards: torch.Tensor, eps: float = 1e-6, scale: str = "group",
+                     batch: torch.Tensor | None = None) -> torch.Tensor:
+    """(P, G) or (G,) rewards -> same-shape advantages: each reward minus its group's mean, divided by the group's
+    std (scale "group", the paper), by the std of every reward of the step ("batch": `batch`, all processes'
+    rewards, default `rewards`) or by nothing ("none": Dr. GRPO, no bias towards groups of small spread).
 
-    Population std. A group with no spread carries no signal and gets zeros rather than a division by ~0;
+    Population stds. A group with no spread carries no signal and gets zeros rather than a division by ~0;
     "no spread" is relative to the rewards' size (std <= eps x the group's largest |reward|: float rounding,
-    whatever the reward's scale), so the advantages are invariant to r -> a r for a > 0, and to r -> r + b
-    for every group whose spread is above rounding.
+    whatever the reward's scale), so the advantages are invariant to r -> r + b for every group whose spread is
+    above rounding, and (scales group and batch) to r -> a r for a > 0.
     """
     mean = rewards.mean(dim=-1, keepdim=True)
     std = rewards.std(dim=-1, unbiased=False, keepdim=True)
     spread = std > eps * rewards.abs().amax(dim=-1, keepdim=True)
+    if scale == "batch":
+        std = (rewards if batch is None else batch).std(unbiased=False)
+    elif scale == "none":
+        std = torch.ones_like(std)
     return torch.where(spread, (rewards - mean) / std.clamp_min(torch.finfo(std.dtype).tiny), torch.zeros_like(rewards))
 
 
 # ---- 9. Loss ------------------------------------------------------------------------------------
 
 def grpo_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, ref_logprobs: torch.Tensor | None,
-              advantages: torch.Tensor, clip_eps: float, kl_beta: float) -> tuple[torch.Tensor, dict]:
+              advantages: torch.Tensor, clip_eps: float | tuple[float, float], kl_beta: float
+              ) -> tuple[torch.Tensor, dict]:
     """PPO-clipped GRPO loss with a k3 KL penalty. (S, T) log-probs, (S,) advantages -> scalar loss.
 
-    Per token: r = exp(logp - old), surrogate = min(r A, clip(r, 1-eps, 1+eps) A),
-    KL = exp(ref - logp) - (ref - logp) - 1 (>= 0, unbiased for KL(pi || ref)),
+    Per token: r = exp(logp - old), surrogate = min(r A, clip(r, 1-eps, 1+eps_high) A) (`clip_eps` is eps, or
+    (eps, eps_high) for DAPO's clip-higher), KL = exp(ref - logp) - (ref - logp) - 1 (>= 0, unbiased for
+    KL(pi || ref)),
     loss = -(surrogate - beta KL), averaged over the tokens of a sequence, then over sequences
     (the paper's 1/|o_i|). DAPO averages over all tokens of the batch and Dr. GRPO divides by a
     constant; here every sample has exactly N tokens, so all three differ only by a constant factor.
     `ref_logprobs` may be None when beta = 0.
     """
-    ratio = torch.exp(logprobs - old_logprobs)  # (S, T)
+    # a token the old policy could not draw (-inf: outside its top-k / nucleus by rounding) carries no information:
+    # ratio 1 without gradient, instead of exp(-inf + inf) = NaN
+    ratio = torch.exp(torch.where(old_logprobs.isneginf(), 0.0, logprobs - old_logprobs))  # (S, T)
     adv = advantages[:, None].to(ratio.dtype)  # (S, 1)
-    unclipped, clipped = ratio * adv, ratio.clamp(1 - clip_eps, 1 + clip_eps) * adv
+    low, high = clip_eps if isinstance(clip_eps, tuple) else (clip_eps, clip_eps)  # (eps, eps_high): clip-higher
+    unclipped, clipped = ratio * adv, ratio.clamp(1 - low, 1 + high) * adv
     surrogate = torch.min(unclipped, clipped)
     if ref_logprobs is None:
         kl = torch.zeros_like(ratio)
     else:
-        # capping the log-ratio at 20 keeps exp finite (exp(20) ~ 5e8) when a drifted policy samples a token
-        # the reference finds near-impossible; below the cap this is the exact k3 estimator
-        log_ref_ratio = (ref_logprobs - logprobs).clamp(max=20.0)
+        # the log-ratio is capped at +-20: exp stays finite (exp(20) ~ 5e8) when the policy finds a sampled token
+        # far less likely than the reference does, and a token the reference's top-k / nucleus excludes (-inf)
+        # counts 19, not inf; where the cap acts the token gets no KL gradient. Below it this is the exact k3.
+        log_ref_ratio = (ref_logprobs - logprobs).clamp(-20.0, 20.0)
         kl = (torch.exp(log_ref_ratio) - log_ref_ratio - 1).clamp_min(0)  # >= 0; the clamp only removes rounding
+        kl = torch.where(logprobs.isfinite(), kl, 0.0)  # a token outside the policy's truncation: no estimate
     loss = (-(surrogate - kl_beta * kl)).mean(dim=1).mean()
     with torch.no_grad():
         # the clip stops the gradient where r A is larger than the clipped value: r > 1+eps with A > 0,
         # r < 1-eps with A < 0
-        clipped_out = ((ratio > 1 + clip_eps) & (adv > 0)) | ((ratio < 1 - clip_eps) & (adv < 0))
+        clipped_out = ((ratio > 1 + high) & (adv > 0)) | ((ratio < 1 - low) & (adv < 0))
         metrics = {"policy_loss": -surrogate.mean(dim=1).mean().item(), "kl": kl.mean().item(),
                    "clip_frac": clipped_out.float().mean().item(), "ratio_min": ratio.min().item(),
                    "ratio_mean": ratio.mean().item(), "ratio_max": ratio.max().item()}
@@ -628,12 +674,13 @@ def grpo_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, ref_logprobs: 
 # ---- 10. Update ---------------------------------------------------------------------------------
 
 @torch.no_grad()
-def reference_logprobs(ref_model, inputs: dict, tokens: torch.Tensor, temperature: float) -> torch.Tensor:
+def reference_logprobs(ref_model, inputs: dict, tokens: torch.Tensor, temperature: float, top_k: int = 0,
+                       top_p: float = 1.0) -> torch.Tensor:
     """(G, N) log-probs under the reference: a frozen copy, or a LoRA policy with its adapter switched off."""
     if hasattr(ref_model, "disable_adapter"):
         with ref_model.disable_adapter():
-            return token_logprobs(ref_model, inputs, tokens, temperature)
-    return token_logprobs(ref_model, inputs, tokens, temperature)
+            return token_logprobs(ref_model, inputs, tokens, temperature, top_k, top_p)
+    return token_logprobs(ref_model, inputs, tokens, temperature, top_k, top_p)
 
 
 def select_rows(inputs: dict, rows: slice) -> dict:
@@ -652,14 +699,16 @@ def region_metrics(regions: dict, logp: torch.Tensor, old: torch.Tensor, ref: to
     for name, cut in regions.items():
         if logp[:, cut].numel():
             _, m = grpo_loss(logp[:, cut], old[:, cut], None if ref is None else ref[:, cut], adv, clip_eps, kl_beta)
-            metrics.update({f"{name}/logprob": logp[:, cut].mean().item(), f"{name}/kl": m["kl"],
+            finite = logp[:, cut][logp[:, cut].isfinite()]  # a token outside the truncation is -inf
+            metrics.update({f"{name}/logprob": finite.mean().item(), f"{name}/kl": m["kl"],
                             f"{name}/clip_frac": m["clip_frac"]})
     return metrics
 
 
 def train_step(policy, optimizer, rollouts: list[Rollout], advantages: torch.Tensor, ref_model, *,
                temperature: float, clip_eps: float, kl_beta: float, micro_batch_size: int,
-               max_grad_norm: float, mu: int = 1, train_tokens: str = "large") -> dict:
+               max_grad_norm: float, mu: int = 1, train_tokens: str = "large", top_k: int = 0,
+               top_p: float = 1.0) -> dict:
     """`mu` optimizer steps on P groups of rollouts with (P, G) advantages; returns metrics.
 
     Micro-batches of `micro_batch_size` sequences; each micro-batch loss is weighted by its share of
@@ -676,19 +725,21 @@ def train_step(policy, optimizer, rollouts: list[Rollout], advantages: torch.Ten
     with torch.no_grad():
         # with mu = 1 the old policy IS the current one, so old = logp.detach() below (ratio exactly 1, the clip
         # idles); with mu > 1 the old log-probs are frozen before the first update and the clip starts to act
-        olds = [token_logprobs(policy, inp, tok, temperature) for inp, tok, *_ in batches] if mu > 1 else None
-        refs = ([reference_logprobs(ref_model, inp, tok, temperature) for inp, tok, *_ in batches]
+        olds = [token_logprobs(policy, inp, tok, temperature, top_k, top_p) for inp, tok, *_ in batches] if mu > 1 else None
+        refs = ([reference_logprobs(ref_model, inp, tok, temperature, top_k, top_p) for inp, tok, *_ in batches]
                 if kl_beta > 0 else None)
-    ratio_min, ratio_max, gap, skipped = math.inf, -math.inf, 0.0, 0
+    ratio_min, ratio_max, gap, skipped, outside = math.inf, -math.inf, 0.0, 0, 0
     for _ in range(mu):
         optimizer.zero_grad(set_to_none=True)
         totals: dict[str, float] = {}
         weights: dict[str, float] = {}  # the share of sequences behind each metric (editing has no preview region)
         finite = True
         for k, (inputs, tokens, sampled, adv, n_preview) in enumerate(batches):
-            logp = token_logprobs(policy, inputs, tokens, temperature)  # (mb, N), with grad
+            logp = token_logprobs(policy, inputs, tokens, temperature, top_k, top_p)  # (mb, N), with grad
             old = logp.detach() if olds is None else olds[k]
-            gap = max(gap, (logp.detach() - sampled).abs().max().item())  # sampler vs trainer drift
+            both = logp.isfinite() & sampled.isfinite()  # (tokens outside the trainer's truncation are counted apart)
+            gap = max(gap, (logp.detach() - sampled).where(both, 0.0).abs().max().item())  # sampler vs trainer drift
+            outside += int((~logp.isfinite()).sum())  # sampled, yet outside the trainer's top-k / nucleus
             ref = None if refs is None else refs[k]
             regions = {"preview": slice(0, n_preview), "large": slice(n_preview, None)}
             cols = regions["large"] if train_tokens == "large" else slice(None)
@@ -713,7 +764,8 @@ def train_step(policy, optimizer, rollouts: list[Rollout], advantages: torch.Ten
             skipped += 1
     # extremes over all mu updates; sampler_gap is max |log pi_trainer - log pi_sampler| (0 up to float error
     # before the first update: larger means sampler and trainer disagree on the distribution)
-    return {**totals, "ratio_min": ratio_min, "ratio_max": ratio_max, "sampler_gap": gap, "skipped": skipped}
+    return {**totals, "ratio_min": ratio_min, "ratio_max": ratio_max, "sampler_gap": gap, "skipped": skipped,
+            "outside_truncation": outside}
 
 
 # ---- 11. Main -----------------------------------------------------------------------------------
@@ -730,9 +782,13 @@ def validate(cfg: Config) -> None:
         raise ValueError(f"--micro-batch-size {cfg.micro_batch_size} must divide --group-size {cfg.group_size}")
     if cfg.train_tokens not in ("large", "all"):
         raise ValueError(f"--train-tokens {cfg.train_tokens}: use 'large' or 'all'")
+    if cfg.scale_rewards not in ("group", "batch", "none"):
+        raise ValueError(f"--scale-rewards {cfg.scale_rewards}: use group, batch or none")
     for name, ok, rule in [("clip-eps", 0 < cfg.clip_eps < 1, "in (0, 1)"), ("kl-beta", cfg.kl_beta >= 0, ">= 0"),
+                           ("clip-eps-high", cfg.clip_eps_high is None or cfg.clip_eps_high > 0, "> 0"),
                            ("lr", 0 < cfg.lr < 1, "in (0, 1)"), ("temperature", cfg.temperature > 0, "> 0"),
-                           ("max-grad-norm", cfg.max_grad_norm > 0, "> 0"), ("lora-rank", cfg.lora_rank >= 0, ">= 0")]:
+                           ("max-grad-norm", cfg.max_grad_norm > 0, "> 0"), ("lora-rank", cfg.lora_rank >= 0, ">= 0"),
+                           ("top-p", 0 < cfg.top_p <= 1, "in (0, 1]"), ("top-k", cfg.top_k >= 0, ">= 0")]:
         if not ok:
             raise ValueError(f"--{name} {getattr(cfg, name.replace('-', '_'))} is out of range; it must be {rule}")
     for name in ("steps", "mu", "prompts_per_step", "num_inference_steps"):
@@ -900,7 +956,8 @@ def main(argv: list[str] | None = None) -> dict:
                 batch, seconds = [examples[g % len(examples)] for g in groups], {}
                 with timed(seconds, "sample"), autocast, unsharded(policy):  # 1. G token grids per prompt
                     rollouts = [sample_group(pipe, ex["prompt"], cfg.group_size, cfg.height, cfg.width,
-                                             cfg.temperature, cfg.seed * 1_000_003 + g, ex.get("source"))
+                                             cfg.temperature, cfg.seed * 1_000_003 + g, ex.get("source"), cfg.top_k,
+                                             cfg.top_p)
                                 for ex, g in zip(batch, groups)]
                 with timed(seconds, "decode"), decoder_on(pipe, device, cfg.offload):  # 2. images, frozen DiT
                     images = [decode_images(pipe, ex["prompt"], r.tokens, r.large_hw, cfg.height, cfg.width,
@@ -908,13 +965,16 @@ def main(argv: list[str] | None = None) -> dict:
                               for ex, r in zip(batch, rollouts)]
                 with timed(seconds, "reward"):
                     reward, each = group_rewards(images, batch, rewards)  # 3. score them: (P, G)
-                    advantages = group_advantages(reward)  # 4. z-score within each group
+                    advantages = group_advantages(reward, scale=cfg.scale_rewards,  # 4. z-score within each group
+                                                  batch=gather_rows(reward) if cfg.scale_rewards == "batch" else None)
                 with interrupts_held():  # an update and its log line land together (or not at all)
                     with timed(seconds, "train"), autocast:  # 5. the clipped policy-gradient update
                         metrics = train_step(policy, optimizer, rollouts, advantages, ref_model,
-                                             temperature=cfg.temperature, clip_eps=cfg.clip_eps, kl_beta=cfg.kl_beta,
+                                             temperature=cfg.temperature, kl_beta=cfg.kl_beta,
+                                             clip_eps=(cfg.clip_eps, cfg.clip_eps_high or cfg.clip_eps),
                                              micro_batch_size=cfg.micro_batch_size, max_grad_norm=cfg.max_grad_norm,
-                                             mu=cfg.mu, train_tokens=cfg.train_tokens)
+                                             mu=cfg.mu, train_tokens=cfg.train_tokens, top_k=cfg.top_k,
+                                             top_p=cfg.top_p)
                     record = step_record(step, groups, len(examples), reward, each, advantages, rollouts, metrics,
                                          seconds)
                     skipped, done = skipped + record["skipped"], step + 1
@@ -958,9 +1018,9 @@ def timed(seconds: dict, phase: str):
         yield
     except torch.OutOfMemoryError:
         rank = int(os.environ.get("RANK", 0))
-        print(f"grpo.py: error: out of memory while {PHASES.get(phase, phase)}{f' (process {rank})' if rank else ''}; "
-              "the last checkpoint is kept. To fit: --lora-rank 16, --micro-batch-size 1, --gradient-checkpointing, "
-              "--offload, a smaller --group-size, or more GPUs (torchrun shards the AR)", file=sys.stderr)
+        tqdm.write(f"grpo.py: error: out of memory while {PHASES.get(phase, phase)}{f' (process {rank})' if rank else ''}; "
+                   "the last checkpoint is kept. To fit: --lora-rank 16, --micro-batch-size 1, --gradient-checkpointing, "
+                   "--offload, a smaller --group-size, or more GPUs (torchrun shards the AR)", file=sys.stderr)
         raise SystemExit(2) from None
     seconds[phase] = time.perf_counter() - start
 
@@ -1035,7 +1095,7 @@ def show(path: Path, pipe, policy, examples: list[dict], rewards: dict, cfg: Con
     mean reward."""
     with timed({}, "show"), autocast, unsharded(policy), decoder_on(pipe, device, cfg.offload):
         rollouts = [sample_group(pipe, ex["prompt"], cfg.group_size, cfg.height, cfg.width, cfg.temperature,
-                                 SHOW_SEED + i, ex.get("source")) for i, ex in enumerate(examples)]
+                                 SHOW_SEED + i, ex.get("source"), cfg.top_k, cfg.top_p) for i, ex in enumerate(examples)]
         images = [decode_images(pipe, ex["prompt"], r.tokens, r.large_hw, cfg.height, cfg.width,
                                 cfg.num_inference_steps, cfg.decode_seed, cfg.guidance_scale, r.source)
                   for ex, r in zip(examples, rollouts)]

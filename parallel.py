@@ -112,7 +112,8 @@ def gather_list(items: list) -> list:
     return [x for part in parts for x in part]
 
 
-REDUCE = {"ratio_min": min, "ratio_max": max, "sampler_gap": max, "skipped": max}  # the rest: means over processes
+REDUCE = {"ratio_min": min, "ratio_max": max, "sampler_gap": max, "skipped": max,  # the rest: means over processes
+          "outside_truncation": sum}
 
 
 def reduce_metrics(metrics: dict) -> dict:

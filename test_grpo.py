@@ -63,6 +63,7 @@ def test_parse_config():
     assert cfg.lr == grpo.MODEL_DEFAULTS["tiny"]["lr"]
     real = grpo.parse_config(["--model", "zai-org/GLM-Image"])
     assert (real.height, real.width, real.temperature, real.lora_rank, real.before_after) == (1024, 1024, 0.9, 16, 0)
+    assert (real.top_p, real.top_k, cfg.top_p, cfg.top_k) == (0.75, 0, 1.0, 0)  # GLM-Image samples with top-p 0.75
     flags = {a for f in grpo.dataclasses.fields(grpo.Config) for a in ["--" + f.name.replace("_", "-")]}
     assert {"--prompts", "--model", "--out", "--steps", "--seed", "--group-size", "--micro-batch-size", "--lr",
             "--clip-eps", "--kl-beta", "--temperature", "--height", "--width", "--num-inference-steps",
@@ -249,6 +250,76 @@ def test_code_logprobs(pipe, monkeypatch):
     assert (sampled - grpo.code_logprobs(logits, T, K)).abs().max() < 1e-5
     # the peer bug "divide the processed scores by T again" gives another distribution
     assert (torch.log_softmax(scores[..., :K] / T, -1) - sampled).abs().max() > 1e-2
+
+
+def test_code_logprobs_truncation():
+    """top-k and top-p by hand: ties at the k-th value kept, the nucleus the fewest codes reaching p (ties broken by
+    id, lower first out), renormalised, -inf outside; ids beyond the codebook never count."""
+    logits = torch.tensor([[2.0, 1.0, 1.0, 0.0, -1.0, 9.0]])  # K = 5: id 5 is no code
+    lp = lambda **kw: grpo.code_logprobs(logits, 1.0, 5, **kw)[0]  # noqa: E731
+    inf = float("-inf")
+    full = torch.log_softmax(logits[0, :5], -1)
+    assert torch.allclose(lp(), full) and torch.equal(lp(top_k=0, top_p=1.0), lp())
+    kept = torch.log_softmax(torch.tensor([2.0, 1.0, 1.0]), -1)  # top-2: the tie at the 2nd value stays
+    assert torch.allclose(lp(top_k=2), torch.tensor([*kept.tolist(), inf, inf]))
+    # p = softmax: 0.521, 0.191, 0.191, 0.070, 0.026; ascending cumsum 0.026, 0.096, 0.288, 0.479, 1
+    assert torch.allclose(lp(top_p=0.75), torch.tensor([*kept.tolist(), inf, inf]))  # drops totals <= 0.25
+    two = torch.log_softmax(torch.tensor([2.0, 1.0]), -1)
+    assert torch.allclose(lp(top_p=0.6), torch.tensor([two[0], inf, two[1], inf, inf]))  # drops <= 0.4: id 1 of the tie
+    assert torch.allclose(lp(top_p=0.01), torch.tensor([0.0, inf, inf, inf, inf]))  # the most likely always stays
+    assert torch.allclose(lp(top_k=3, top_p=0.6), lp(top_p=0.6))  # both: k first, then the nucleus of what is left
+    for kw in [dict(top_k=2), dict(top_p=0.75), dict(top_p=0.6)]:
+        assert abs(lp(**kw).exp().sum().item() - 1) < 1e-6
+
+
+@pytest.mark.parametrize("top_k,top_p", [(0, 0.75), (5, 1.0), (5, 0.75)], ids=["top-p", "top-k", "both"])
+def test_truncated_sampling_exact(pipe, sharp_pipe, monkeypatch, top_k, top_p):
+    """GLM-Image's deployed sampling: generate draws from code_logprobs with the truncation (its processed scores
+    equal it, -inf outside), every sampled token lies inside, and the trainer's log-probs equal the sampler's within
+    1e-5 (pre-trained and sharpened random models, text-to-image and editing); scoring the full softmax instead
+    (the peer bug) is caught: it is far off."""
+    for p in (pipe, sharp_pipe):
+        model = p.vision_language_encoder
+        K, captured, original = model.config.vq_config.num_embeddings, {}, model.generate
+
+        def spy(*args, _original=original, **kwargs):
+            captured["out"] = _original(*args, **kwargs, output_scores=True)
+            return captured["out"]
+
+        monkeypatch.setattr(model, "generate", spy)
+        for source in (None, smooth_source(96, 96)):
+            r = grpo.sample_group(p, "a red circle", 4, 96, 96, T, seed=3, source=source, top_k=top_k, top_p=top_p)
+            out = captured["out"]
+            scores, logits = torch.stack(out.scores, 1), torch.stack(out.logits, 1)
+            want = grpo.code_logprobs(logits, T, K, top_k, top_p)
+            assert torch.equal(torch.isinf(scores[..., :K]), torch.isinf(want)) and torch.isinf(scores[..., K:]).all()
+            assert (torch.log_softmax(scores, -1)[..., :K] - want).nan_to_num(0.0).abs().max() < 1e-5
+            assert torch.isfinite(r.logprobs).all()  # sampled inside the truncation
+            with torch.no_grad():
+                trainer = grpo.token_logprobs(model, r.inputs, r.tokens, T, top_k, top_p)
+                untruncated = grpo.token_logprobs(model, r.inputs, r.tokens, T)
+            assert (trainer - r.logprobs).abs().max() <= 1e-5
+            if p is sharp_pipe:
+                assert (untruncated - r.logprobs).abs().max() > 0.05  # the peer bug: ratio != 1 at step 0
+        monkeypatch.setattr(model, "generate", original)
+
+
+def test_grpo_loss_outside_truncation():
+    """A token that left the nucleus after an update (log-prob -inf under the truncated policy): ratio 0, finite
+    loss and gradients, no KL term for it; a token outside both (old and new: a rounding flip) counts ratio 1."""
+    logits = torch.tensor([[[3.0, 2.9, -2.0, -3.0]], [[0.0, 0.1, 0.2, 5.0]]], requires_grad=True)  # (S=2, T=1, K=4)
+    tokens = torch.tensor([[1], [0]])
+    logp = grpo.code_logprobs(logits, 1.0, 4, top_p=0.5).gather(-1, tokens[..., None]).squeeze(-1)
+    assert torch.isneginf(logp).all()  # both sampled tokens are now outside the nucleus
+    old, ref = torch.tensor([[-0.8], [-1.2]]), torch.tensor([[-0.7], [-1.0]])
+    for adv in (torch.tensor([1.0, -1.0]), torch.tensor([-1.0, 1.0])):
+        loss, m = grpo.grpo_loss(logp, old, ref, adv, 0.2, 0.04)
+        (grad,) = torch.autograd.grad(loss, logits, retain_graph=True)
+        assert torch.isfinite(loss) and torch.isfinite(grad).all() and m["ratio_max"] == 0 and m["kl"] == 0
+        # ratio 0: A > 0 gives min(0, 0.8 A) = 0, A < 0 gives min(0, 0.8 A) = -0.8; loss = -mean = 0.4; no gradient
+        assert abs(loss.item() - 0.4) < 1e-6 and grad.abs().max() == 0
+    loss, m = grpo.grpo_loss(logp, logp.detach(), ref, torch.tensor([1.0, -1.0]), 0.2, 0.04)
+    assert m["ratio_min"] == m["ratio_max"] == 1 and torch.isfinite(loss)
 
 
 # ---- 5. log-probs -------------------------------------------------------------------------------
@@ -629,6 +700,18 @@ def test_group_advantages():
     assert torch.equal(grpo.group_advantages(torch.zeros(2, 4)), torch.zeros(2, 4))
 
 
+def test_group_advantages_scale():
+    """--scale-rewards by hand: group (each group's std), batch (the std of every reward of the step, also when the
+    batch is given from all processes), none (Dr. GRPO: centred only); a group with no spread stays zero."""
+    r = torch.tensor([[1.0, 3.0], [0.0, 4.0], [5.0, 5.0]])
+    assert torch.allclose(grpo.group_advantages(r, scale="group"), torch.tensor([[-1.0, 1.0], [-1.0, 1.0], [0, 0]]))
+    assert torch.allclose(grpo.group_advantages(r, scale="none"), torch.tensor([[-1.0, 1.0], [-2.0, 2.0], [0, 0]]))
+    batch_std = math.sqrt(((1 - 3) ** 2 + 0 + (0 - 3) ** 2 + 1 + 4 + 4) / 6)  # population std of all 6, mean 3
+    want = torch.tensor([[-1.0, 1.0], [-2.0, 2.0], [0, 0]]) / batch_std
+    assert torch.allclose(grpo.group_advantages(r, scale="batch"), want)
+    assert torch.allclose(grpo.group_advantages(r[:1], scale="batch", batch=r), want[:1])  # one process's rows
+
+
 # ---- 9. loss ------------------------------------------------------------------------------------
 
 def test_grpo_loss():
@@ -673,6 +756,21 @@ def test_grpo_loss_clip_gradient():
     loss1.backward()
     assert m1["ratio_min"] == m1["ratio_max"] == 1 and m1["clip_frac"] == 0
     assert torch.allclose(logp1.grad[:, 0], -adv / 4)  # d(-r A)/dlogp = -A at r = 1, mean over 4 sequences
+
+
+def test_grpo_loss_clip_higher():
+    """--clip-eps-high by hand: the ratio is clipped to [1 - 0.2, 1 + 0.28]: 1.25 with A > 0 keeps its gradient
+    (clipped with the symmetric 0.2), 1.3 is clipped at 1.28, 0.75 with A < 0 is clipped at 0.8."""
+    ratio = torch.tensor([[1.25], [1.3], [0.75]])
+    logp = torch.log(ratio).requires_grad_()
+    adv = torch.tensor([1.0, 1.0, -1.0])
+    loss, m = grpo.grpo_loss(logp, torch.zeros(3, 1), None, adv, (0.2, 0.28), 0.0)
+    (grad,) = torch.autograd.grad(loss, logp)
+    assert abs(loss.item() - -(1.25 + 1.28 - 0.8) / 3) < 1e-6
+    assert grad[0, 0] == pytest.approx(-1.25 / 3) and grad[1, 0] == 0 and grad[2, 0] == 0
+    assert m["clip_frac"] == pytest.approx(2 / 3)
+    symmetric, m_sym = grpo.grpo_loss(logp, torch.zeros(3, 1), None, adv, 0.2, 0.0)
+    assert abs(symmetric.item() - -(1.2 + 1.2 - 0.8) / 3) < 1e-6 and m_sym["clip_frac"] == 1.0
 
 
 # ---- 10. update ---------------------------------------------------------------------------------
@@ -799,6 +897,25 @@ def test_main_end_to_end(tmp_path):
     assert json.loads((out / "config.json").read_text())["steps"] == 3
 
 
+@pytest.mark.parametrize("flags", [["--top-p", "0.75"], ["--top-k", "5", "--top-p", "0.9"]], ids=["top-p", "top-k"])
+def test_main_truncated_sampling(tmp_path, flags):
+    """The CLI with GLM-Image's deployed sampling: the first step's ratio is exactly [1, 1], the sampler and the
+    trainer agree within 1e-5, no sampled token falls outside the trainer's truncation, and the run trains (LoRA,
+    KL, 2 updates per batch: the later updates see ratios move)."""
+    prompts = write_example(tmp_path, ["a red circle on the left | t.png", "two blue squares | t.png"], size=96)
+    out = tmp_path / "run"
+    grpo.main([*TINY, "--height", "96", "--width", "96", "--prompts", str(prompts), "--out", str(out), "--steps", "2",
+               "--lora-rank", "4", "--kl-beta", "0.04", "--lr", "1e-3", "--mu", "2", *flags])
+    lines = run_record(out)
+    assert lines[0]["sampler_gap"] <= 1e-5 and lines[0]["outside_truncation"] == 0 and lines[0]["ratio_min"] <= 1
+    assert all(math.isfinite(x["loss"]) and x["skipped"] == 0 for x in lines)
+    single = tmp_path / "single"
+    grpo.main([*TINY, "--height", "96", "--width", "96", "--prompts", str(prompts), "--out", str(single), "--steps", "1",
+               "--kl-beta", "0.04", *flags])
+    first = run_record(single)[0]
+    assert first["ratio_min"] == first["ratio_max"] == 1.0 and first["sampler_gap"] <= 1e-5
+
+
 def test_main_before_after(tmp_path):
     """--before-after N samples the first N prompts with fixed seeds before and after training: the same weights give
     the same images (a negligible lr), the grids sit side by side, and the summary gives both mean rewards."""
@@ -887,6 +1004,8 @@ def test_prepare_bad_input(tmp_path, capsys):
              (["--height", "50"], "multiple of 32"), (["--width", "-32"], "multiple of 32"),
              (["--group-size", "1"], "2 or more"), (["--micro-batch-size", "3"], "must divide"),
              (["--clip-eps", "1.5"], "--clip-eps"), (["--kl-beta", "-0.1"], "--kl-beta"), (["--lr", "0"], "--lr"),
+             (["--clip-eps-high", "0"], "--clip-eps-high"), (["--scale-rewards", "mean"], "group, batch or none"),
+             (["--top-p", "0"], "--top-p"), (["--top-k", "-1"], "--top-k"),
              (["--reward", "clip=1"], "unknown reward"), (["--reward", "ssim=-1"], "negative"),
              (["--steps", "0"], "--steps"), (["--resume", str(tmp_path / "none")], "no checkpoint.pt"),
              (P("no_target.txt"), "no_target.txt:1: reward 'ssim' needs a target"),
@@ -1201,9 +1320,9 @@ def test_main_nan_injection(tmp_path, monkeypatch):
     """A NaN advantage in one step is skipped with a warning and counted; training goes on, weights finite."""
     original, calls = grpo.group_advantages, []
 
-    def poisoned(rewards, eps=1e-4):
+    def poisoned(rewards, **kwargs):
         calls.append(1)
-        adv = original(rewards, eps)
+        adv = original(rewards, **kwargs)
         return adv * float("nan") if len(calls) == 2 else adv
 
     monkeypatch.setattr(grpo, "group_advantages", poisoned)
@@ -1347,9 +1466,9 @@ def assert_same_metrics(run_a: Path, run_b: Path, tol: float = 1e-5) -> None:
                 assert x[key] == y[key], (x["step"], key)
 
 
-@pytest.mark.parametrize("extra", [["--kl-beta", "0.04"], ["--kl-beta", "0"], ["--lora-rank", "4", "--kl-beta", "0.04"],
-                                   ["--lora-rank", "4", "--kl-beta", "0"]],
-                         ids=["full-kl", "full", "lora-kl", "lora"])
+@pytest.mark.parametrize("extra", [["--kl-beta", "0.04"], ["--kl-beta", "0", "--scale-rewards", "batch", "--top-p", "0.9"],
+                                   ["--lora-rank", "4", "--kl-beta", "0.04"], ["--lora-rank", "4", "--kl-beta", "0"]],
+                         ids=["full-kl", "full-batch-top-p", "lora-kl", "lora"])
 def test_torchrun_equals_one_process(tmp_path, extra):
     """2 processes x 1 prompt per step make the same updates as 1 process x 2 prompts: same prompts and samples,
     the same per-step metrics and the same final/ weights within 1e-5 (float32), and final models that score
