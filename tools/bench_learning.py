@@ -1,6 +1,6 @@
 """Does GRPO make the tiny model draw better? Held-out accuracy before and after, over seeds.
 
-  python tools/bench_learning.py                          # 3 seeds, both demos (about 70 min on 2 cores)
+  OMP_NUM_THREADS=2 python tools/bench_learning.py       # 3 seeds, both demos (38 min on 2 cores, alone)
   python tools/bench_learning.py --seeds 0 --demos shapes -- --lr 2e-4     # extra grpo.py flags after --
 
 shapes: `grpo.py --reward shapes --prompts examples/shapes.txt` (GRPO's training captions) for --steps steps, then
