@@ -802,9 +802,13 @@ def validate(cfg: Config) -> None:
 
 
 def fail(message: str, code: int = 2) -> None:
-    """One line on stderr (from the first process only, under torchrun), no traceback, exit `code` (2: bad input)."""
+    """One line on stderr (from the first process only, under torchrun), no traceback, exit `code` (2: bad input).
+    The other processes wait a moment before they exit, so that torchrun does not stop the first one before it has
+    said why (seen once: no line at all)."""
     if int(os.environ.get("RANK", 0)) == 0:
         print(f"grpo.py: error: {message}", file=sys.stderr)
+    else:
+        time.sleep(3)
     raise SystemExit(code)
 
 
@@ -921,8 +925,8 @@ def setup_training(pipe, cfg: Config, dtype: torch.dtype, world: int):
 
 
 def main(argv: list[str] | None = None) -> dict:
-    quiet_libraries()
     cfg, examples, rewards, out, start = prepare(argv)  # every input checked, nothing written yet
+    quiet_libraries()  # after the checks: --help and bad input never wait for diffusers to import
     rank, world, device = start_processes(cfg.device)  # torchrun: one process per GPU; else rank 0 of 1
     if device == "cpu" and "OMP_NUM_THREADS" not in os.environ:
         # one thread unless OMP_NUM_THREADS says otherwise: on 2 cores the tiny demo ran 1.2x faster with 2 threads but
