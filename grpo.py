@@ -69,7 +69,7 @@ from tqdm.auto import tqdm
 
 from parallel import (INTERRUPT, all_agree, final_weights, gather_list, gather_rows,  # many GPUs (torchrun)
                       interrupts_caught, interrupts_held, load_trainable_state, reduce_metrics, shard, start_processes,
-                      stop_requested, sync_gradients, trainable_state, unsharded)
+                      stop_processes, stop_requested, sync_gradients, trainable_state, unsharded)
 from rewards import MORE_REWARDS, import_reward, needs  # ocr, shapes, module:function rewards
 from run_io import (RUN_FILES, append_metrics, atomic_write, check_out_dir, image_grid, open_run_dir,  # run files
                     read_checkpoint, read_metrics, read_resume, save_checkpoint, save_image, save_pretrained_atomic,
@@ -996,7 +996,9 @@ def main(argv: list[str] | None = None) -> dict:
     finish(out, policy, optimizer, cfg, rank, world)  # the last checkpoint and final/
     after = show(out / "images" / "after.png", pipe, policy, shown, rewards, cfg, autocast, device, rank,
                  f"after {cfg.steps} steps") if shown else None
-    return summarize(out, history, len(examples), skipped, rank, after)
+    summary = summarize(out, history, len(examples), skipped, rank, after)
+    stop_processes()  # torchrun: leave the process group cleanly
+    return summary
 
 
 def quiet_libraries() -> None:

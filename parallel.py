@@ -32,6 +32,14 @@ def start_processes(device: str) -> tuple[int, int, str]:
     return dist.get_rank(), dist.get_world_size(), f"cuda:{local_rank}" if cuda else "cpu"
 
 
+def stop_processes() -> None:
+    """Under torchrun: leave the process group once every process is done. A gloo / NCCL thread still alive when
+    the interpreter exits can abort the process ("terminate called without an active exception"; seen in CI)."""
+    if distributed():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
 # ---- Sharding ------------------------------------------------------------------------------------
 
 def unwrapped(model):
