@@ -35,13 +35,14 @@ Where this departs from the paper:
 
 Many GPUs the nanoGPT way: under torchrun each process takes whole groups of its own (the algorithm never
 sees the world size), FSDP2 shards the AR (`parallel.shard`), rank 0 writes. Helpers live beside this file:
-offline_model.py (GLM-Image built in code), parallel.py (torch.distributed), run_io.py (files), rewards.py
-(more rewards), world.py (the tiny model's world of shapes).
+offline_model.py (GLM-Image built in code), parallel.py (torch.distributed), run_io.py (files, curves.png), rewards.py
+(more rewards), world.py (the tiny model's world of shapes); tools/compare.py puts a run beside its base model.
 
 Commands:
   pip install -r requirements.txt
   python grpo.py --prompts prompts.txt                          # the pre-trained tiny GLM-Image, 2 CPU cores
   python grpo.py --prompts examples/shapes.txt --reward shapes  # draw what the caption asks (a rule-based reward)
+  python grpo.py --prompts examples/shapes.txt --reward shapes --eval-prompts examples/shapes_heldout.jsonl  # held out
   python grpo.py --prompts examples/edits.jsonl                 # editing: a source image in the prompt
   python grpo.py --prompts my_prompts.txt --model zai-org/GLM-Image                  # the real model (GPU, bf16)
   torchrun --nproc-per-node 8 grpo.py --prompts my_prompts.txt --model zai-org/GLM-Image  # 8 GPUs, FSDP2
@@ -72,8 +73,8 @@ from parallel import (INTERRUPT, all_agree, final_weights, gather_list, gather_r
                       stop_processes, stop_requested, sync_gradients, trainable_state, unsharded)
 from rewards import MORE_REWARDS, import_reward, needs  # ocr, shapes, module:function rewards
 from run_io import (RUN_FILES, append_metrics, atomic_write, check_out_dir, image_grid, open_run_dir,  # run files
-                    read_checkpoint, read_metrics, read_resume, save_checkpoint, save_image, save_pretrained_atomic,
-                    side_by_side)
+                    plot_curves, read_checkpoint, read_metrics, read_resume, save_checkpoint, save_image,
+                    save_pretrained_atomic, side_by_side)
 
 
 # ---- 1. Config ----------------------------------------------------------------------------------
@@ -115,6 +116,11 @@ class Config:
     image_every: int = arg(10, "save an image grid every N steps (0: never)")
     before_after: int | None = arg(None, "the first N prompts, sampled with fixed seeds before and after training: "
                                          "images/before_after.png (default 4 tiny, 0 real)")
+    eval_prompts: str = arg("", "held-out prompts (formats as --prompts; .jsonl lines may carry a \"category\"), "
+                                "scored with fixed seeds at step 0, every --eval-every steps and at the end")
+    eval_every: int = arg(25, "evaluate every N steps (0: only before the first update and at the end)")
+    eval_samples: int = arg(4, "images per eval prompt")
+    eval_reward: str = arg("", "rewards only measured on the eval prompts, never optimised, e.g. shapes_exact")
     save_every: int = arg(50, "save a checkpoint every N steps (0: only at the end)")
     resume: str = arg("", "run directory to continue (--steps is the total)")
     overwrite: bool = arg(False, "replace the run in --out")
@@ -236,7 +242,7 @@ def reference_model(policy, kl_beta: float):
 
 # ---- 3. Prompts, targets and source images ------------------------------------------------------
 
-def read_prompts(path: str) -> list[dict]:
+def read_prompts(path: str, flag: str = "--prompts") -> list[dict]:
     """A prompts file -> examples: dicts with "prompt", "target" and "source" (image paths or None), "text" (the
     text the image should show, or None), "where" (file:line, for messages) and any other fields of a .jsonl line.
 
@@ -244,14 +250,14 @@ def read_prompts(path: str) -> list[dict]:
     .jsonl: one object per line, {"prompt": "make it night", "target": "night.png", "source": "day.png"}; "target"
     and "source" (an image to edit) are optional. Paths are relative to the prompts file. "text" is the .jsonl
     field, else the text in quotes in the prompt (GLM-Image's convention: its glyph encoder renders quoted text).
-    Blank lines and '#' comments are skipped. Raises ValueError naming the file and line.
+    Blank lines and '#' comments are skipped. Raises ValueError naming the file and line (and `flag`).
     """
     path = Path(path)
     try:
         lines = path.read_text(encoding="utf-8").splitlines()
     except (OSError, UnicodeDecodeError) as error:
         reason = "not UTF-8 text" if isinstance(error, UnicodeDecodeError) else error.strerror or str(error)
-        raise ValueError(f"cannot read --prompts {path} ({reason}); give a text file of 'prompt | target.png' lines "
+        raise ValueError(f"cannot read {flag} {path} ({reason}); give a text file of 'prompt | target.png' lines "
                          "or a .jsonl file")
     examples = []
     for number, line in enumerate(lines, start=1):
@@ -571,7 +577,7 @@ def ssim_reward(images: torch.Tensor, example: dict) -> torch.Tensor:
 REWARDS = {"ssim": ssim_reward, "mse": mse_reward, **MORE_REWARDS}  # MORE_REWARDS: ocr, shapes (rewards.py)
 
 
-def parse_rewards(spec: str) -> dict[str, tuple]:
+def parse_rewards(spec: str, flag: str = "--reward") -> dict[str, tuple]:
     """'ssim=1,ocr=0.5,mypkg.rewards:clip=1' -> {name: (fn, weight)} (a name alone weighs 1): built-in names (REWARDS) or import paths
     module:function (found like `python -m` finds modules: installed, or in the current directory). Every reward
     listed is computed and logged; weight 0 only keeps it out of the sum. Raises ValueError naming the problem."""
@@ -581,15 +587,15 @@ def parse_rewards(spec: str) -> dict[str, tuple]:
         try:
             weight = float(value) if "=" in part else 1.0  # a name alone weighs 1
         except ValueError:
-            raise ValueError(f"reward weight '{part}' is not name=number; write e.g. --reward ssim=1,mse=0") from None
+            raise ValueError(f"reward weight '{part}' is not name=number; write e.g. {flag} ssim=1,mse=0") from None
         if not weight >= 0:
             raise ValueError(f"reward weight '{part}' is negative; weights must be >= 0")
         rewards[name] = (import_reward(name) if ":" in name else REWARDS.get(name), weight)
         if rewards[name][0] is None:
-            raise ValueError(f"unknown reward '{name}' in --reward '{spec}'; use {', '.join(REWARDS)} or an import "
+            raise ValueError(f"unknown reward '{name}' in {flag} '{spec}'; use {', '.join(REWARDS)} or an import "
                              "path module:function")
     if sum(w for _, w in rewards.values()) <= 0:
-        raise ValueError(f"--reward '{spec}' gives every reward weight 0; give at least one a positive weight")
+        raise ValueError(f"{flag} '{spec}' gives every reward weight 0; give at least one a positive weight")
     return rewards
 
 
@@ -768,7 +774,48 @@ def train_step(policy, optimizer, rollouts: list[Rollout], advantages: torch.Ten
             "outside_truncation": outside}
 
 
-# ---- 11. Main -----------------------------------------------------------------------------------
+# ---- 11. Evaluation -----------------------------------------------------------------------------
+# Rewards on prompts the run never trains on, with seeds fixed per prompt, so that two evaluations differ only by the
+# weights: what tells learning apart from overfitting the training prompts or gaming the reward.
+
+@torch.no_grad()
+def evaluate(pipe, examples: list[dict], rewards: dict, n_samples: int, seed: int, cfg: Config, rank: int = 0,
+             world: int = 1, keep_images: int = 0) -> tuple[list[torch.Tensor], torch.Tensor, dict]:
+    """`n_samples` images of each example, sampled and decoded exactly as in training but with fixed seeds (example
+    i: AR seed `seed + i`, decoder noise --decode-seed): the same weights give the same images, whatever the step,
+    --seed or the number of processes. Scored by every reward of `rewards`.
+
+    Process r takes examples r, r + world, ...; the scores are gathered back in example order. Returns the images of
+    the first `keep_images` examples ((K, 3, H, W) each, rounded to 8 bits, on every process), the (P, K) weighted
+    total and each reward's (P, K), P = len(examples).
+    """
+    mine = list(range(rank, len(examples), world))
+    rollouts = [sample_group(pipe, examples[i]["prompt"], n_samples, cfg.height, cfg.width, cfg.temperature, seed + i,
+                             examples[i].get("source"), cfg.top_k, cfg.top_p) for i in mine]
+    images = [decode_images(pipe, examples[i]["prompt"], r.tokens, r.large_hw, cfg.height, cfg.width,
+                            cfg.num_inference_steps, cfg.decode_seed, cfg.guidance_scale, r.source)
+              for i, r in zip(mine, rollouts)]
+    total, each = (group_rewards(images, [examples[i] for i in mine], rewards) if mine else  # more processes than
+                   (torch.zeros(0, n_samples), {name: torch.zeros(0, n_samples) for name in rewards}))  # examples
+    order = torch.tensor(gather_list(mine)).argsort()  # rows arrive in rank order; back to example order
+    total, each = gather_rows(total).cpu()[order], {name: gather_rows(v).cpu()[order] for name, v in each.items()}
+    kept = gather_list([(i, (im * 255).round().to(torch.uint8).cpu()) for i, im in zip(mine, images) if i < keep_images])
+    return [im.float() / 255 for _, im in sorted(kept, key=lambda pair: pair[0])], total, each
+
+
+def eval_record(step: int, examples: list[dict], total: torch.Tensor, each: dict, seconds: float) -> dict:
+    """The metrics line of an evaluation: each reward's mean over prompts and samples ("eval/reward" is the weighted
+    total of --reward), and per category for the examples whose .jsonl line has a "category"."""
+    scores = {"reward": total, **each}
+    record = {"step": step, "eval": True, **{f"eval/{name}": v.mean().item() for name, v in scores.items()}}
+    categories = [str(ex["category"]) if "category" in ex else None for ex in examples]
+    for category in sorted(set(categories) - {None}):
+        rows = [i for i, c in enumerate(categories) if c == category]
+        record.update({f"eval/{name}/{category}": v[rows].mean().item() for name, v in scores.items()})
+    return {**record, "sec_eval": seconds}
+
+
+# ---- 12. Main -----------------------------------------------------------------------------------
 
 def validate(cfg: Config) -> None:
     """Raise ValueError with a one-line fix for a configuration that cannot run."""
@@ -791,9 +838,13 @@ def validate(cfg: Config) -> None:
                            ("top-p", 0 < cfg.top_p <= 1, "in (0, 1]"), ("top-k", cfg.top_k >= 0, ">= 0")]:
         if not ok:
             raise ValueError(f"--{name} {getattr(cfg, name.replace('-', '_'))} is out of range; it must be {rule}")
-    for name in ("steps", "mu", "prompts_per_step", "num_inference_steps"):
+    for name in ("steps", "mu", "prompts_per_step", "num_inference_steps", "eval_samples"):
         if getattr(cfg, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
+    if cfg.eval_every < 0:
+        raise ValueError(f"--eval-every {cfg.eval_every} must be >= 0 (0: evaluate only at step 0 and at the end)")
+    if cfg.eval_reward and not cfg.eval_prompts:
+        raise ValueError("--eval-reward is measured on --eval-prompts; give an --eval-prompts file too")
     if cfg.dtype not in ("auto", "float32", "bfloat16") or cfg.device not in ("auto", "cpu", "cuda"):
         raise ValueError(f"--dtype {cfg.dtype} / --device {cfg.device}: use auto|float32|bfloat16 / auto|cpu|cuda")
     if cfg.device == "cuda" and not torch.cuda.is_available():
@@ -855,9 +906,22 @@ def check_rewards(rewards: dict, example: dict, height: int, width: int) -> None
                              f"returned {tuple(value.shape) if torch.is_tensor(value) else type(value).__name__}")
 
 
-def prepare(argv: list[str] | None) -> tuple[Config, list[dict], dict, Path, int]:
+def load_evals(cfg: Config, rewards: dict) -> tuple[list[dict], dict] | None:
+    """The --eval-prompts examples and what is measured on them: the rewards of --reward (weighted as in training) and
+    those of --eval-reward (weight 0: measured, never optimised). None without --eval-prompts. Raises ValueError."""
+    if not cfg.eval_prompts:
+        return None
+    measured = parse_rewards(cfg.eval_reward, "--eval-reward") if cfg.eval_reward else {}
+    eval_rewards = {**rewards, **{name: (fn, 0.0) for name, (fn, _) in measured.items() if name not in rewards}}
+    examples = load_examples(read_prompts(cfg.eval_prompts, "--eval-prompts"), eval_rewards, cfg.height, cfg.width)
+    check_rewards(measured, examples[0], cfg.height, cfg.width)
+    return examples, eval_rewards
+
+
+def prepare(argv: list[str] | None) -> tuple[Config, list[dict], dict, tuple | None, Path, int]:
     """Parse and check everything before anything is written: config, prompts, images, rewards, --out or --resume.
-    Returns the config, the examples with their images, the rewards, the run directory and the first step."""
+    Returns the config, the examples with their images, the rewards, the eval set (load_evals), the run directory
+    and the first step."""
     cfg = parse_config(argv)
     out, start = Path(cfg.resume or cfg.out), 0
     try:
@@ -889,6 +953,7 @@ def prepare(argv: list[str] | None) -> tuple[Config, list[dict], dict, Path, int
         rewards = parse_rewards(cfg.reward)
         examples = load_examples(read_prompts(cfg.prompts), rewards, cfg.height, cfg.width)
         check_rewards(rewards, examples[0], cfg.height, cfg.width)
+        evals = load_evals(cfg, rewards)
         if not cfg.resume and not cfg.overwrite and any((out / name).exists() for name in RUN_FILES):
             raise ValueError(f"--out {out} holds another run; pass --resume {out} to continue it, --overwrite to "
                              "replace it, or another --out")
@@ -898,7 +963,7 @@ def prepare(argv: list[str] | None) -> tuple[Config, list[dict], dict, Path, int
         print(f"{out} has done all {start} steps of --steps {cfg.steps}: nothing to do (pass a larger --steps to "
               "train on)")
         raise SystemExit(0)
-    return cfg, examples, rewards, out, start
+    return cfg, examples, rewards, evals, out, start
 
 
 def setup_training(pipe, cfg: Config, dtype: torch.dtype, world: int):
@@ -925,7 +990,7 @@ def setup_training(pipe, cfg: Config, dtype: torch.dtype, world: int):
 
 
 def main(argv: list[str] | None = None) -> dict:
-    cfg, examples, rewards, out, start = prepare(argv)  # every input checked, nothing written yet
+    cfg, examples, rewards, evals, out, start = prepare(argv)  # every input checked, nothing written yet
     quiet_libraries()  # after the checks: --help and bad input never wait for diffusers to import
     rank, world, device = start_processes(cfg.device)  # torchrun: one process per GPU; else rank 0 of 1
     if device == "cpu" and "OMP_NUM_THREADS" not in os.environ:
@@ -934,43 +999,30 @@ def main(argv: list[str] | None = None) -> dict:
         torch.set_num_threads(1)
     dtype = {"auto": torch.bfloat16 if device.startswith("cuda") else torch.float32,
              "float32": torch.float32, "bfloat16": torch.bfloat16}[cfg.dtype]
-    try:
-        pipe = load_glm_image(cfg.model, device, dtype)
-    except Exception as error:  # offline hub, wrong path, ...: one line, no traceback
-        cause = (str(error).strip().splitlines() or [""])[0][:200]
-        hint = ("tools/train_tiny.py rebuilds it" if cfg.model == "tiny" else
-                "offline? use --model tiny or a local path")
-        fail(f"cannot load --model {cfg.model} ({type(error).__name__}: {cause}); {hint}")
+    pipe = load_or_fail(cfg.model, device, dtype)
     policy, ref_model, optimizer = setup_training(pipe, cfg, dtype, world)
     if cfg.resume:
         load_trainable_state(policy, optimizer, read_checkpoint(out / "checkpoint.pt"))
-    history = open_run_dir(out, cfg, start) if rank == 0 else []  # the metrics before `start` (resume), else []
+    evaluated = {h["step"] for h in read_metrics(out) if h.get("eval")} if cfg.resume else set()  # kept on resume
+    history = open_run_dir(out, cfg, start) if rank == 0 else []  # the training metrics before `start`, else []
     examples = [{k: v.to(device) if torch.is_tensor(v) else v for k, v in e.items()} for e in examples]
     autocast = torch.autocast(device.split(":")[0], dtype=torch.bfloat16, enabled=dtype == torch.bfloat16)
     shown = examples[:cfg.before_after]  # sampled with fixed seeds now and after training: what changed, by eye
     if shown and start == 0:
-        show(out / "images" / "before.png", pipe, policy, shown, rewards, cfg, autocast, device, rank, "before training")
+        show(out / "images" / "before.png", pipe, policy, shown, rewards, cfg, autocast, device, rank, world,
+             "before training")
     skipped, done = sum(h["skipped"] for h in history), start  # done: steps whose update is applied and logged
     progress = tqdm(range(start, cfg.steps), desc="grpo", initial=start, total=cfg.steps, disable=rank != 0)
     try:
         with interrupts_caught():  # Ctrl-C and SIGTERM: see parallel.on_interrupt
+            if evals and eval_due(start, cfg) and start not in evaluated:  # held-out prompts, before any update
+                run_evaluation(out, start, pipe, policy, evals, cfg, autocast, device, rank, world)
             for step in progress:
                 # groups are numbered over all processes; the number picks the prompt and seeds the sampling
                 groups = [(step * world + rank) * cfg.prompts_per_step + j for j in range(cfg.prompts_per_step)]
                 batch, seconds = [examples[g % len(examples)] for g in groups], {}
-                with timed(seconds, "sample"), autocast, unsharded(policy):  # 1. G token grids per prompt
-                    rollouts = [sample_group(pipe, ex["prompt"], cfg.group_size, cfg.height, cfg.width,
-                                             cfg.temperature, cfg.seed * 1_000_003 + g, ex.get("source"), cfg.top_k,
-                                             cfg.top_p)
-                                for ex, g in zip(batch, groups)]
-                with timed(seconds, "decode"), decoder_on(pipe, device, cfg.offload):  # 2. images, frozen DiT
-                    images = [decode_images(pipe, ex["prompt"], r.tokens, r.large_hw, cfg.height, cfg.width,
-                                            cfg.num_inference_steps, cfg.decode_seed, cfg.guidance_scale, r.source)
-                              for ex, r in zip(batch, rollouts)]
-                with timed(seconds, "reward"):
-                    reward, each = group_rewards(images, batch, rewards)  # 3. score them: (P, G)
-                    advantages = group_advantages(reward, scale=cfg.scale_rewards,  # 4. z-score within each group
-                                                  batch=gather_rows(reward) if cfg.scale_rewards == "batch" else None)
+                rollouts, images, reward, each, advantages = sample_and_score(  # 1.-4. sample, decode, score
+                    pipe, policy, batch, groups, rewards, cfg, autocast, device, seconds)
                 with interrupts_held():  # an update and its log line land together (or not at all)
                     with timed(seconds, "train"), autocast:  # 5. the clipped policy-gradient update
                         metrics = train_step(policy, optimizer, rollouts, advantages, ref_model,
@@ -986,6 +1038,8 @@ def main(argv: list[str] | None = None) -> dict:
                     if rank == 0:
                         log_step(out, progress, record, skipped, history, cfg.kl_beta)
                 save_step_outputs(out, step, cfg, batch, images, reward, policy, optimizer, rank, world)
+                if evals and eval_due(step + 1, cfg):  # the policy after step + 1 updates
+                    run_evaluation(out, step + 1, pipe, policy, evals, cfg, autocast, device, rank, world)
                 if stop_requested():  # with many processes, an interrupt in any of them stops all after this step
                     raise KeyboardInterrupt
     except KeyboardInterrupt:
@@ -993,12 +1047,42 @@ def main(argv: list[str] | None = None) -> dict:
     except OSError as error:  # a full disk, a vanished directory: the last checkpoint stays good
         fail(f"cannot write {error.filename or out} ({error.strerror or error}); make room, then continue with "
              f"--resume {out}", code=1)
-    finish(out, policy, optimizer, cfg, rank, world)  # the last checkpoint and final/
-    after = show(out / "images" / "after.png", pipe, policy, shown, rewards, cfg, autocast, device, rank,
+    finish(out, policy, optimizer, cfg, rank, world)  # the last checkpoint, final/ and curves.png
+    after = show(out / "images" / "after.png", pipe, policy, shown, rewards, cfg, autocast, device, rank, world,
                  f"after {cfg.steps} steps") if shown else None
     summary = summarize(out, history, len(examples), skipped, rank, after)
     stop_processes()  # torchrun: leave the process group cleanly
     return summary
+
+
+def load_or_fail(model: str, device: str, dtype: torch.dtype):
+    """load_glm_image, or one line naming why not (offline hub, wrong path, ...) and exit 2, no traceback."""
+    try:
+        return load_glm_image(model, device, dtype)
+    except Exception as error:
+        cause = (str(error).strip().splitlines() or [""])[0][:200]
+        hint = "tools/train_tiny.py rebuilds it" if model == "tiny" else "offline? use --model tiny or a local path"
+        fail(f"cannot load --model {model} ({type(error).__name__}: {cause}); {hint}")
+
+
+def sample_and_score(pipe, policy, batch: list[dict], groups: list[int], rewards: dict, cfg: Config, autocast,
+                     device: str, seconds: dict) -> tuple:
+    """Steps 1-4 of a GRPO step for this process's P groups: sample G token grids per prompt (seeded by the group's
+    number), decode them with the frozen DiT, score them, and z-score the rewards within each group. Returns the
+    rollouts, the images, the (P, G) rewards (and each reward's), and the (P, G) advantages."""
+    with timed(seconds, "sample"), autocast, unsharded(policy):  # 1. G token grids per prompt
+        rollouts = [sample_group(pipe, ex["prompt"], cfg.group_size, cfg.height, cfg.width, cfg.temperature,
+                                 cfg.seed * 1_000_003 + g, ex.get("source"), cfg.top_k, cfg.top_p)
+                    for ex, g in zip(batch, groups)]
+    with timed(seconds, "decode"), decoder_on(pipe, device, cfg.offload):  # 2. images, frozen DiT
+        images = [decode_images(pipe, ex["prompt"], r.tokens, r.large_hw, cfg.height, cfg.width,
+                                cfg.num_inference_steps, cfg.decode_seed, cfg.guidance_scale, r.source)
+                  for ex, r in zip(batch, rollouts)]
+    with timed(seconds, "reward"):
+        reward, each = group_rewards(images, batch, rewards)  # 3. score them: (P, G)
+        advantages = group_advantages(reward, scale=cfg.scale_rewards,  # 4. z-score within each group
+                                      batch=gather_rows(reward) if cfg.scale_rewards == "batch" else None)
+    return rollouts, images, reward, each, advantages
 
 
 def quiet_libraries() -> None:
@@ -1012,7 +1096,8 @@ def quiet_libraries() -> None:
 
 
 PHASES = {"sample": "sampling (generate)", "decode": "decoding (DiT + VAE)", "reward": "scoring the images",
-          "train": "the update (train_step)", "show": "sampling the before / after grids"}
+          "train": "the update (train_step)", "show": "sampling the before / after grids",
+          "eval": "evaluating --eval-prompts"}
 
 
 @contextlib.contextmanager
@@ -1091,21 +1176,17 @@ def save_grid(path: Path, batch: list[dict], images: list[torch.Tensor], reward:
 
 
 SHOW_SEED = 20_260_000  # the sampling seeds of the before / after grids: fixed, whatever --seed
+EVAL_SEED = 30_260_000  # the sampling seeds of --eval-prompts: prompt i gets EVAL_SEED + i at every evaluation
+EVAL_GRID = 4  # the eval prompts shown in each evaluation's image grid (the first ones of the file)
 
 
 def show(path: Path, pipe, policy, examples: list[dict], rewards: dict, cfg: Config, autocast, device: str, rank: int,
-         when: str) -> float:
-    """G samples of each example with seeds fixed per example (the same weights give the same images, whatever the
-    step), decoded and scored as in training, into an image grid at `path` (rank 0); after training also
-    images/before_after.png beside the grid from before. Every process samples (FSDP gathers the AR). Returns the
-    mean reward."""
+         world: int, when: str) -> float:
+    """G samples of each example with fixed seeds (`evaluate`), into an image grid at `path` (rank 0); after training
+    also images/before_after.png beside the grid from before. Returns the mean reward."""
     with timed({}, "show"), autocast, unsharded(policy), decoder_on(pipe, device, cfg.offload):
-        rollouts = [sample_group(pipe, ex["prompt"], cfg.group_size, cfg.height, cfg.width, cfg.temperature,
-                                 SHOW_SEED + i, ex.get("source"), cfg.top_k, cfg.top_p) for i, ex in enumerate(examples)]
-        images = [decode_images(pipe, ex["prompt"], r.tokens, r.large_hw, cfg.height, cfg.width,
-                                cfg.num_inference_steps, cfg.decode_seed, cfg.guidance_scale, r.source)
-                  for ex, r in zip(examples, rollouts)]
-    reward, _ = group_rewards(images, examples, rewards)
+        images, reward, _ = evaluate(pipe, examples, rewards, cfg.group_size, SHOW_SEED, cfg, rank, world,
+                                     keep_images=len(examples))
     if rank == 0:
         save_grid(path, examples, images, reward, [f"{ex['prompt']} ({when})" for ex in examples])
         with contextlib.suppress(OSError):  # the mean reward, for the summary line of a resumed run
@@ -1116,6 +1197,31 @@ def show(path: Path, pipe, policy, examples: list[dict], rewards: dict, cfg: Con
     return reward.mean().item()
 
 
+def eval_due(step: int, cfg: Config) -> bool:
+    """Whether the policy after `step` updates is evaluated: before the first update, every --eval-every, the last."""
+    return step == 0 or step == cfg.steps or (cfg.eval_every > 0 and step % cfg.eval_every == 0)
+
+
+def run_evaluation(out: Path, step: int, pipe, policy, evals: tuple, cfg: Config, autocast, device: str, rank: int,
+                   world: int) -> None:
+    """Evaluate the policy after `step` updates on the eval set: a line in metrics.jsonl ("eval": true), an image grid
+    of the first EVAL_GRID prompts (images/eval_<step>.png: the same prompts and seeds every time, so one prompt can be
+    followed through training) and a line on the terminal (rank 0). Every process takes part."""
+    examples, rewards = evals
+    seconds = {}
+    with timed(seconds, "eval"), autocast, unsharded(policy), decoder_on(pipe, device, cfg.offload):
+        images, total, each = evaluate(pipe, examples, rewards, cfg.eval_samples, EVAL_SEED, cfg, rank, world,
+                                       keep_images=EVAL_GRID)
+    record = eval_record(step, examples, total, each, seconds["eval"])
+    if rank == 0:
+        append_metrics(out, record)
+        save_grid(out / "images" / f"eval_{step:05d}.png", examples[:EVAL_GRID], images, total[:EVAL_GRID],
+                  [f"eval, step {step}: {ex['prompt']}" for ex in examples[:EVAL_GRID]])
+        means = ", ".join(f"{key[5:]} {value:.4f}" for key, value in record.items() if key.count("/") == 1)
+        tqdm.write(f"eval at step {step} ({len(examples)} prompts x {cfg.eval_samples}): {means} "
+                   f"({seconds['eval']:.1f} s)")
+
+
 def save_run(out: Path, policy, optimizer, step: int, cfg: Config, rank: int, world: int) -> None:
     """checkpoint.pt: the full trainable state gathered from every process, written by rank 0 (atomically)."""
     weights, optimizer_state = trainable_state(policy, optimizer)
@@ -1124,7 +1230,8 @@ def save_run(out: Path, policy, optimizer, step: int, cfg: Config, rank: int, wo
 
 
 def finish(out: Path, policy, optimizer, cfg: Config, rank: int, world: int) -> None:
-    """The last checkpoint and final/ (the AR, or with LoRA only the adapter, loadable with from_pretrained)."""
+    """The last checkpoint, final/ (the AR, or with LoRA only the adapter, loadable with from_pretrained) and
+    curves.png."""
     try:
         save_run(out, policy, optimizer, cfg.steps, cfg, rank, world)
         weights = final_weights(policy)  # every process takes part; only rank 0 gets the tensors
@@ -1133,6 +1240,12 @@ def finish(out: Path, policy, optimizer, cfg: Config, rank: int, world: int) -> 
     except OSError as error:
         fail(f"cannot write {error.filename or out} ({error.strerror or error}); make room, then run --resume {out} "
              f"--steps {cfg.steps} again", code=1)
+    try:
+        if rank == 0:
+            plot_curves(out)  # rewards (training and eval), KL, clip fraction, groups with no signal
+    except Exception as error:  # everything is saved; a picture that fails is only a warning
+        tqdm.write(f"warning: could not draw {out / 'curves.png'} ({type(error).__name__}: {error}); "
+                   f"python tools/plot_run.py {out} draws it later", file=sys.stderr)
 
 
 def summarize(out: Path, history: list[dict], n_examples: int, skipped: int, rank: int, after: float | None) -> dict:

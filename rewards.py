@@ -7,6 +7,7 @@ trains, so a bad line stops the run before anything is written.
 
   ocr      the text in the picture, read by EasyOCR, against the text asked for (optional packages)
   shapes   a rule-based checker of world.py's captions (counts, colours, shapes, positions), GenEval-style
+  shapes_exact   1 where shapes is 1 (the picture is fully right), else 0: GenEval's accuracy, to watch in evaluation
   module:function   any function of yours (`import_reward`)
 """
 
@@ -97,7 +98,14 @@ def shapes_reward(images: torch.Tensor, example: dict) -> torch.Tensor:
     return torch.tensor(scores, dtype=torch.float32, device=images.device)
 
 
-MORE_REWARDS = {"ocr": ocr_reward, "shapes": shapes_reward}
+@needs("prompt", check=not_a_world_caption)
+def shapes_exact_reward(images: torch.Tensor, example: dict) -> torch.Tensor:
+    """(G,) 1.0 where the picture holds exactly what the caption says (shapes_reward 1.0), else 0.0: GenEval's
+    accuracy. Too sparse to train on well; a held-out number to watch (--eval-reward shapes_exact)."""
+    return (shapes_reward(images, example) == 1.0).float()
+
+
+MORE_REWARDS = {"ocr": ocr_reward, "shapes": shapes_reward, "shapes_exact": shapes_exact_reward}
 
 
 # ---- plug-ins ------------------------------------------------------------------------------------

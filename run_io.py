@@ -18,7 +18,7 @@ import torch
 from PIL import Image, ImageDraw
 
 
-RUN_FILES = ("config.json", "metrics.jsonl", "checkpoint.pt", "images", "final")  # what a run writes in --out
+RUN_FILES = ("config.json", "metrics.jsonl", "checkpoint.pt", "images", "final", "curves.png")  # a run's files in --out
 CHECKPOINT_KEYS = {"weights", "optimizer", "step", "config", "rng"}
 
 
@@ -84,19 +84,21 @@ def read_metrics(out: Path) -> list[dict]:
 
 
 def open_run_dir(out: Path, cfg, start: int) -> list[dict]:
-    """Make `out` ready for a run starting at step `start`; returns the metrics of the steps before it.
+    """Make `out` ready for a run starting at step `start`; returns the training metrics of the steps before it.
 
     A new run first clears what an earlier run left (the caller allows that only with --overwrite);
-    a resumed run keeps its metrics up to the checkpoint and drops later lines, as those steps are redone.
+    a resumed run keeps its metrics up to the checkpoint and drops later lines, as those steps are redone: the
+    steps before `start`, and the evaluations ("eval": true) of the weights up to and including step `start`.
     """
     if not cfg.resume:
         for name in RUN_FILES:
             shutil.rmtree(out / name) if (out / name).is_dir() else (out / name).unlink(missing_ok=True)
     (out / "images").mkdir(parents=True, exist_ok=True)
-    history = [h for h in read_metrics(out) if h["step"] < start] if cfg.resume else []
+    kept = [h for h in read_metrics(out) if h["step"] < start or (h.get("eval") and h["step"] == start)] \
+        if cfg.resume else []
     atomic_write(out / "config.json", lambda f: f.write(json.dumps(dataclasses.asdict(cfg), indent=2).encode()))
-    atomic_write(out / "metrics.jsonl", lambda f: f.write("".join(json.dumps(h) + "\n" for h in history).encode()))
-    return history
+    atomic_write(out / "metrics.jsonl", lambda f: f.write("".join(json.dumps(h) + "\n" for h in kept).encode()))
+    return [h for h in kept if not h.get("eval")]
 
 
 # ---- Writing ---------------------------------------------------------------------------------------
@@ -160,6 +162,49 @@ def image_grid(rows: list[list[tuple[str, torch.Tensor | None]]], rewards: torch
             text = text if col < n_ref else f"{rewards[r, col - n_ref].item():.3f}"
             draw.text((col * W + 2, y + title + H + 1), text, fill="black")
     return grid
+
+
+def plot_curves(out: Path) -> Path:
+    """out/curves.png from out/metrics.jsonl, one panel each, per step (x: the updates the policy has had): the
+    training reward (each step's mean, its mean over 20 steps, and the step's mean within-group std as a band), the
+    eval rewards (overall, and per category of the eval reward), the KL to the reference, the clip fraction, and the
+    share of groups with no spread (zero advantage: no signal). Returns the path; ValueError if there are no lines."""
+    from matplotlib.figure import Figure  # not pyplot: no global backend, so a notebook's plots are left alone
+    records = read_metrics(out)
+    train, evals = [r for r in records if not r.get("eval")], [r for r in records if r.get("eval")]
+    if not records:
+        raise ValueError(f"{out / 'metrics.jsonl'} has no steps yet; plot a run that has trained")
+    figure = Figure(figsize=(15, 7.5), layout="constrained")
+    axes = figure.subplots(2, 3).ravel()
+    x = np.array([r["step"] for r in train])
+    if train:
+        mean, spread = np.array([r["reward_mean"] for r in train]), np.array([r["reward_std"] for r in train])
+        smooth = np.array([mean[max(0, i - 19):i + 1].mean() for i in range(len(mean))])
+        axes[0].fill_between(x, mean - spread, mean + spread, alpha=0.2, label="± std within groups")
+        axes[0].plot(x, mean, lw=0.8, alpha=0.6, label="mean of the step")
+        axes[0].plot(x, smooth, lw=2, label="mean of the last 20 steps")
+    for panel, keys in ((1, [k for k in (evals[0] if evals else {}) if k.count("/") == 1]),
+                        (2, [k for k in (evals[0] if evals else {}) if k.startswith("eval/reward/")])):
+        for key in keys:
+            axes[panel].plot([r["step"] for r in evals], [r[key] for r in evals], marker="o", label=key[5:])
+    for panel, key, scale in ((3, "kl", 1), (4, "clip_frac", 1), (5, "zero_std_groups", None)):
+        values = [r.get(key, np.nan) / (scale or len(r["prompts"])) for r in train]
+        axes[panel].plot(x, values, lw=0.8)
+    titles = ["training reward", "eval reward (held-out prompts, fixed seeds)", "eval reward by category",
+              "KL to the reference (k3)", "clip fraction", "share of groups with no spread (no signal)"]
+    for ax, title in zip(axes, titles):
+        ax.set_title(title, fontsize=10)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=8)
+        elif not ax.lines and not ax.collections:
+            ax.text(0.5, 0.5, "no eval lines (--eval-prompts)" if title.startswith("eval") else "no data",
+                    ha="center", va="center", transform=ax.transAxes, color="gray")
+    figure.suptitle(str(out), fontsize=10)
+    path = out / "curves.png"
+    atomic_write(path, lambda f: figure.savefig(f, format="png", dpi=80))
+    return path
 
 
 def side_by_side(left: Path, right: Path) -> Image.Image:

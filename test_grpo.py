@@ -845,6 +845,25 @@ def test_train_step_mu(pipe):
 
 # ---- 11. main -----------------------------------------------------------------------------------
 
+def test_plot_curves(tmp_path):
+    """curves.png from training and eval lines (and from training lines alone); a run without lines is refused, by
+    tools/plot_run.py with one line."""
+    lines = [{"step": s, "prompts": [0, 1], "reward_mean": 0.1 * s, "reward_std": 0.05, "kl": 0.01 * s,
+              "clip_frac": 0.0, "zero_std_groups": s % 2} for s in range(6)]
+    lines[3:3] = [{"step": 0, "eval": True, "eval/reward": 0.3, "eval/reward/a": 0.2},
+                  {"step": 5, "eval": True, "eval/reward": 0.5, "eval/reward/a": 0.4}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    assert Image.open(grpo.plot_curves(tmp_path)).size == (1200, 600)
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines if "eval" not in x))
+    assert Image.open(grpo.plot_curves(tmp_path)).size == (1200, 600)
+    (tmp_path / "metrics.jsonl").write_text("")
+    with pytest.raises(ValueError, match="no steps yet"):
+        grpo.plot_curves(tmp_path)
+    proc = subprocess.run([sys.executable, str(HERE / "tools" / "plot_run.py"), str(tmp_path / "nope")],
+                          capture_output=True, text=True)
+    assert proc.returncode != 0 and proc.stderr.strip().count("\n") == 0 and "no metrics.jsonl" in proc.stderr
+
+
 def test_image_grid():
     """One row per prompt (label strip under each), reference tiles first (None: blank), rewards under the samples;
     tiles below 128 pixels are enlarged; titles (the prompt, the step) go in a strip above each row."""
@@ -935,6 +954,97 @@ def test_main_before_after(tmp_path):
     assert moved["shown_before"] == still["shown_before"] and moved["shown_after"] != moved["shown_before"]
 
 
+def write_evals(tmp_path, size=64):
+    """Three eval prompts (an odd number: two processes share them unevenly), two with a category, gray targets."""
+    Image.fromarray(np.full((size, size, 3), 100, np.uint8)).save(tmp_path / "e.png")
+    lines = [{"prompt": "a red circle", "target": "e.png", "category": "single"},
+             {"prompt": "two blue squares", "target": "e.png", "category": "counting"},
+             {"prompt": "a green triangle", "target": "e.png"}]
+    (tmp_path / "evals.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    return tmp_path / "evals.jsonl"
+
+
+def test_evaluate(pipe, tmp_path):
+    """Example i is sampled with seed + i whatever else is evaluated or the global RNG: the same weights give the same
+    images and rewards; rows come back in example order; the kept images are the first ones, rounded to 8 bits."""
+    cfg = grpo.parse_config([*TINY, "--num-inference-steps", "1"])
+    examples = grpo.load_examples(grpo.read_prompts(write_evals(tmp_path)), {"ssim": (grpo.ssim_reward, 1.0)}, 64, 64)
+    rewards = {"ssim": (grpo.ssim_reward, 1.0), "mse": (grpo.mse_reward, 0.0)}
+    images, total, each = grpo.evaluate(pipe, examples, rewards, 2, 7, cfg, keep_images=2)
+    torch.manual_seed(123)  # the global RNG must not matter
+    again_images, again, _ = grpo.evaluate(pipe, examples, rewards, 2, 7, cfg, keep_images=2)
+    assert total.shape == (3, 2) and torch.equal(total, again) and torch.equal(total, each["ssim"])
+    assert len(images) == 2 and all(torch.equal(a, b) for a, b in zip(images, again_images))
+    assert all(torch.equal(im, (im * 255).round() / 255) for im in images)  # 8-bit exact
+    _, last, last_each = grpo.evaluate(pipe, examples[2:], rewards, 2, 9, cfg)  # example 2 alone, seed 7 + 2
+    assert torch.equal(last[0], total[2]) and torch.equal(last_each["mse"][0], each["mse"][2])
+    _, other, _ = grpo.evaluate(pipe, examples, rewards, 2, 8, cfg)
+    assert not torch.equal(other, total)  # another seed, other samples
+
+
+def test_eval_record():
+    """Means over prompts and samples per reward, and per category over the examples that have one."""
+    examples = [{"category": "a"}, {"category": "b"}, {"category": "a"}, {}]
+    total = torch.tensor([[1.0, 0.0], [0.5, 0.5], [0.0, 0.0], [2.0, 2.0]])
+    record = grpo.eval_record(5, examples, total, {"x": total * 2}, 1.5)
+    assert record["step"] == 5 and record["eval"] is True and record["sec_eval"] == 1.5
+    assert record["eval/reward"] == pytest.approx(0.75) and record["eval/x"] == pytest.approx(1.5)
+    assert record["eval/reward/a"] == pytest.approx(0.25) and record["eval/x/b"] == pytest.approx(1.0)
+    assert not any(k.endswith("/None") for k in record)
+
+
+def eval_lines(out):
+    return [x for x in run_record(out) if x.get("eval")]
+
+
+def as_line(record, step):
+    """tools/compare.py's record as the run's eval line at `step` (run_record drops the seconds)."""
+    return {k: v for k, v in record.items() if not k.startswith("sec_")} | {"step": step}
+
+
+def test_main_eval(tmp_path):
+    """--eval-prompts: eval lines at step 0, every --eval-every and at the end, with per-category means, an image grid
+    each time and curves.png; identical at step 0 for two training seeds (fixed eval seeds); tools/compare.py's base and
+    trained numbers equal the run's first and last eval lines, from checkpoint.pt and from final/."""
+    prompts = write_example(tmp_path, ["a gray square | t.png", "another | t.png"])
+    evals = write_evals(tmp_path)
+    common = [*TINY, "--prompts", str(prompts), "--steps", "3", "--image-every", "0", "--eval-prompts", str(evals),
+              "--eval-every", "2", "--eval-samples", "2", "--eval-reward", "mse", "--lr", "1e-3"]
+    grpo.main([*common, "--out", str(tmp_path / "a")])
+    lines = eval_lines(tmp_path / "a")
+    assert [x["step"] for x in lines] == [0, 2, 3]
+    assert {"eval/reward", "eval/ssim", "eval/mse", "eval/reward/single", "eval/mse/counting"} <= set(lines[0])
+    assert not any("/None" in k for k in lines[0]) and lines[0]["eval/reward"] == lines[0]["eval/ssim"]  # mse: weight 0
+    raw = [json.loads(x) for x in (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()]
+    assert all(x["sec_eval"] > 0 for x in raw if x.get("eval"))
+    assert len([x for x in run_record(tmp_path / "a") if not x.get("eval")]) == 3
+    images = sorted(p.name for p in (tmp_path / "a" / "images").iterdir())
+    assert images == ["eval_00000.png", "eval_00002.png", "eval_00003.png"]
+    assert Image.open(tmp_path / "a" / "curves.png").size[0] > 500
+    grpo.main([*common, "--out", str(tmp_path / "b"), "--seed", "1"])
+    assert eval_lines(tmp_path / "b")[0] == lines[0]  # another training seed: other training samples, same evaluation
+    train = [[x["reward_mean"] for x in run_record(tmp_path / d) if not x.get("eval")] for d in ("a", "b")]
+    assert train[0] != train[1]
+    import tools.compare as compare
+    for path in (tmp_path / "a", tmp_path / "a" / "final"):
+        result = compare.main([str(path)])
+        assert as_line(result["base"], 0) == lines[0] and as_line(result["trained"], 3) == lines[-1], path
+    assert Image.open(tmp_path / "a" / "images" / "compare.png").size[0] > 2 * 128 * 3
+
+
+def test_main_eval_lora_compare(tmp_path):
+    """tools/compare.py also reads a LoRA run's final/ (the adapter alone), with the run's last eval numbers."""
+    prompts = write_example(tmp_path, ["a gray square | t.png"])
+    grpo.main([*TINY, "--prompts", str(prompts), "--steps", "2", "--image-every", "0", "--lora-rank", "4",
+               "--lr", "0.1", "--eval-prompts", str(write_evals(tmp_path)), "--eval-samples", "2",
+               "--out", str(tmp_path / "run")])
+    lines = eval_lines(tmp_path / "run")
+    import tools.compare as compare
+    result = compare.main([str(tmp_path / "run" / "final")])
+    assert result["step"] is None and as_line(result["trained"], 2) == lines[-1]
+    assert as_line(result["base"], 0) == lines[0] and lines[0]["eval/reward"] != lines[-1]["eval/reward"]
+
+
 def run_cli(*args, cwd=HERE):
     return subprocess.run([sys.executable, str(HERE / "grpo.py"), *args], capture_output=True, text=True, cwd=cwd,
                           timeout=300)
@@ -1009,7 +1119,13 @@ def test_prepare_bad_input(tmp_path, capsys):
              (["--reward", "clip=1"], "unknown reward"), (["--reward", "ssim=-1"], "negative"),
              (["--steps", "0"], "--steps"), (["--resume", str(tmp_path / "none")], "no checkpoint.pt"),
              (P("no_target.txt"), "no_target.txt:1: reward 'ssim' needs a target"),
-             (["--reward", "nosuchmodule:f=1"], "cannot import")]
+             (["--reward", "nosuchmodule:f=1"], "cannot import"),
+             (["--eval-prompts", str(tmp_path / "nothere.jsonl")], "cannot read --eval-prompts .*nothere.jsonl"),
+             (["--eval-prompts", str(tmp_path / "no_target.txt")], "no_target.txt:1: reward 'ssim' needs a target"),
+             (["--eval-prompts", str(good), "--eval-reward", "clip"], "unknown reward 'clip' in --eval-reward"),
+             (["--eval-prompts", str(good), "--eval-reward", "ocr"], "reward 'ocr' needs a text"),
+             (["--eval-reward", "mse"], "--eval-reward is measured on --eval-prompts"),
+             (["--eval-every", "-1"], "--eval-every -1 must be >= 0"), (["--eval-samples", "0"], "--eval-samples")]
     if not torch.cuda.is_available():
         cases.append((["--device", "cuda"], "--device cuda, but torch .* sees no CUDA GPU here; use --device cpu"))
     for args, needle in cases:
@@ -1052,11 +1168,18 @@ def run_record(out):
 
 
 def test_main_resume(tmp_path, monkeypatch):
-    """2N steps == N steps + resume + N steps (metrics and weights), also after a Ctrl-C; --overwrite replaces."""
-    tiny_run(tmp_path, tmp_path / "whole", "--steps", "4", "--kl-beta", "0.04")
-    tiny_run(tmp_path, tmp_path / "half", "--steps", "2", "--kl-beta", "0.04")
-    grpo.main(["--resume", str(tmp_path / "half"), "--steps", "4"])
-    assert run_record(tmp_path / "whole") == run_record(tmp_path / "half") and len(run_record(tmp_path / "half")) == 4
+    """2N steps == N steps + resume + N steps (metrics, evaluations and weights), also when the evaluation at the
+    checkpoint's step was lost (it is redone, with the same numbers); --overwrite replaces."""
+    evals = ["--eval-prompts", str(write_evals(tmp_path)), "--eval-every", "2", "--eval-samples", "2"]
+    tiny_run(tmp_path, tmp_path / "whole", "--steps", "4", "--kl-beta", "0.04", *evals)
+    tiny_run(tmp_path, tmp_path / "half", "--steps", "2", "--kl-beta", "0.04", *evals)
+    shutil.copytree(tmp_path / "half", tmp_path / "lost")
+    metrics = (tmp_path / "lost" / "metrics.jsonl").read_text().splitlines()
+    (tmp_path / "lost" / "metrics.jsonl").write_text("\n".join(metrics[:-1]) + "\n")  # killed before the eval at 2
+    for name in ("half", "lost"):
+        grpo.main(["--resume", str(tmp_path / name), "--steps", "4"])
+        assert run_record(tmp_path / "whole") == run_record(tmp_path / name), name
+    assert [x["step"] for x in eval_lines(tmp_path / "half")] == [0, 2, 4] and len(run_record(tmp_path / "half")) == 7
     from transformers import GlmImageForConditionalGeneration
     a, b = (GlmImageForConditionalGeneration.from_pretrained(tmp_path / d / "final") for d in ("whole", "half"))
     assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
@@ -1456,7 +1579,7 @@ def assert_same_weights(dir_a: Path, dir_b: Path, tol: float = 1e-5) -> float:
 
 def assert_same_metrics(run_a: Path, run_b: Path, tol: float = 1e-5) -> None:
     a, b = run_record(run_a), run_record(run_b)
-    assert len(a) == len(b) and [x["prompts"] for x in a] == [x["prompts"] for x in b]
+    assert len(a) == len(b) and [x.get("prompts") for x in a] == [x.get("prompts") for x in b]  # eval lines: None
     for x, y in zip(a, b):
         assert x.keys() == y.keys()
         for key in x:
@@ -1466,15 +1589,18 @@ def assert_same_metrics(run_a: Path, run_b: Path, tol: float = 1e-5) -> None:
                 assert x[key] == y[key], (x["step"], key)
 
 
-@pytest.mark.parametrize("extra", [["--kl-beta", "0.04"], ["--kl-beta", "0", "--scale-rewards", "batch", "--top-p", "0.9"],
+@pytest.mark.parametrize("extra", [["--kl-beta", "0.04", "--eval-prompts", "EVALS", "--eval-samples", "2"],
+                                   ["--kl-beta", "0", "--scale-rewards", "batch", "--top-p", "0.9"],
                                    ["--lora-rank", "4", "--kl-beta", "0.04"], ["--lora-rank", "4", "--kl-beta", "0"]],
                          ids=["full-kl", "full-batch-top-p", "lora-kl", "lora"])
 def test_torchrun_equals_one_process(tmp_path, extra):
     """2 processes x 1 prompt per step make the same updates as 1 process x 2 prompts: same prompts and samples,
     the same per-step metrics and the same final/ weights within 1e-5 (float32), and final models that score
-    tokens alike. (With micro-batches smaller than a group the two runs add the same gradients in another order;
+    tokens alike; with --eval-prompts the evaluations (3 prompts spread over 2 processes) equal one process's too.
+    (With micro-batches smaller than a group the two runs add the same gradients in another order;
     test_torchrun_collectives checks that gradient within 1e-5.)"""
     prompts = write_example(tmp_path, ["a gray square | t.png", "another | t.png"])
+    extra = [str(write_evals(tmp_path)) if x == "EVALS" else x for x in extra]
     common = [*TINY, "--prompts", str(prompts), "--steps", "3", "--image-every", "0", *extra]
     # one thread per process in both runs: the thread count changes float summation order (and so, rarely, a sample)
     assert torchrun(*common, "--out", str(tmp_path / "one"), "--prompts-per-step", "2", nproc=1).returncode == 0
@@ -1482,7 +1608,9 @@ def test_torchrun_equals_one_process(tmp_path, extra):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.count("reward (mean of first") == 1  # rank 0 alone prints the summary
     assert_same_metrics(tmp_path / "one", tmp_path / "two")
-    assert run_record(tmp_path / "two")[0]["prompts"] == [0, 1]  # both processes' groups, in the metrics of rank 0
+    steps = [x for x in run_record(tmp_path / "two") if not x.get("eval")]
+    assert steps[0]["prompts"] == [0, 1]  # both processes' groups, in the metrics of rank 0
+    assert [x["step"] for x in eval_lines(tmp_path / "two")] == ([0, 3] if "--eval-prompts" in extra else [])
     assert_same_weights(tmp_path / "one" / "final", tmp_path / "two" / "final")
     if "--lora-rank" not in extra:  # the zero-gradient entries excepted above change nothing the model computes
         from transformers import GlmImageForConditionalGeneration

@@ -135,6 +135,18 @@ def test_shapes_reward():
     assert rewards.shapes_reward(torch.full((2, 3, 96, 96), 0.5), {"prompt": "a red circle"}).tolist() == [0.0, 0.0]
 
 
+def test_shapes_exact_reward():
+    """1 exactly where shapes is 1 (fully right), else 0: GenEval's accuracy."""
+    rng = random.Random(3)
+    caption = "two red circles"
+    right = picture(world.sample_scene(caption, rng), rng)
+    wrong = picture(world.sample_scene("a blue square", rng), rng)
+    images = torch.stack([right, wrong, torch.full((3, 96, 96), 0.5)])
+    partial = rewards.shapes_reward(images, {"prompt": caption})
+    assert partial[0] == 1.0 and 0 < partial[1] < 1
+    assert rewards.shapes_exact_reward(images, {"prompt": caption}).tolist() == [1.0, 0.0, 0.0]
+
+
 def test_shapes_reward_bad_prompt(tmp_path, capsys):
     """A prompt outside the world's grammar stops the run before anything is written, naming its line."""
     prompts = tmp_path / "p.txt"
@@ -156,8 +168,11 @@ def test_demo_files():
         assert rewards.shapes_reward(target[None], example).item() == 1.0
     train, held = world.caption_split()
     shapes = [e["prompt"] for e in grpo.read_prompts(str(HERE / "examples" / "shapes.txt"))]
-    held_file = [e["prompt"] for e in grpo.read_prompts(str(HERE / "examples" / "shapes_heldout.txt"))]
+    held_file = [e["prompt"] for e in grpo.read_prompts(str(HERE / "examples" / "shapes_heldout.jsonl"))]
     assert sorted(shapes) == sorted(train) and sorted(held_file) == sorted(held)
+    kinds = {e["category"] for e in grpo.read_prompts(str(HERE / "examples" / "shapes_heldout.jsonl"))
+             if e["category"] == world.parse_caption(e["prompt"])["kind"]}
+    assert kinds == set(world.KINDS)  # every line's category is its caption's kind, and every kind is there
     assert all(e["prompt"] in train for e in examples)
 
 
@@ -181,7 +196,7 @@ def test_tiny_model_draws_what_it_is_asked():
     right far more often than by chance (a random model: never), and its training report says how it was made."""
     sys.path.insert(0, str(HERE / "tools"))
     from bench_learning import shapes_accuracy
-    held = [e["prompt"] for e in grpo.read_prompts(str(HERE / "examples" / "shapes_heldout.txt"))]
+    held = [e["prompt"] for e in grpo.read_prompts(str(HERE / "examples" / "shapes_heldout.jsonl"))]
     easy = [c for c in held if world.parse_caption(c)["kind"] in ("single", "position")][:8]
     result = shapes_accuracy(grpo.load_glm_image("tiny"), easy, samples=4)
     assert result["accuracy"] >= 0.4, result

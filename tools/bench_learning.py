@@ -5,7 +5,7 @@
 
 shapes: `grpo.py --reward shapes --prompts examples/shapes.txt` (GRPO's training captions) for --steps steps, then
   the held-out accuracy: the fraction of (caption, sample) pairs drawn fully right (shapes reward = 1), over every
-  caption of examples/shapes_heldout.txt (combinations never seen in pre-training or GRPO training) x --samples
+  caption of examples/shapes_heldout.jsonl (combinations never seen in pre-training or GRPO training) x --samples
   samples with fixed seeds, through grpo.py's own sampling and decoding at the run's settings. Measured for the
   pre-trained model once and for each run's final/ weights; also the training minutes and how many distinct samples
   the groups of the last 10 steps hold (a policy collapsed to one image per prompt has 1).
@@ -54,7 +54,7 @@ def shapes_accuracy(pipe, captions: list[str], samples: int = 8, seed: int = 0, 
 
 
 def held_out_captions() -> list[str]:
-    return [e["prompt"] for e in grpo.read_prompts(str(ROOT / "examples" / "shapes_heldout.txt"))]
+    return [e["prompt"] for e in grpo.read_prompts(str(ROOT / "examples" / "shapes_heldout.jsonl"))]
 
 
 def trained_pipe(run: Path):

@@ -1,11 +1,11 @@
 """Make the demos' prompts files from world.py: `prompts.txt` (captions with rendered targets, for the SSIM demo),
-`examples/shapes.txt` and `examples/shapes_heldout.txt` (the training and held-out captions, no targets, for the
-`shapes` reward), and `examples/edits.jsonl` (editing).
+`examples/shapes.txt` and `examples/shapes_heldout.jsonl` (the training and held-out captions, no targets, for the
+`shapes` reward; the held-out lines carry their kind as "category"), and `examples/edits.jsonl` (editing).
 
 prompts.txt: training captions, each with a target the world renders for it (shapes centred in their cells). SSIM to
 the target rewards the samples that put the asked shapes where the target has them.
 
-examples/shapes*.txt: world.caption_split() (seeded): GRPO trains on the first, the held-out combinations in the second
+examples/shapes*: world.caption_split() (seeded): GRPO trains on the first, the held-out combinations in the second
 never appear in pre-training or in GRPO training, so they measure what generalises.
 
 examples/edits.jsonl: the source is a world picture shifted and blurred; the target is what the tiny model's DiT paints
@@ -55,8 +55,8 @@ def main(seed: int = 1234) -> None:
     shuffled = random.Random(seed).sample(train, len(train))
     header = "# captions of world.py for --reward shapes ({}; tools/make_targets.py)\n"
     Path("examples/shapes.txt").write_text(header.format("GRPO's training split") + "\n".join(shuffled) + "\n")
-    Path("examples/shapes_heldout.txt").write_text(header.format("held out: never in pre-training or GRPO training")
-                                                   + "\n".join(held_out) + "\n")
+    Path("examples/shapes_heldout.jsonl").write_text("".join(  # with its kind, for per-category evaluation
+        json.dumps({"prompt": c, "category": world.parse_caption(c)["kind"]}) + "\n" for c in held_out))
 
     pipe = grpo.load_glm_image("tiny")
     cfg = grpo.parse_config(["--model", "tiny"])

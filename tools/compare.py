@@ -1,0 +1,122 @@
+"""Base vs trained: a grpo.py run's weights and the untouched base model, evaluated on the same eval prompts with the
+same seeds (`grpo.evaluate`, as the run's own eval lines are: with the run's settings the numbers are equal), as a
+table per reward and category (base, trained, difference) and one side-by-side image grid.
+
+  python tools/compare.py runs/shapes                   # the run's checkpoint.pt (its last step), its --eval-prompts
+  python tools/compare.py runs/shapes/final --eval-prompts examples/shapes_heldout.jsonl --eval-reward shapes_exact
+
+RUN is a grpo.py --out directory (its checkpoint.pt is evaluated) or its final/ folder (the saved AR, or the LoRA
+adapter). The model, sampling and decoding settings are the run's (config.json); --eval-prompts, --eval-samples and
+--eval-reward default to the run's. Writes RUN/images/compare.png (base left, trained right, the first
+grpo.EVAL_GRID prompts).
+"""
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # grpo.py and its helpers live in the repository root
+
+import grpo  # noqa: E402
+from parallel import load_trainable_state  # noqa: E402
+
+
+def load_trained(policy, optimizer, path: Path) -> int | None:
+    """The run's trained weights into `policy` (set up as grpo.setup_training does): from checkpoint.pt (returns its
+    step) or from a final/ folder (the whole AR, or the LoRA adapter; returns None)."""
+    if (path / "checkpoint.pt").exists():
+        state = grpo.read_checkpoint(path / "checkpoint.pt")
+        load_trainable_state(policy, optimizer, state)
+        return state["step"]
+    if (path / "adapter_config.json").exists():
+        from peft import set_peft_model_state_dict
+        from safetensors.torch import load_file
+        set_peft_model_state_dict(policy, load_file(path / "adapter_model.safetensors"))
+    else:
+        from transformers import GlmImageForConditionalGeneration
+        policy.load_state_dict(GlmImageForConditionalGeneration.from_pretrained(path).state_dict())
+    return None
+
+
+def compare(path: Path, eval_prompts: str | None = None, eval_samples: int | None = None,
+            eval_reward: str | None = None) -> dict:
+    """{"base", "trained": grpo.eval_record's dicts, "step": the checkpoint's step (None for final/), "prompts",
+    "samples", "grid": the image written}. Raises ValueError for a path that is not a run."""
+    run = path.parent if not (path / "checkpoint.pt").exists() else path  # final/ sits in its run directory
+    if not (run / "config.json").exists():
+        raise ValueError(f"{path} is neither a grpo.py run directory nor its final/ folder (no config.json beside it)")
+    cfg = grpo.Config(**json.loads((run / "config.json").read_text()))
+    given = {k: v for k, v in dict(eval_prompts=eval_prompts, eval_samples=eval_samples,
+                                   eval_reward=eval_reward).items() if v is not None}
+    cfg = dataclasses.replace(cfg, **given)
+    if not cfg.eval_prompts:
+        raise ValueError(f"{run} was trained without --eval-prompts; give --eval-prompts FILE")
+    grpo.validate(cfg)
+    evals = grpo.load_evals(cfg, grpo.parse_rewards(cfg.reward))
+    grpo.quiet_libraries()
+    if "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(1)  # as grpo.py: the same thread count gives the same float sums, so the same samples
+    device = "cuda" if torch.cuda.is_available() and cfg.device != "cpu" else "cpu"
+    dtype = {"auto": torch.bfloat16 if device == "cuda" else torch.float32,
+             "float32": torch.float32, "bfloat16": torch.bfloat16}[cfg.dtype]
+    pipe = grpo.load_glm_image(cfg.model, device, dtype)
+    policy, _, optimizer = grpo.setup_training(pipe, dataclasses.replace(cfg, kl_beta=0.0), dtype, world=1)
+    autocast = torch.autocast(device, dtype=torch.bfloat16, enabled=dtype == torch.bfloat16)
+    examples = [{k: v.to(device) if torch.is_tensor(v) else v for k, v in e.items()} for e in evals[0]]
+    result, grids = {}, []
+    for name in ("base", "trained"):
+        if name == "trained":
+            result["step"] = load_trained(policy, optimizer, path)
+        with autocast:
+            images, total, each = grpo.evaluate(pipe, examples, evals[1], cfg.eval_samples, grpo.EVAL_SEED, cfg,
+                                                keep_images=grpo.EVAL_GRID)
+        result[name] = grpo.eval_record(0, examples, total, each, 0.0)
+        grids.append((images, total))
+    with tempfile.TemporaryDirectory() as tmp:
+        for (images, total), name in zip(grids, ("base", "trained")):
+            shown = examples[:grpo.EVAL_GRID]
+            grpo.save_grid(Path(tmp) / f"{name}.png", shown, images, total[:grpo.EVAL_GRID],
+                           [f"{name}: {ex['prompt']}" for ex in shown])
+        (run / "images").mkdir(exist_ok=True)
+        grpo.save_image(grpo.side_by_side(Path(tmp) / "base.png", Path(tmp) / "trained.png"),
+                        run / "images" / "compare.png")
+    return {**result, "prompts": len(examples), "samples": cfg.eval_samples, "grid": run / "images" / "compare.png"}
+
+
+def table(result: dict) -> str:
+    keys = [k for k in result["base"] if k.startswith("eval/")]
+    width = max(len(k) for k in keys) - 5
+    lines = [f"{'':{width}}  {'base':>8}  {'trained':>8}  {'diff':>8}"]
+    for key in keys:
+        base, trained = result["base"][key], result["trained"][key]
+        lines.append(f"{key[5:]:{width}}  {base:8.4f}  {trained:8.4f}  {trained - base:+8.4f}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("run", type=Path, help="a grpo.py --out directory, or its final/ folder")
+    parser.add_argument("--eval-prompts", help="prompts file (default: the run's --eval-prompts)")
+    parser.add_argument("--eval-samples", type=int, help="images per prompt (default: the run's)")
+    parser.add_argument("--eval-reward", help="rewards only measured (default: the run's --eval-reward)")
+    args = parser.parse_args(argv)
+    try:
+        result = compare(args.run, args.eval_prompts, args.eval_samples, args.eval_reward)
+    except ValueError as error:
+        raise SystemExit(f"compare.py: error: {error}") from None
+    step = f"checkpoint.pt, step {result['step']}" if result["step"] is not None else "final/"
+    print(f"{args.run}: base vs trained ({step}) on {result['prompts']} prompts x {result['samples']} images, "
+          "the same seeds")
+    print(table(result))
+    print(f"image grid: {result['grid']}")
+    return result
+
+
+if __name__ == "__main__":
+    main()
