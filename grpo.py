@@ -711,6 +711,27 @@ def region_metrics(regions: dict, logp: torch.Tensor, old: torch.Tensor, ref: to
     return metrics
 
 
+def micro_batch_loss(policy, inputs: dict, tokens: torch.Tensor, sampled: torch.Tensor, adv: torch.Tensor,
+                     n_preview: int, old: torch.Tensor | None, ref: torch.Tensor | None, *, temperature: float,
+                     clip_eps: float | tuple[float, float], kl_beta: float, train_tokens: str, top_k: int,
+                     top_p: float) -> tuple[torch.Tensor, dict]:
+    """One micro-batch: the trainer's (mb, N) log-probs of the sampled tokens (the forward, with gradient) and the GRPO
+    loss over the tokens in the loss; `old` None means the old policy is the current one (mu = 1). Metrics: the
+    loss's, each region's (preview / large grid), and how the trainer's log-probs compare with the sampler's
+    `sampled` ones (`sampler_gap`: the largest difference; `outside_truncation`: sampled tokens the trainer's
+    top-k / nucleus excludes)."""
+    logp = token_logprobs(policy, inputs, tokens, temperature, top_k, top_p)  # (mb, N), with grad
+    old = logp.detach() if old is None else old
+    regions = {"preview": slice(0, n_preview), "large": slice(n_preview, None)}
+    cols = regions["large"] if train_tokens == "large" else slice(None)
+    loss, m = grpo_loss(logp[:, cols], old[:, cols], None if ref is None else ref[:, cols], adv, clip_eps, kl_beta)
+    both = logp.isfinite() & sampled.isfinite()  # (tokens outside the trainer's truncation are counted apart)
+    m.update(loss=loss.item(), sampler_gap=(logp.detach() - sampled).where(both, 0.0).abs().max().item(),
+             outside_truncation=int((~logp.isfinite()).sum()),
+             **region_metrics(regions, logp.detach(), old, ref, adv, clip_eps, kl_beta))
+    return loss, m
+
+
 def train_step(policy, optimizer, rollouts: list[Rollout], advantages: torch.Tensor, ref_model, *,
                temperature: float, clip_eps: float, kl_beta: float, micro_batch_size: int,
                max_grad_norm: float, mu: int = 1, train_tokens: str = "large", top_k: int = 0,
@@ -741,21 +762,15 @@ def train_step(policy, optimizer, rollouts: list[Rollout], advantages: torch.Ten
         weights: dict[str, float] = {}  # the share of sequences behind each metric (editing has no preview region)
         finite = True
         for k, (inputs, tokens, sampled, adv, n_preview) in enumerate(batches):
-            logp = token_logprobs(policy, inputs, tokens, temperature, top_k, top_p)  # (mb, N), with grad
-            old = logp.detach() if olds is None else olds[k]
-            both = logp.isfinite() & sampled.isfinite()  # (tokens outside the trainer's truncation are counted apart)
-            gap = max(gap, (logp.detach() - sampled).where(both, 0.0).abs().max().item())  # sampler vs trainer drift
-            outside += int((~logp.isfinite()).sum())  # sampled, yet outside the trainer's top-k / nucleus
-            ref = None if refs is None else refs[k]
-            regions = {"preview": slice(0, n_preview), "large": slice(n_preview, None)}
-            cols = regions["large"] if train_tokens == "large" else slice(None)
-            loss, m = grpo_loss(logp[:, cols], old[:, cols], None if ref is None else ref[:, cols], adv, clip_eps,
-                                kl_beta)
-            share = logp.shape[0] / n_seqs  # micro-batch losses are means; weight them to a full-batch mean
+            loss, m = micro_batch_loss(policy, inputs, tokens, sampled, adv, n_preview,
+                                       None if olds is None else olds[k], None if refs is None else refs[k],
+                                       temperature=temperature, clip_eps=clip_eps, kl_beta=kl_beta,
+                                       train_tokens=train_tokens, top_k=top_k, top_p=top_p)
+            share = tokens.shape[0] / n_seqs  # micro-batch losses are means; weight them to a full-batch mean
             finite = finite and bool(torch.isfinite(loss))
             sync_gradients(policy, k == len(batches) - 1)  # FSDP + LoRA: reduce across processes after the last
             (loss * share).backward()  # even when not finite: with FSDP every process must join every backward
-            m.update(loss=loss.item(), **region_metrics(regions, logp.detach(), old, ref, adv, clip_eps, kl_beta))
+            gap, outside = max(gap, m.pop("sampler_gap")), outside + m.pop("outside_truncation")
             ratio_min, ratio_max = min(ratio_min, m.pop("ratio_min")), max(ratio_max, m.pop("ratio_max"))
             for key, value in m.items():
                 totals[key] = totals.get(key, 0.0) + value * share

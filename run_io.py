@@ -177,19 +177,25 @@ def plot_curves(out: Path) -> Path:
     figure = Figure(figsize=(15, 7.5), layout="constrained")
     axes = figure.subplots(2, 3).ravel()
     x = np.array([r["step"] for r in train])
+
+    def smooth(values):  # the mean of the last 20 steps: steps differ by prompt, so single steps are noisy
+        return np.array([np.nanmean(values[max(0, i - 19):i + 1]) for i in range(len(values))])
+
     if train:
         mean, spread = np.array([r["reward_mean"] for r in train]), np.array([r["reward_std"] for r in train])
-        smooth = np.array([mean[max(0, i - 19):i + 1].mean() for i in range(len(mean))])
         axes[0].fill_between(x, mean - spread, mean + spread, alpha=0.2, label="± std within groups")
         axes[0].plot(x, mean, lw=0.8, alpha=0.6, label="mean of the step")
-        axes[0].plot(x, smooth, lw=2, label="mean of the last 20 steps")
+        axes[0].plot(x, smooth(mean), lw=2, label="mean of the last 20 steps")
     for panel, keys in ((1, [k for k in (evals[0] if evals else {}) if k.count("/") == 1]),
                         (2, [k for k in (evals[0] if evals else {}) if k.startswith("eval/reward/")])):
         for key in keys:
             axes[panel].plot([r["step"] for r in evals], [r[key] for r in evals], marker="o", label=key[5:])
     for panel, key, scale in ((3, "kl", 1), (4, "clip_frac", 1), (5, "zero_std_groups", None)):
-        values = [r.get(key, np.nan) / (scale or len(r["prompts"])) for r in train]
-        axes[panel].plot(x, values, lw=0.8)
+        values = np.array([r.get(key, np.nan) / (scale or len(r["prompts"])) for r in train], dtype=float)
+        if len(values) and np.nanmax(np.abs(values), initial=0.0) == 0:  # e.g. KL with --kl-beta 0, the clip with mu 1
+            axes[panel].text(0.5, 0.6, "0 at every step", ha="center", transform=axes[panel].transAxes, color="gray")
+        axes[panel].plot(x, values, lw=0.8, alpha=0.6, label="each step")
+        axes[panel].plot(x, smooth(values), lw=2, label="mean of the last 20 steps")
     titles = ["training reward", "eval reward (held-out prompts, fixed seeds)", "eval reward by category",
               "KL to the reference (k3)", "clip fraction", "share of groups with no spread (no signal)"]
     for ax, title in zip(axes, titles):

@@ -791,6 +791,29 @@ def grads_after_step(pipe, rollouts, advantages, micro_batch_size, **kw):
     return {n: p.grad.clone() for n, p in policy.named_parameters() if p.grad is not None}, m
 
 
+def test_micro_batch_loss(pipe):
+    """One micro-batch's loss is grpo_loss of the trainer's log-probs over the large grid (or every token); at the first
+    update its sampler_gap is float error and no sampled token is outside the truncation; its gradient is the loss's."""
+    r = grpo.sample_group(pipe, "two blue squares", 4, 64, 64, T, seed=3, top_p=0.9)
+    adv = torch.tensor([1.0, -1.0, 0.5, -0.5])
+    n_preview = r.preview_hw[0] * r.preview_hw[1]
+    ar = pipe.vision_language_encoder
+    kw = dict(temperature=T, clip_eps=0.2, kl_beta=0.0, top_k=0, top_p=0.9)
+    for tokens, cols in (("large", slice(n_preview, None)), ("all", slice(None))):
+        ar.zero_grad(set_to_none=True)
+        loss, m = grpo.micro_batch_loss(ar, r.inputs, r.tokens, r.logprobs, adv, n_preview, None, None,
+                                        train_tokens=tokens, **kw)
+        with torch.no_grad():
+            logp = grpo.token_logprobs(ar, r.inputs, r.tokens, T, 0, 0.9)
+        want, _ = grpo.grpo_loss(logp[:, cols], logp[:, cols], None, adv, 0.2, 0.0)
+        assert torch.allclose(loss, want, atol=1e-6) and m["loss"] == loss.item()
+        assert m["sampler_gap"] <= 1e-5 and m["outside_truncation"] == 0 and m["ratio_min"] == m["ratio_max"] == 1.0
+        assert {"preview/kl", "large/clip_frac"} <= m.keys()
+        loss.backward()
+        assert ar.lm_head.weight.grad is not None and ar.lm_head.weight.grad.abs().sum() > 0
+    ar.zero_grad(set_to_none=True)
+
+
 def test_train_step_micro_batching(pipe):
     """Micro-batches of 1 give the full-batch gradient within 1e-5 relative (accumulation divides by n)."""
     rollouts = [grpo.sample_group(pipe, p, 4, 64, 64, T, seed=s) for s, p in enumerate(["a cat", "a dog"])]
