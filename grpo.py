@@ -1008,12 +1008,7 @@ def main(argv: list[str] | None = None) -> dict:
     cfg, examples, rewards, evals, out, start = prepare(argv)  # every input checked, nothing written yet
     quiet_libraries()  # after the checks: --help and bad input never wait for diffusers to import
     rank, world, device = start_processes(cfg.device)  # torchrun: one process per GPU; else rank 0 of 1
-    if device == "cpu" and "OMP_NUM_THREADS" not in os.environ:
-        # one thread unless OMP_NUM_THREADS says otherwise: on 2 cores the tiny demo ran 1.2x faster with 2 threads but
-        # used 1.5x the CPU, and more threads than free cores stalled a busy machine 10-60x
-        torch.set_num_threads(1)
-    dtype = {"auto": torch.bfloat16 if device.startswith("cuda") else torch.float32,
-             "float32": torch.float32, "bfloat16": torch.bfloat16}[cfg.dtype]
+    dtype = compute_settings(device, cfg.dtype)  # bf16 on GPUs, float32 and one thread on the CPU
     pipe = load_or_fail(cfg.model, device, dtype)
     policy, ref_model, optimizer = setup_training(pipe, cfg, dtype, world)
     if cfg.resume:
@@ -1068,6 +1063,16 @@ def main(argv: list[str] | None = None) -> dict:
     summary = summarize(out, history, len(examples), skipped, rank, after)
     stop_processes()  # torchrun: leave the process group cleanly
     return summary
+
+
+def compute_settings(device: str, dtype: str) -> torch.dtype:
+    """The dtype for --dtype on `device` (auto: bf16 on a GPU, float32 on the CPU). On the CPU one thread unless
+    OMP_NUM_THREADS says otherwise: on 2 cores the tiny demo ran 1.2x faster with 2 threads but used 1.5x the CPU,
+    and more threads than free cores stalled a busy machine 10-60x."""
+    if device == "cpu" and "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(1)
+    return {"auto": torch.bfloat16 if device.startswith("cuda") else torch.float32,
+            "float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
 
 
 def load_or_fail(model: str, device: str, dtype: torch.dtype):

@@ -14,7 +14,6 @@ grpo.EVAL_GRID prompts).
 import argparse
 import dataclasses
 import json
-import os
 import sys
 import tempfile
 from pathlib import Path
@@ -60,11 +59,8 @@ def compare(path: Path, eval_prompts: str | None = None, eval_samples: int | Non
     grpo.validate(cfg)
     evals = grpo.load_evals(cfg, grpo.parse_rewards(cfg.reward))
     grpo.quiet_libraries()
-    if "OMP_NUM_THREADS" not in os.environ:
-        torch.set_num_threads(1)  # as grpo.py: the same thread count gives the same float sums, so the same samples
     device = "cuda" if torch.cuda.is_available() and cfg.device != "cpu" else "cpu"
-    dtype = {"auto": torch.bfloat16 if device == "cuda" else torch.float32,
-             "float32": torch.float32, "bfloat16": torch.bfloat16}[cfg.dtype]
+    dtype = grpo.compute_settings(device, cfg.dtype)  # as grpo.py: the same threads give the same sums and samples
     pipe = grpo.load_glm_image(cfg.model, device, dtype)
     policy, _, optimizer = grpo.setup_training(pipe, dataclasses.replace(cfg, kl_beta=0.0), dtype, world=1)
     autocast = torch.autocast(device, dtype=torch.bfloat16, enabled=dtype == torch.bfloat16)
