@@ -1788,9 +1788,9 @@ def test_readme_commands():
     """Every grpo.py command in the README's code blocks parses; those that run as written here (the tiny model on the
     shipped prompts) write to different --out directories, so they run in any order without "holds another run"."""
     import shlex
-    blocks = re.findall(r"```bash\n(.*?)```", (HERE / "README.md").read_text(), flags=re.S)
-    commands = [line.split("#")[0].split("grpo.py", 1)[1] for block in blocks for line in block.splitlines()
-                if "grpo.py" in line and "..." not in line.split("#")[0]]
+    blocks = re.findall(r"```bash\n(.*?)```", (HERE / "README.md").read_text().replace("\\\n", " "), flags=re.S)
+    code = [line.split("#")[0] for block in blocks for line in block.splitlines()]  # continued lines joined
+    commands = [line.split("grpo.py", 1)[1] for line in code if "grpo.py" in line and "..." not in line]
     assert len(commands) >= 8
     outs = []
     for command in commands:
