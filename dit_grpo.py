@@ -1,0 +1,164 @@
+"""GRPO for GLM-Image's decoder: the DiT's denoising chain as a policy (Flow-GRPO), beside grpo.py's AR.
+
+Status (issue 20): the stochastic sampler, the per-step log-probs, the trainer's recomputation and the KL are here and
+tested for exactness; the training loop (`grpo.py --train dit`), LoRA on the DiT, torchrun and the demo are not wired
+yet. grpo.py does not import this file.
+
+The DiT is sampled by integrating a flow-matching ODE, x_{t+1} = x_t + (sigma_{t+1} - sigma_t) v, with the velocity
+v = DiT(x_t, t) guided as the pipeline guides it. A deterministic chain has no log-probs, so Flow-GRPO (Liu et al.
+2025) replaces each step by a Gaussian step of an SDE with the same marginals. With sigma = sigma_t,
+sigma' = sigma_{t+1} < sigma, dt = sigma' - sigma < 0 and the noise level a (`noise_level`),
+
+    s    = a sqrt(sigma / (1 - sigma))          (at sigma = 1: sigma_1 in the denominator, as Flow-GRPO)
+    mean = x_t (1 + s^2 dt / (2 sigma)) + v (1 + s^2 (1 - sigma) / (2 sigma)) dt
+    x_{t+1} ~ N(mean, s^2 |dt| I)
+
+and a step's log-prob is that Gaussian's log-density of the x_{t+1} drawn, averaged over the latent's elements (as
+Flow-GRPO does: the ratio of a step is then a per-element mean, near 1). With a = 0 the step is the pipeline's own
+Euler step, exactly. The KL between the policy's and the frozen reference's step is closed-form: both are Gaussians
+of the same std, so KL = |mean - mean_ref|^2 / (2 s^2 |dt|), averaged over the latent's elements likewise.
+
+Sampling runs the pipeline itself (`GlmImagePipeline.__call__`: its timesteps, guidance and VAE) with its scheduler
+swapped for `SDEScheduler`, a FlowMatchEulerDiscreteScheduler whose `step` draws the Gaussian step and records it; the
+trainer recomputes the same steps with `velocity` (the pipeline's two transformer calls and guidance, written out).
+"""
+
+import math
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from diffusers import FlowMatchEulerDiscreteScheduler
+from diffusers.schedulers.scheduling_flow_match_euler_discrete import FlowMatchEulerDiscreteSchedulerOutput
+
+
+def sde_step(x: torch.Tensor, v: torch.Tensor, sigma: torch.Tensor, sigma_next: torch.Tensor,
+             sigma_1: torch.Tensor, noise_level: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B, C, h, w) latents x_t and velocities v (float32), the step's sigmas (0-dim) -> the Gaussian step's mean
+    (B, C, h, w) and its std (0-dim): Flow-GRPO's SDE step (see the top of the file). std 0 when noise_level is 0,
+    and then the mean is the Euler step x + dt v, bit for bit."""
+    dt = sigma_next - sigma
+    s = noise_level * torch.sqrt(sigma / (1 - torch.where(sigma == 1, sigma_1, sigma)))
+    mean = x * (1 + s ** 2 / (2 * sigma) * dt) + v * (1 + s ** 2 * (1 - sigma) / (2 * sigma)) * dt
+    return mean, s * torch.sqrt(-dt)
+
+
+def gaussian_logprob(x: torch.Tensor, mean: torch.Tensor, std: torch.Tensor) -> torch.Tensor:
+    """(B, ...) samples of N(mean, std^2 I) -> (B,) log-density averaged over the elements of a sample."""
+    logp = -((x - mean) ** 2) / (2 * std ** 2) - torch.log(std) - 0.5 * math.log(2 * math.pi)
+    return logp.flatten(1).mean(dim=1)
+
+
+def gaussian_kl(mean: torch.Tensor, ref_mean: torch.Tensor, std: torch.Tensor) -> torch.Tensor:
+    """KL(N(mean, std^2 I) || N(ref_mean, std^2 I)) per element, averaged over a sample's elements: (B,) >= 0."""
+    return (((mean - ref_mean) ** 2) / (2 * std ** 2)).flatten(1).mean(dim=1)
+
+
+class SDEScheduler(FlowMatchEulerDiscreteScheduler):
+    """The pipeline's scheduler with `step` replaced by Flow-GRPO's SDE step. Set `noise_level` and `generator` (the
+    Gaussian noise, drawn on the CPU) before sampling; every step appends (x_t, x_{t+1}, log-prob or None) to
+    `steps`. A subclass (not a copy of the pipeline's loop) so the pipeline's own timesteps and guidance run."""
+
+    noise_level: float = 0.0
+    generator: torch.Generator | None = None
+
+    def begin(self, noise_level: float, generator: torch.Generator) -> "SDEScheduler":
+        self.noise_level, self.generator, self.steps = noise_level, generator, []
+        return self
+
+    def step(self, model_output, timestep, sample, *args, return_dict: bool = True, **kwargs):
+        if self.step_index is None:
+            self._init_step_index(timestep)
+        sigma, sigma_next = self.sigmas[self.step_index], self.sigmas[self.step_index + 1]
+        x, v = sample.to(torch.float32), model_output.to(torch.float32)
+        mean, std = sde_step(x, v, sigma, sigma_next, self.sigmas[1], self.noise_level)
+        mean, std = mean, std.to(x.device)
+        if self.noise_level > 0:
+            noise = torch.randn(x.shape, generator=self.generator).to(x.device)
+            prev = mean + std * noise
+            self.steps.append((x, prev, gaussian_logprob(prev, mean, std)))
+        else:
+            prev = mean
+            self.steps.append((x, prev, None))
+        self._step_index += 1
+        prev = prev.to(model_output.dtype)
+        return FlowMatchEulerDiscreteSchedulerOutput(prev_sample=prev) if return_dict else (prev,)
+
+
+class Chain(NamedTuple):
+    images: torch.Tensor  # (G, 3, H, W) float32 in [0, 1]
+    latents: torch.Tensor  # (G, T + 1, C, h, w) float32: x_0 (pure noise) ... x_T (the decoded latent)
+    logprobs: torch.Tensor | None  # (G, T) float32, the sampler's log-prob of each step (None at noise level 0)
+    timesteps: torch.Tensor  # (T,) the pipeline's timesteps
+    sigmas: torch.Tensor  # (T + 1,) their sigmas, ending in 0
+    cond: dict  # what the transformer is called with besides the latents and timestep (see `velocity`)
+
+
+def prior_ids(tokens: torch.Tensor, large_hw: tuple[int, int]) -> torch.Tensor:
+    """(G, N) AR tokens -> (G, 4 h w) prior ids: the large grid, upsampled 2x (nearest), as grpo.decode_images."""
+    G, (h, w) = tokens.shape[0], large_hw
+    large = tokens[:, -h * w:].reshape(G, 1, h, w)
+    return F.interpolate(large.float(), scale_factor=2, mode="nearest").long().reshape(G, -1)
+
+
+@torch.no_grad()
+def sample_chain(pipe, prompt: str, tokens: torch.Tensor, large_hw: tuple[int, int], height: int, width: int,
+                 num_inference_steps: int, guidance_scale: float, seed: int, noise_level: float) -> Chain:
+    """G pictures of one prompt from the same (G, N) AR tokens (one row repeated: the group shares them), differing
+    only by the decoder's noise (initial latents and SDE steps, all from `seed`), through the pipeline itself with
+    SDEScheduler. Text-to-image only for now (no source image)."""
+    G, device, dtype = tokens.shape[0], pipe.transformer.device, pipe.transformer.dtype
+    prior = prior_ids(tokens, large_hw).to(device)
+    embeds, negative = pipe.encode_prompt(prompt, do_classifier_free_guidance=guidance_scale > 1, device=device,
+                                          dtype=dtype)
+    generator = torch.Generator("cpu").manual_seed(seed)
+    shape = (G, pipe.transformer.config.in_channels, height // pipe.vae_scale_factor, width // pipe.vae_scale_factor)
+    latents = torch.randn(shape, generator=generator).to(device, dtype)
+    stock, pipe.scheduler = pipe.scheduler, SDEScheduler.from_config(pipe.scheduler.config).begin(noise_level, generator)
+    try:
+        images = pipe(prompt_embeds=embeds.repeat(G, 1, 1),
+                      negative_prompt_embeds=None if negative is None else negative.repeat(G, 1, 1),
+                      prior_token_ids=prior, latents=latents, height=height, width=width,
+                      num_inference_steps=num_inference_steps, guidance_scale=guidance_scale, output_type="pt").images
+        sde = pipe.scheduler
+    finally:
+        pipe.scheduler = stock
+    states = torch.stack([sde.steps[0][0]] + [prev for _, prev, _ in sde.steps], dim=1)  # (G, T + 1, C, h, w)
+    logprobs = torch.stack([lp for *_, lp in sde.steps], dim=1) if noise_level > 0 else None  # (G, T)
+    cond = {"embeds": embeds.repeat(G, 1, 1), "negative": None if negative is None else negative.repeat(G, 1, 1),
+            "prior": prior, "guidance_scale": guidance_scale, "height": height, "width": width}
+    return Chain(images.float().clamp(0, 1), states, logprobs, sde.timesteps.clone(), sde.sigmas.clone(), cond)
+
+
+def velocity(transformer, x: torch.Tensor, t: torch.Tensor, cond: dict, rows: slice = slice(None)) -> torch.Tensor:
+    """(B, C, h, w) latents at timestep t -> (B, C, h, w) float32 guided velocity, exactly as GlmImagePipeline
+    computes it: the conditional call, and with guidance > 1 the unconditional one (negative prompt, prior tokens
+    dropped) and v_u + g (v_c - v_u). `rows` picks the samples of `cond` that x holds."""
+    B, prior = x.shape[0], cond["prior"][rows]
+    common = dict(hidden_states=x.to(transformer.dtype), prior_token_id=prior, timestep=t.expand(B) - 1,
+                  target_size=torch.tensor([[cond["height"], cond["width"]]], dtype=cond["embeds"].dtype,
+                                           device=x.device).repeat(B, 1),
+                  crop_coords=torch.zeros(B, 2, dtype=cond["embeds"].dtype, device=x.device), return_dict=False)
+    v = transformer(encoder_hidden_states=cond["embeds"][rows], prior_token_drop=torch.zeros_like(prior, dtype=torch.bool),
+                    **common)[0].float()
+    if cond["guidance_scale"] > 1:
+        v_u = transformer(encoder_hidden_states=cond["negative"][rows],
+                          prior_token_drop=torch.ones_like(prior, dtype=torch.bool), **common)[0].float()
+        v = v_u + cond["guidance_scale"] * (v - v_u)
+    return v
+
+
+def chain_logprobs(transformer, chain: Chain, steps: list[int], noise_level: float, rows: slice = slice(None)
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The trainer's side: the log-probs of the chain's recorded steps `steps` for samples `rows`, recomputed with
+    `transformer` (with gradient when enabled). Returns (B, S) log-probs, (B, S, C, h, w) step means (for the KL)
+    and the (S,) stds."""
+    logps, means, stds = [], [], []
+    for i in steps:
+        x, x_next = chain.latents[rows, i], chain.latents[rows, i + 1]
+        v = velocity(transformer, x, chain.timesteps[i], chain.cond, rows)
+        mean, std = sde_step(x, v, chain.sigmas[i], chain.sigmas[i + 1], chain.sigmas[1], noise_level)
+        logps.append(gaussian_logprob(x_next, mean, std.to(x.device)))
+        means.append(mean)
+        stds.append(std)
+    return torch.stack(logps, dim=1), torch.stack(means, dim=1), torch.stack(stds)

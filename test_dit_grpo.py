@@ -1,0 +1,108 @@
+"""Tests for dit_grpo.py (Flow-GRPO on the DiT's denoising chain), on CPU, on the pre-trained tiny model."""
+
+import math
+
+import pytest
+import torch
+
+import dit_grpo
+import grpo
+
+SIZE = 96  # the tiny model's world: 3x3 large tokens
+
+
+@pytest.fixture(scope="module")
+def pipe():
+    return grpo.load_glm_image("tiny")
+
+
+def world_tokens(pipe, caption="two red circles", seed=0):
+    """One AR sample for `caption`: (1, N) tokens and the large grid's size."""
+    r = grpo.sample_group(pipe, caption, 1, SIZE, SIZE, 0.9, seed=seed)
+    return r.tokens, r.large_hw
+
+
+def test_sde_step():
+    """Noise level 0 is the Euler step x + dt v bit for bit, with std 0; otherwise the std is a sqrt(sigma / (1 - sigma))
+    sqrt(|dt|), at sigma = 1 with sigma_1 in the denominator, and the mean moves x towards the data as the SDE's drift."""
+    x, v = torch.randn(2, 4, 3, 3), torch.randn(2, 4, 3, 3)
+    sigma, nxt, s1 = torch.tensor(0.6), torch.tensor(0.4), torch.tensor(0.9)
+    mean, std = dit_grpo.sde_step(x, v, sigma, nxt, s1, 0.0)
+    assert torch.equal(mean, x + (nxt - sigma) * v) and std == 0
+    mean, std = dit_grpo.sde_step(x, v, sigma, nxt, s1, 0.7)
+    s = 0.7 * math.sqrt(0.6 / 0.4)
+    assert std.item() == pytest.approx(s * math.sqrt(0.2), rel=1e-6)
+    want = x * (1 + s ** 2 / 1.2 * -0.2) + v * (1 + s ** 2 * 0.4 / 1.2) * -0.2
+    assert torch.allclose(mean, want, atol=1e-6)
+    _, std_one = dit_grpo.sde_step(x, v, torch.tensor(1.0), s1, s1, 0.7)
+    assert std_one.item() == pytest.approx(0.7 * math.sqrt(1 / 0.1) * math.sqrt(0.1), rel=1e-5)
+
+
+def test_gaussian_logprob_and_kl():
+    """The log-prob is torch's Normal density averaged over a sample's elements; the KL of two equal-std Gaussians is
+    |dmean|^2 / (2 std^2) averaged likewise, 0 for equal means."""
+    mean, std = torch.randn(3, 4, 5, 5), torch.tensor(0.3)
+    x = mean + std * torch.randn(3, 4, 5, 5)
+    want = torch.distributions.Normal(mean, std).log_prob(x).flatten(1).mean(1)
+    assert torch.allclose(dit_grpo.gaussian_logprob(x, mean, std), want, atol=1e-5)
+    other = mean + 0.1
+    assert torch.allclose(dit_grpo.gaussian_kl(mean, other, std), torch.full((3,), 0.01 / (2 * 0.09)), atol=1e-6)
+    assert torch.equal(dit_grpo.gaussian_kl(mean, mean, std), torch.zeros(3))
+
+
+def test_sde_scheduler_noise_zero_is_the_pipeline(pipe):
+    """At noise level 0 the pipeline with SDEScheduler paints exactly what the stock pipeline (its
+    FlowMatchEulerDiscreteScheduler) paints from the same latents, at guidance 1 and 1.5; the stock scheduler is back
+    in place afterwards."""
+    tokens, large_hw = world_tokens(pipe)
+    tokens = tokens.repeat(2, 1)
+    for guidance in (1.0, 1.5):
+        chain = dit_grpo.sample_chain(pipe, "two red circles", tokens, large_hw, SIZE, SIZE, 3, guidance, 5, 0.0)
+        assert type(pipe.scheduler) is not dit_grpo.SDEScheduler
+        embeds, negative = pipe.encode_prompt("two red circles", do_classifier_free_guidance=guidance > 1)
+        stock = pipe(prompt_embeds=embeds.repeat(2, 1, 1), negative_prompt_embeds=None if negative is None else
+                     negative.repeat(2, 1, 1), prior_token_ids=dit_grpo.prior_ids(tokens, large_hw),
+                     latents=chain.latents[:, 0].clone(), height=SIZE, width=SIZE, num_inference_steps=3,
+                     guidance_scale=guidance, output_type="pt").images
+        assert torch.equal(chain.images, stock.float().clamp(0, 1)), guidance
+        assert chain.latents.shape[1] == 4 and chain.logprobs is None and chain.sigmas[-1] == 0
+
+
+@pytest.mark.parametrize("guidance", [1.0, 1.5])
+def test_chain_logprobs_parity(pipe, guidance):
+    """The trainer's recomputed per-step log-probs equal the sampler's within 1e-5 (float32), classifier-free guidance
+    included, also one sample at a time; the first update's ratio is exactly 1; samples differ by their noise alone."""
+    tokens, large_hw = world_tokens(pipe)
+    chain = dit_grpo.sample_chain(pipe, "two red circles", tokens.repeat(4, 1), large_hw, SIZE, SIZE, 3, guidance, 7,
+                                  0.7)
+    assert chain.logprobs.shape == (4, 3) and chain.logprobs.isfinite().all()
+    assert not torch.equal(chain.images[0], chain.images[1])
+    with torch.no_grad():
+        logp, means, stds = dit_grpo.chain_logprobs(pipe.transformer, chain, [0, 1, 2], 0.7)
+        one = torch.cat([dit_grpo.chain_logprobs(pipe.transformer, chain, [1], 0.7, slice(i, i + 1))[0]
+                         for i in range(4)])
+    assert (logp - chain.logprobs).abs().max() <= 1e-5 and (one[:, 0] - chain.logprobs[:, 1]).abs().max() <= 1e-5
+    assert means.shape == (4, 3, *chain.latents.shape[2:]) and stds.shape == (3,) and (stds > 0).all()
+    _, m = grpo.grpo_loss(logp, logp.detach(), None, torch.tensor([1.0, -1.0, 0.5, -0.5]), 0.2, 0.0)
+    assert m["ratio_min"] == m["ratio_max"] == 1.0
+
+
+def test_chain_logprobs_gradient(pipe):
+    """Log-probs recomputed with gradient reach the DiT's weights; one sample at a time, their gradients add up to the
+    whole group's (micro-batching over samples)."""
+    tokens, large_hw = world_tokens(pipe)
+    chain = dit_grpo.sample_chain(pipe, "a blue square", tokens.repeat(2, 1), large_hw, SIZE, SIZE, 2, 1.0, 3, 0.7)
+    dit = pipe.transformer
+    weight = next(p for n, p in dit.named_parameters() if p.ndim == 2)
+    dit.requires_grad_(True)
+    try:
+        dit.zero_grad(set_to_none=True)
+        dit_grpo.chain_logprobs(dit, chain, [0, 1], 0.7)[0].sum().backward()
+        whole = weight.grad.clone()
+        dit.zero_grad(set_to_none=True)
+        for i in range(2):
+            dit_grpo.chain_logprobs(dit, chain, [0, 1], 0.7, slice(i, i + 1))[0].sum().backward()
+        assert whole.abs().sum() > 0 and torch.allclose(weight.grad, whole, atol=1e-5, rtol=1e-4)
+    finally:
+        dit.zero_grad(set_to_none=True)
+        dit.requires_grad_(False)
