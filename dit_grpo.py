@@ -23,6 +23,7 @@ swapped for `SDEScheduler`, a FlowMatchEulerDiscreteScheduler whose `step` draws
 trainer recomputes the same steps with `velocity` (the pipeline's two transformer calls and guidance, written out).
 """
 
+import contextlib
 import math
 from typing import NamedTuple
 
@@ -162,3 +163,51 @@ def chain_logprobs(transformer, chain: Chain, steps: list[int], noise_level: flo
         means.append(mean)
         stds.append(std)
     return torch.stack(logps, dim=1), torch.stack(means, dim=1), torch.stack(stds)
+
+
+def train_step(policy, optimizer, chains: list[Chain], advantages: torch.Tensor, ref_model, *, noise_level: float,
+               steps: list[int], clip_eps: float | tuple[float, float], kl_beta: float, micro_batch_size: int,
+               max_grad_norm: float) -> dict:
+    """One optimizer step of the DiT on P groups of chains with (P, G) advantages; returns metrics.
+
+    Each denoising step in `steps` (all of them, or a window: fewer steps, less compute) is one "token" of
+    grpo.grpo_loss: ratio pi / pi_old of the step's Gaussian, PPO clip, the group's advantage; plus beta times the
+    closed-form KL to the reference's step (`ref_model`: a frozen copy, or the policy itself with its LoRA adapter
+    switched off). The old policy is the current one (one update per batch of chains), so the first ratio is exactly
+    1. Micro-batches of samples, each loss weighted by its share of the P*G samples: the gradient is the full batch's.
+    """
+    from grpo import grpo_loss  # the AR's loss, unchanged: here a "token" is a denoising step
+    policy.eval()  # no dropout: the trainer's Gaussian must be the sampler's
+    optimizer.zero_grad(set_to_none=True)
+    n = advantages.numel()
+    totals, gap, ratio_min, ratio_max, finite = {}, 0.0, math.inf, -math.inf, True
+    for chain, adv in zip(chains, advantages):
+        for start in range(0, len(adv), micro_batch_size):
+            rows = slice(start, start + micro_batch_size)
+            logp, means, stds = chain_logprobs(policy, chain, steps, noise_level, rows)  # (mb, S), with grad
+            loss, m = grpo_loss(logp, logp.detach(), None, adv[rows], clip_eps, 0.0)
+            kl = torch.zeros_like(logp)
+            if kl_beta > 0:
+                with torch.no_grad(), (ref_model.disable_adapter() if hasattr(ref_model, "disable_adapter")
+                                       else contextlib.nullcontext()):
+                    ref_means = chain_logprobs(ref_model, chain, steps, noise_level, rows)[1]
+                std = stds.view(1, -1, *[1] * (means.ndim - 2)).to(means.device)  # (1, S, 1, 1, 1)
+                kl = (((means - ref_means) ** 2) / (2 * std ** 2)).flatten(2).mean(dim=2)  # (mb, S)
+                loss = loss + kl_beta * kl.mean()
+            share = logp.shape[0] / n
+            finite = finite and bool(torch.isfinite(loss))
+            (loss * share).backward()
+            gap = max(gap, (logp.detach() - chain.logprobs[rows][:, steps]).abs().max().item())
+            ratio_min, ratio_max = min(ratio_min, m["ratio_min"]), max(ratio_max, m["ratio_max"])
+            for key, value in (("loss", loss.item()), ("policy_loss", m["policy_loss"]), ("kl", kl.mean().item()),
+                               ("clip_frac", m["clip_frac"]), ("logprob", logp.mean().item())):
+                totals[key] = totals.get(key, 0.0) + value * share
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    totals["grad_norm"] = torch.nn.utils.clip_grad_norm_(params, max_grad_norm).item()
+    skipped = 0
+    if finite and math.isfinite(totals["grad_norm"]):
+        optimizer.step()
+    else:  # a NaN / inf never reaches the weights
+        optimizer.zero_grad(set_to_none=True)
+        skipped = 1
+    return {**totals, "ratio_min": ratio_min, "ratio_max": ratio_max, "sampler_gap": gap, "skipped": skipped}
