@@ -46,7 +46,7 @@ Commands:
   python grpo.py --prompts examples/edits.jsonl                 # editing: a source image in the prompt
   python grpo.py --prompts my_prompts.txt --model zai-org/GLM-Image                  # the real model (GPU, bf16)
   torchrun --nproc-per-node 8 grpo.py --prompts my_prompts.txt --model zai-org/GLM-Image  # 8 GPUs, FSDP2
-  python -m pytest -q                                           # tests, CPU, ~5 minutes
+  python -m pytest -q                                           # tests, CPU, ~8 minutes
 """
 
 import argparse
