@@ -1,8 +1,9 @@
 """GRPO for GLM-Image's decoder: the DiT's denoising chain as a policy (Flow-GRPO), beside grpo.py's AR.
 
-Status (issue 20): the stochastic sampler, the per-step log-probs, the trainer's recomputation and the KL are here and
-tested for exactness; the training loop (`grpo.py --train dit`), LoRA on the DiT, torchrun and the demo are not wired
-yet. grpo.py does not import this file.
+`python grpo.py --train dit ...` uses it (grpo.py imports it only then): one AR sample per prompt, shared by the group,
+G pictures from the SDE sampler, the same rewards and group_advantages, and `train_step` below (grpo_loss with each
+denoising step as a token). Status (issue 20): one process, text-to-image; not yet: torchrun, editing, fewer
+denoising steps in training than in evaluation, a demo with a decoder-side reward that has room.
 
 The DiT is sampled by integrating a flow-matching ODE, x_{t+1} = x_t + (sigma_{t+1} - sigma_t) v, with the velocity
 v = DiT(x_t, t) guided as the pipeline guides it. A deterministic chain has no log-probs, so Flow-GRPO (Liu et al.
@@ -17,6 +18,11 @@ and a step's log-prob is that Gaussian's log-density of the x_{t+1} drawn, avera
 Flow-GRPO does: the ratio of a step is then a per-element mean, near 1). With a = 0 the step is the pipeline's own
 Euler step, exactly. The KL between the policy's and the frozen reference's step is closed-form: both are Gaussians
 of the same std, so KL = |mean - mean_ref|^2 / (2 s^2 |dt|), averaged over the latent's elements likewise.
+
+Where this departs from Flow-GRPO: the group shares one sample of GLM-Image's AR tokens (the DiT's prior), so
+rewards differ by decoder noise alone; the timesteps are the pipeline's own (GLM-Image's shifted schedule); the SDE
+runs on every step while `--sde-window N` updates on the first N only (Flow-GRPO-Fast keeps the steps outside its
+window deterministic); one update per batch of chains (no PPO epochs yet), so the clip idles at the first update.
 
 Sampling runs the pipeline itself (`GlmImagePipeline.__call__`: its timesteps, guidance and VAE) with its scheduler
 swapped for `SDEScheduler`, a FlowMatchEulerDiscreteScheduler whose `step` draws the Gaussian step and records it; the
@@ -211,3 +217,43 @@ def train_step(policy, optimizer, chains: list[Chain], advantages: torch.Tensor,
         optimizer.zero_grad(set_to_none=True)
         skipped = 1
     return {**totals, "ratio_min": ratio_min, "ratio_max": ratio_max, "sampler_gap": gap, "skipped": skipped}
+
+
+def apply_lora(transformer, rank: int, seed: int = 0):
+    """LoRA adapters (peft) on the DiT's attention and MLP projections, the rest frozen; seeded like grpo.apply_lora.
+    Injected in place, so the pipeline samples with them; the returned PeftModel switches them off (the reference)
+    and saves the adapter alone."""
+    from peft import LoraConfig, get_peft_model
+    config = LoraConfig(r=rank, lora_alpha=rank, lora_dropout=0.0,
+                        target_modules=r".*transformer_blocks\.\d+\.(attn1\.(to_q|to_k|to_v|to_out\.0)|ff\.net\.(0\.proj|2))")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return get_peft_model(transformer, config)
+
+
+def sample_and_score(pipe, policy, batch: list[dict], groups: list[int], rewards: dict, cfg, autocast, device: str,
+                     seconds: dict) -> tuple:
+    """grpo.sample_and_score for --train dit: per prompt ONE AR sample (seeded by the group's number), shared by the
+    group; G pictures from it through the SDE sampler (decoder noise seeded by the group's number too); scores and
+    z-scored advantages as for the AR. Returns the chains, images, (P, G) rewards, each reward's, advantages."""
+    import grpo
+    seeds = [cfg.seed * 1_000_003 + g for g in groups]
+    with grpo.timed(seconds, "sample"), autocast:  # 1. the AR's tokens, once per prompt
+        tokens = [grpo.sample_group(pipe, ex["prompt"], 1, cfg.height, cfg.width, cfg.temperature, s, None,
+                                    cfg.top_k, cfg.top_p) for ex, s in zip(batch, seeds)]
+    with grpo.timed(seconds, "decode"), grpo.decoder_on(pipe, device, cfg.offload):  # 2. G chains per prompt
+        chains = [sample_chain(pipe, ex["prompt"], r.tokens.repeat(cfg.group_size, 1), r.large_hw, cfg.height,
+                               cfg.width, cfg.num_inference_steps, cfg.guidance_scale, s, cfg.sde_noise)
+                  for ex, r, s in zip(batch, tokens, seeds)]
+    images = [c.images for c in chains]
+    with grpo.timed(seconds, "reward"):
+        reward, each = grpo.group_rewards(images, batch, rewards)  # 3. (P, G)
+        advantages = grpo.group_advantages(reward, scale=cfg.scale_rewards,  # 4. (one process: the batch is `reward`)
+                                           batch=reward if cfg.scale_rewards == "batch" else None)
+    return chains, images, reward, each, advantages
+
+
+def window(chain_steps: int, sde_window: int) -> list[int]:
+    """The denoising steps trained: the first `sde_window` of the chain (0: all). Early steps decide the layout, and
+    fewer steps cost proportionally less in the update (Flow-GRPO-Fast trains a window of the chain likewise)."""
+    return list(range(min(sde_window, chain_steps) if sde_window else chain_steps))

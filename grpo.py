@@ -30,6 +30,8 @@ Where this departs from the paper:
   - Advantages use the population std of the group (`--scale-rewards batch`: of the step's whole batch; `none`:
     Dr. GRPO's centring only), and a group with no spread gets zero advantage. The clip range may be asymmetric
     (`--clip-eps-high`, DAPO's clip-higher).
+  - `--train dit` trains the DiT instead, on its denoising chain (Flow-GRPO's SDE step; dit_grpo.py): the AR's
+    tokens are sampled once per prompt and the group differs by decoder noise alone.
   - Editing: the source image is encoded once per group and its codes written into the prompt, so sampler
     and trainer see the same tokens; the AR then writes the large grid only (no preview grid).
 
@@ -124,7 +126,11 @@ class Config:
     save_every: int = arg(50, "save a checkpoint every N steps (0: only at the end)")
     resume: str = arg("", "run directory to continue (--steps is the total)")
     overwrite: bool = arg(False, "replace the run in --out")
-    lora_rank: int | None = arg(None, "LoRA rank on the AR, 0: train all AR weights (default 0 tiny, 16 real)")
+    train: str = arg("ar", "what GRPO trains: ar (the AR's visual tokens) or dit (the DiT's denoising chain, "
+                           "Flow-GRPO: dit_grpo.py; one process, text-to-image)")
+    sde_noise: float = arg(0.7, "--train dit: noise level of the SDE step (Flow-GRPO's a)")
+    sde_window: int = arg(0, "--train dit: update on the first N denoising steps only (0: all)")
+    lora_rank: int | None = arg(None, "LoRA rank on the trained model, 0: train all its weights (default 0 tiny, 16 real)")
     gradient_checkpointing: bool = arg(False, "recompute AR activations")
     offload: bool = arg(False, "keep DiT, VAE, T5 on CPU except to decode")
     device: str = arg("auto", "cpu | cuda | auto")
@@ -856,6 +862,13 @@ def validate(cfg: Config) -> None:
     for name in ("steps", "mu", "prompts_per_step", "num_inference_steps", "eval_samples"):
         if getattr(cfg, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
+    if cfg.train not in ("ar", "dit"):
+        raise ValueError(f"--train {cfg.train}: use ar (the AR) or dit (the DiT's denoising chain)")
+    if cfg.train == "dit" and not (cfg.sde_noise > 0 and cfg.sde_window >= 0):
+        raise ValueError(f"--sde-noise {cfg.sde_noise} / --sde-window {cfg.sde_window}: the noise must be > 0 (the "
+                         "log-probs of a deterministic step do not exist) and the window >= 0")
+    if cfg.train == "dit" and int(os.environ.get("WORLD_SIZE", 1)) > 1:
+        raise ValueError("--train dit runs in one process for now; run it with python, not torchrun")
     if cfg.eval_every < 0:
         raise ValueError(f"--eval-every {cfg.eval_every} must be >= 0 (0: evaluate only at step 0 and at the end)")
     if cfg.eval_reward and not cfg.eval_prompts:
@@ -968,6 +981,9 @@ def prepare(argv: list[str] | None) -> tuple[Config, list[dict], dict, tuple | N
         rewards = parse_rewards(cfg.reward)
         examples = load_examples(read_prompts(cfg.prompts), rewards, cfg.height, cfg.width)
         check_rewards(rewards, examples[0], cfg.height, cfg.width)
+        if cfg.train == "dit" and any(e["source"] is not None for e in examples):
+            raise ValueError(f"--train dit is text-to-image only for now, and {cfg.prompts} has source images; train "
+                             "the AR on edits (--train ar)")
         evals = load_evals(cfg, rewards)
         if not cfg.resume and not cfg.overwrite and any((out / name).exists() for name in RUN_FILES):
             raise ValueError(f"--out {out} holds another run; pass --resume {out} to continue it, --overwrite to "
@@ -982,10 +998,13 @@ def prepare(argv: list[str] | None) -> tuple[Config, list[dict], dict, tuple | N
 
 
 def setup_training(pipe, cfg: Config, dtype: torch.dtype, world: int):
-    """The policy (the AR, maybe with LoRA, sharded over `world` processes), the KL reference and the optimizer."""
-    policy = pipe.vision_language_encoder
-    if cfg.lora_rank:
-        policy = apply_lora(policy, cfg.lora_rank, cfg.seed)  # adapters in float32 (peft's default), base weights frozen
+    """The policy (the AR, maybe with LoRA, sharded over `world` processes; with --train dit the DiT), the KL
+    reference and the optimizer."""
+    policy = pipe.vision_language_encoder if cfg.train == "ar" else pipe.transformer.requires_grad_(True)
+    if cfg.train == "dit":
+        pipe.vision_language_encoder.requires_grad_(False)
+    if cfg.lora_rank:  # adapters in float32 (peft's default), base weights frozen
+        policy = (apply_lora if cfg.train == "ar" else dit_grpo().apply_lora)(policy, cfg.lora_rank, cfg.seed)
     elif dtype != torch.float32:
         policy.float()  # trainable weights stay float32: AdamW updates to bf16 weights round away (RMSNorm freezes)
     if cfg.gradient_checkpointing:
@@ -1031,16 +1050,12 @@ def main(argv: list[str] | None = None) -> dict:
                 # groups are numbered over all processes; the number picks the prompt and seeds the sampling
                 groups = [(step * world + rank) * cfg.prompts_per_step + j for j in range(cfg.prompts_per_step)]
                 batch, seconds = [examples[g % len(examples)] for g in groups], {}
-                rollouts, images, reward, each, advantages = sample_and_score(  # 1.-4. sample, decode, score
+                rollouts, images, reward, each, advantages = (  # 1.-4. sample, decode, score
+                    sample_and_score if cfg.train == "ar" else dit_grpo().sample_and_score)(
                     pipe, policy, batch, groups, rewards, cfg, autocast, device, seconds)
                 with interrupts_held():  # an update and its log line land together (or not at all)
                     with timed(seconds, "train"), autocast:  # 5. the clipped policy-gradient update
-                        metrics = train_step(policy, optimizer, rollouts, advantages, ref_model,
-                                             temperature=cfg.temperature, kl_beta=cfg.kl_beta,
-                                             clip_eps=(cfg.clip_eps, cfg.clip_eps_high or cfg.clip_eps),
-                                             micro_batch_size=cfg.micro_batch_size, max_grad_norm=cfg.max_grad_norm,
-                                             mu=cfg.mu, train_tokens=cfg.train_tokens, top_k=cfg.top_k,
-                                             top_p=cfg.top_p)
+                        metrics = update(policy, optimizer, rollouts, advantages, ref_model, cfg)
                     record = step_record(step, groups, len(examples), reward, each, advantages, rollouts, metrics,
                                          seconds)
                     skipped, done = skipped + record["skipped"], step + 1
@@ -1073,6 +1088,26 @@ def compute_settings(device: str, dtype: str) -> torch.dtype:
         torch.set_num_threads(1)
     return {"auto": torch.bfloat16 if device.startswith("cuda") else torch.float32,
             "float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
+
+
+def update(policy, optimizer, rollouts: list, advantages: torch.Tensor, ref_model, cfg: Config) -> dict:
+    """Step 5 with the config's settings: train_step on the AR, or with --train dit dit_grpo.train_step on the DiT."""
+    clip_eps = (cfg.clip_eps, cfg.clip_eps_high or cfg.clip_eps)
+    if cfg.train == "dit":
+        steps = dit_grpo().window(cfg.num_inference_steps, cfg.sde_window)
+        return dit_grpo().train_step(policy, optimizer, rollouts, advantages, ref_model, noise_level=cfg.sde_noise,
+                                     steps=steps, clip_eps=clip_eps, kl_beta=cfg.kl_beta,
+                                     micro_batch_size=cfg.micro_batch_size, max_grad_norm=cfg.max_grad_norm)
+    return train_step(policy, optimizer, rollouts, advantages, ref_model, temperature=cfg.temperature,
+                      kl_beta=cfg.kl_beta, clip_eps=clip_eps, micro_batch_size=cfg.micro_batch_size,
+                      max_grad_norm=cfg.max_grad_norm, mu=cfg.mu, train_tokens=cfg.train_tokens, top_k=cfg.top_k,
+                      top_p=cfg.top_p)
+
+
+def dit_grpo():
+    """dit_grpo.py (--train dit), imported when first needed: it imports diffusers, which --help need not wait for."""
+    import dit_grpo as module
+    return module
 
 
 def load_or_fail(model: str, device: str, dtype: torch.dtype):
@@ -1141,7 +1176,8 @@ def step_record(step: int, groups: list[int], n_examples: int, reward: torch.Ten
     """The metrics line of one step: reward statistics over the groups of every process, the update's metrics,
     and the seconds of each phase (this process)."""
     reward, advantages, groups = gather_rows(reward), gather_rows(advantages), gather_list(groups)
-    distinct = gather_rows(torch.tensor([[len({tuple(t) for t in r.tokens.tolist()})] for r in rollouts]))
+    samples = [r.tokens if hasattr(r, "tokens") else r.latents[:, -1].flatten(1) for r in rollouts]  # dit: latents
+    distinct = gather_rows(torch.tensor([[len({tuple(t) for t in s.tolist()})] for s in samples]))
     return {"step": step, "prompts": [g % n_examples for g in groups], "reward_mean": reward.mean().item(),
             "reward_std": reward.std(dim=-1, unbiased=False).mean().item(),  # within groups
             **{f"reward/{name}": gather_rows(value).mean().item() for name, value in each.items()},

@@ -239,7 +239,7 @@ def save_pretrained_atomic(model, path: Path, state_dict: dict | None = None) ->
     tmp, old = path.with_name(path.name + ".tmp"), path.with_name(path.name + ".old")
     shutil.rmtree(tmp, ignore_errors=True)
     try:
-        model.save_pretrained(tmp, state_dict=state_dict)
+        model.save_pretrained(tmp, **({} if state_dict is None else {"state_dict": state_dict}))  # diffusers: no such arg
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -154,3 +154,61 @@ def test_train_step_learns():
         results[sign] = (before, brightness(99, 0.0)[1].mean().item())
     (before, brighter), (_, darker) = results[1.0], results[-1.0]
     assert darker < before < brighter, results
+
+
+def run(tmp_path, out, *extra):
+    import json
+    target = str(grpo.Path(__file__).parent / "examples" / "target_0.png")
+    (tmp_path / "evals.jsonl").write_text(json.dumps({"prompt": "a red circle at the top left", "target": target,
+                                                      "category": "position"}) + "\n")
+    return grpo.main(["--prompts", str(grpo.Path(__file__).parent / "prompts.txt"), "--train", "dit", "--out",
+                      str(tmp_path / out), "--image-every", "0", "--before-after", "0", "--eval-prompts",
+                      str(tmp_path / "evals.jsonl"), "--eval-samples", "2", "--eval-every", "2", "--eval-reward",
+                      "shapes_exact", *extra])
+
+
+def records(path):
+    import json
+    return [{k: v for k, v in json.loads(x).items() if not k.startswith("sec_")}
+            for x in (path / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_main_train_dit(tmp_path):
+    """grpo.py --train dit: the first update's ratio is exactly 1 and the trainer agrees with the sampler; 4 steps equal
+    2 steps + resume + 2 (metrics, evaluations, weights); final/ loads with GlmImageTransformer2DModel; tools/compare.py
+    reproduces the run's first and last evaluations; LoRA with a KL term runs and saves the adapter alone."""
+    from diffusers import GlmImageTransformer2DModel
+    import tools.compare as compare
+    run(tmp_path, "whole", "--steps", "4", "--kl-beta", "0.04", "--lr", "1e-3", "--sde-window", "1")
+    run(tmp_path, "half", "--steps", "2", "--kl-beta", "0.04", "--lr", "1e-3", "--sde-window", "1")
+    grpo.main(["--resume", str(tmp_path / "half"), "--steps", "4"])
+    whole = records(tmp_path / "whole")
+    assert whole == records(tmp_path / "half")
+    steps = [x for x in whole if not x.get("eval")]
+    assert steps[0]["ratio_min"] == steps[0]["ratio_max"] == 1.0 and all(x["sampler_gap"] <= 1e-5 for x in steps)
+    assert all(x["skipped"] == 0 and math.isfinite(x["loss"]) for x in steps) and steps[-1]["kl"] > 0
+    a, b = (GlmImageTransformer2DModel.from_pretrained(tmp_path / d / "final") for d in ("whole", "half"))
+    assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
+    fresh = grpo.load_glm_image("tiny").transformer
+    assert not all(torch.equal(p, q) for p, q in zip(a.parameters(), fresh.parameters()))
+    evals = [x for x in whole if x.get("eval")]
+    result = compare.main([str(tmp_path / "whole" / "final")])
+    assert {**result["trained"], "step": 4} == {**evals[-1], "sec_eval": 0.0}
+    assert {**result["base"], "step": 0} == {**evals[0], "sec_eval": 0.0}
+    run(tmp_path, "lora", "--steps", "2", "--lora-rank", "4", "--kl-beta", "0.04")
+    assert (tmp_path / "lora" / "final" / "adapter_config.json").exists()
+    assert [x["ratio_max"] for x in records(tmp_path / "lora") if not x.get("eval")][0] == 1.0
+
+
+def test_main_train_dit_bad_input(tmp_path, capsys):
+    """--train dit refuses, with one line and nothing written: a zero or negative noise level, a negative window,
+    prompts with source images (editing is the AR's for now), and an unknown --train."""
+    here = grpo.Path(__file__).parent
+    for args, needle in [(["--sde-noise", "0"], "--sde-noise 0.0"), (["--sde-window", "-1"], "--sde-window -1"),
+                         (["--prompts", str(here / "examples" / "edits.jsonl")], "text-to-image only"),
+                         (["--train", "vae"], "--train vae")]:
+        with pytest.raises(SystemExit) as stop:
+            grpo.main(["--prompts", str(here / "prompts.txt"), "--train", "dit", "--out", str(tmp_path / "x"), *args])
+        err = capsys.readouterr().err
+        assert stop.value.code == 2 and needle in err and "Traceback" not in err, (args, err)
+        assert not (tmp_path / "x").exists()

@@ -5,8 +5,8 @@ table per reward and category (base, trained, difference) and one side-by-side i
   python tools/compare.py runs/shapes                   # the run's checkpoint.pt (its last step), its --eval-prompts
   python tools/compare.py runs/shapes/final --eval-prompts examples/shapes_heldout.jsonl --eval-reward shapes_exact
 
-RUN is a grpo.py --out directory (its checkpoint.pt is evaluated) or its final/ folder (the saved AR, or the LoRA
-adapter). The model, sampling and decoding settings are the run's (config.json); --eval-prompts, --eval-samples and
+RUN is a grpo.py --out directory (its checkpoint.pt is evaluated) or its final/ folder (the saved AR or DiT, or the
+LoRA adapter). The model, sampling and decoding settings are the run's (config.json); --eval-prompts, --eval-samples and
 --eval-reward default to the run's. Writes RUN/images/compare.png (base left, trained right, the first
 grpo.EVAL_GRID prompts).
 """
@@ -26,7 +26,7 @@ import grpo  # noqa: E402
 from parallel import load_trainable_state  # noqa: E402
 
 
-def load_trained(policy, optimizer, path: Path) -> int | None:
+def load_trained(policy, optimizer, path: Path, train: str = "ar") -> int | None:
     """The run's trained weights into `policy` (set up as grpo.setup_training does): from checkpoint.pt (returns its
     step) or from a final/ folder (the whole AR, or the LoRA adapter; returns None)."""
     if (path / "checkpoint.pt").exists():
@@ -37,6 +37,9 @@ def load_trained(policy, optimizer, path: Path) -> int | None:
         from peft import set_peft_model_state_dict
         from safetensors.torch import load_file
         set_peft_model_state_dict(policy, load_file(path / "adapter_model.safetensors"))
+    elif train == "dit":  # the DiT of a --train dit run
+        from diffusers import GlmImageTransformer2DModel
+        policy.load_state_dict(GlmImageTransformer2DModel.from_pretrained(path).state_dict())
     else:
         from transformers import GlmImageForConditionalGeneration
         policy.load_state_dict(GlmImageForConditionalGeneration.from_pretrained(path).state_dict())
@@ -68,7 +71,7 @@ def compare(path: Path, eval_prompts: str | None = None, eval_samples: int | Non
     result, grids = {}, []
     for name in ("base", "trained"):
         if name == "trained":
-            result["step"] = load_trained(policy, optimizer, path)
+            result["step"] = load_trained(policy, optimizer, path, cfg.train)
         with autocast:
             images, total, each = grpo.evaluate(pipe, examples, evals[1], cfg.eval_samples, grpo.EVAL_SEED, cfg,
                                                 keep_images=grpo.EVAL_GRID)
