@@ -34,9 +34,10 @@ import math
 from typing import NamedTuple
 
 import torch
-import torch.nn.functional as F
 from diffusers import FlowMatchEulerDiscreteScheduler
 from diffusers.schedulers.scheduling_flow_match_euler_discrete import FlowMatchEulerDiscreteSchedulerOutput
+
+import grpo  # grpo.py imports this file only inside functions, so no import cycle
 
 
 def sde_step(x: torch.Tensor, v: torch.Tensor, sigma: torch.Tensor, sigma_next: torch.Tensor,
@@ -79,7 +80,7 @@ class SDEScheduler(FlowMatchEulerDiscreteScheduler):
         sigma, sigma_next = self.sigmas[self.step_index], self.sigmas[self.step_index + 1]
         x, v = sample.to(torch.float32), model_output.to(torch.float32)
         mean, std = sde_step(x, v, sigma, sigma_next, self.sigmas[1], self.noise_level)
-        mean, std = mean, std.to(x.device)
+        std = std.to(x.device)
         if self.noise_level > 0:
             noise = torch.randn(x.shape, generator=self.generator).to(x.device)
             prev = mean + std * noise
@@ -101,13 +102,6 @@ class Chain(NamedTuple):
     cond: dict  # what the transformer is called with besides the latents and timestep (see `velocity`)
 
 
-def prior_ids(tokens: torch.Tensor, large_hw: tuple[int, int]) -> torch.Tensor:
-    """(G, N) AR tokens -> (G, 4 h w) prior ids: the large grid, upsampled 2x (nearest), as grpo.decode_images."""
-    G, (h, w) = tokens.shape[0], large_hw
-    large = tokens[:, -h * w:].reshape(G, 1, h, w)
-    return F.interpolate(large.float(), scale_factor=2, mode="nearest").long().reshape(G, -1)
-
-
 @torch.no_grad()
 def sample_chain(pipe, prompt: str, tokens: torch.Tensor, large_hw: tuple[int, int], height: int, width: int,
                  num_inference_steps: int, guidance_scale: float, seed: int, noise_level: float) -> Chain:
@@ -115,7 +109,7 @@ def sample_chain(pipe, prompt: str, tokens: torch.Tensor, large_hw: tuple[int, i
     only by the decoder's noise (initial latents and SDE steps, all from `seed`), through the pipeline itself with
     SDEScheduler. Text-to-image only for now (no source image)."""
     G, device, dtype = tokens.shape[0], pipe.transformer.device, pipe.transformer.dtype
-    prior = prior_ids(tokens, large_hw).to(device)
+    prior = grpo.prior_ids(tokens, large_hw).to(device)
     embeds, negative = pipe.encode_prompt(prompt, do_classifier_free_guidance=guidance_scale > 1, device=device,
                                           dtype=dtype)
     generator = torch.Generator("cpu").manual_seed(seed)
@@ -182,7 +176,6 @@ def train_step(policy, optimizer, chains: list[Chain], advantages: torch.Tensor,
     switched off). The old policy is the current one (one update per batch of chains), so the first ratio is exactly
     1. Micro-batches of samples, each loss weighted by its share of the P*G samples: the gradient is the full batch's.
     """
-    from grpo import grpo_loss  # the AR's loss, unchanged: here a "token" is a denoising step
     policy.eval()  # no dropout: the trainer's Gaussian must be the sampler's
     optimizer.zero_grad(set_to_none=True)
     n = advantages.numel()
@@ -191,7 +184,7 @@ def train_step(policy, optimizer, chains: list[Chain], advantages: torch.Tensor,
         for start in range(0, len(adv), micro_batch_size):
             rows = slice(start, start + micro_batch_size)
             logp, means, stds = chain_logprobs(policy, chain, steps, noise_level, rows)  # (mb, S), with grad
-            loss, m = grpo_loss(logp, logp.detach(), None, adv[rows], clip_eps, 0.0)
+            loss, m = grpo.grpo_loss(logp, logp.detach(), None, adv[rows], clip_eps, 0.0)  # a step = a token
             kl = torch.zeros_like(logp)
             if kl_beta > 0:
                 with torch.no_grad(), (ref_model.disable_adapter() if hasattr(ref_model, "disable_adapter")
@@ -236,7 +229,6 @@ def sample_and_score(pipe, policy, batch: list[dict], groups: list[int], rewards
     """grpo.sample_and_score for --train dit: per prompt ONE AR sample (seeded by the group's number), shared by the
     group; G pictures from it through the SDE sampler (decoder noise seeded by the group's number too); scores and
     z-scored advantages as for the AR. Returns the chains, images, (P, G) rewards, each reward's, advantages."""
-    import grpo
     seeds = [cfg.seed * 1_000_003 + g for g in groups]
     with grpo.timed(seconds, "sample"), autocast:  # 1. the AR's tokens, once per prompt
         tokens = [grpo.sample_group(pipe, ex["prompt"], 1, cfg.height, cfg.width, cfg.temperature, s, None,

@@ -509,6 +509,14 @@ def token_logprobs(model, inputs: dict, tokens: torch.Tensor, temperature: float
 
 # ---- 6. Decoding tokens to images ---------------------------------------------------------------
 
+def prior_ids(tokens: torch.Tensor, large_hw: tuple[int, int]) -> torch.Tensor:
+    """(G, N) AR tokens -> (G, 4hw) the DiT's prior ids: the large grid (the last h*w tokens; the preview never
+    reaches the DiT), upsampled 2x (nearest) to the DiT's H/16 x W/16 grid."""
+    G, (h, w) = tokens.shape[0], large_hw
+    large = tokens[:, -h * w:].reshape(G, 1, h, w)  # (G, 1, H/32, W/32)
+    return F.interpolate(large.float(), scale_factor=2, mode="nearest").long().reshape(G, -1)  # (G, 4hw) at H/16
+
+
 @torch.no_grad()
 def decode_images(pipe, prompt: str, tokens: torch.Tensor, large_hw: tuple[int, int], height: int, width: int,
                   num_inference_steps: int, seed: int, guidance_scale: float = 1.5,
@@ -521,10 +529,8 @@ def decode_images(pipe, prompt: str, tokens: torch.Tensor, large_hw: tuple[int, 
     tokens as prior_token_ids skips the pipeline's own AR step, the part of diffusers 0.42.1 that fails with
     transformers >= 5.23 for editing (it concatenates the list get_image_features now returns along channels).
     """
-    G, (h, w) = tokens.shape[0], large_hw
-    device = pipe.transformer.device
-    large = tokens[:, -h * w:].reshape(G, 1, h, w)  # (G, 1, H/32, W/32)
-    prior = F.interpolate(large.float(), scale_factor=2, mode="nearest").long().reshape(G, -1)  # (G, 4hw) at H/16
+    G, device = tokens.shape[0], pipe.transformer.device
+    prior = prior_ids(tokens, large_hw)  # (G, 4hw) at H/16
     embeds, negative = pipe.encode_prompt(prompt, do_classifier_free_guidance=guidance_scale > 1, device=device,
                                           dtype=pipe.transformer.dtype)
     generator = torch.Generator("cpu").manual_seed(seed)

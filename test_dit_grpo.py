@@ -61,7 +61,7 @@ def test_sde_scheduler_noise_zero_is_the_pipeline(pipe):
         assert type(pipe.scheduler) is not dit_grpo.SDEScheduler
         embeds, negative = pipe.encode_prompt("two red circles", do_classifier_free_guidance=guidance > 1)
         stock = pipe(prompt_embeds=embeds.repeat(2, 1, 1), negative_prompt_embeds=None if negative is None else
-                     negative.repeat(2, 1, 1), prior_token_ids=dit_grpo.prior_ids(tokens, large_hw),
+                     negative.repeat(2, 1, 1), prior_token_ids=grpo.prior_ids(tokens, large_hw),
                      latents=chain.latents[:, 0].clone(), height=SIZE, width=SIZE, num_inference_steps=3,
                      guidance_scale=guidance, output_type="pt").images
         assert torch.equal(chain.images, stock.float().clamp(0, 1)), guidance

@@ -468,6 +468,14 @@ def test_token_logprobs_editing(pipe, sharp_pipe, height, width):
     assert m["ratio_min"] == m["ratio_max"] == 1 and m["sampler_gap"] <= 1e-5 and "preview/logprob" not in m
 
 
+def test_prior_ids():
+    """Only the large grid (the last h*w tokens) reaches the DiT, each token covering 2x2 of the DiT's grid."""
+    tokens = torch.tensor([[9, 9, 9, 1, 2, 3, 4, 5, 6]])  # 3 preview tokens, then a 2x3 large grid
+    want = torch.tensor([[1, 1, 2, 2, 3, 3], [1, 1, 2, 2, 3, 3], [4, 4, 5, 5, 6, 6], [4, 4, 5, 5, 6, 6]])
+    assert torch.equal(grpo.prior_ids(tokens, (2, 3)), want.reshape(1, -1))
+    assert torch.equal(grpo.prior_ids(tokens.repeat(2, 1), (2, 3))[1], want.reshape(-1))
+
+
 def test_decode_images_editing(pipe):
     """The DiT sees the source: the same tokens decode differently with another source or none; deterministic."""
     r = grpo.sample_group(pipe, "make it red", 2, 64, 64, T, seed=0, source=smooth_source(seed=0))

@@ -23,7 +23,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # grpo.py and its helpers live in the repository root
 
 import grpo  # noqa: E402
-from parallel import load_trainable_state  # noqa: E402
+from parallel import load_trainable_state, start_processes  # noqa: E402
 
 
 def load_trained(policy, optimizer, path: Path, train: str = "ar") -> int | None:
@@ -62,7 +62,7 @@ def compare(path: Path, eval_prompts: str | None = None, eval_samples: int | Non
     grpo.validate(cfg)
     evals = grpo.load_evals(cfg, grpo.parse_rewards(cfg.reward))
     grpo.quiet_libraries()
-    device = "cuda" if torch.cuda.is_available() and cfg.device != "cpu" else "cpu"
+    _, _, device = start_processes(cfg.device)  # one process: grpo.py's device choice, nothing started
     dtype = grpo.compute_settings(device, cfg.dtype)  # as grpo.py: the same threads give the same sums and samples
     pipe = grpo.load_glm_image(cfg.model, device, dtype)
     policy, _, optimizer = grpo.setup_training(pipe, dataclasses.replace(cfg, kl_beta=0.0), dtype, world=1)
