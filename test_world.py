@@ -196,7 +196,7 @@ def test_tiny_model_draws_what_it_is_asked():
     right far more often than by chance (a random model: never), and its training report says how it was made."""
     sys.path.insert(0, str(HERE / "tools"))
     from bench_learning import shapes_accuracy
-    held = [e["prompt"] for e in grpo.read_prompts(str(HERE / "examples" / "shapes_heldout.jsonl"))]
+    held = world.caption_split()[1]  # the held-out captions (examples/shapes_heldout.jsonl deals them by kind)
     easy = [c for c in held if world.parse_caption(c)["kind"] in ("single", "position")][:8]
     result = shapes_accuracy(grpo.load_glm_image("tiny"), easy, samples=4)
     assert result["accuracy"] >= 0.4, result

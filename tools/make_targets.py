@@ -16,6 +16,7 @@ to show the mechanics, not a skill.)
   python tools/make_targets.py            # rewrites the files above and examples/*.png
 """
 
+import itertools
 import json
 import os
 import random
@@ -55,8 +56,11 @@ def main(seed: int = 1234) -> None:
     shuffled = random.Random(seed).sample(train, len(train))
     header = "# captions of world.py for --reward shapes ({}; tools/make_targets.py)\n"
     Path("examples/shapes.txt").write_text(header.format("GRPO's training split") + "\n".join(shuffled) + "\n")
-    Path("examples/shapes_heldout.jsonl").write_text("".join(  # with its kind, for per-category evaluation
-        json.dumps({"prompt": c, "category": world.parse_caption(c)["kind"]}) + "\n" for c in held_out))
+    by_kind = {k: [c for c in held_out if world.parse_caption(c)["kind"] == k]
+               for k in ("relation", "counting", "two_objects", "position", "single")}  # most room for GRPO first
+    dealt = [c for row in itertools.zip_longest(*by_kind.values()) for c in row if c is not None]  # kinds in turn,
+    Path("examples/shapes_heldout.jsonl").write_text("".join(  # so an eval grid's first prompts show every kind
+        json.dumps({"prompt": c, "category": world.parse_caption(c)["kind"]}) + "\n" for c in dealt))
 
     pipe = grpo.load_glm_image("tiny")
     cfg = grpo.parse_config(["--model", "tiny"])
