@@ -2,8 +2,9 @@
 
 `python grpo.py --train dit ...` uses it (grpo.py imports it only then): one AR sample per prompt, shared by the group,
 G pictures from the SDE sampler, the same rewards and group_advantages, and `train_step` below (grpo_loss with each
-denoising step as a token). Status (issue 20): one process, text-to-image; not yet: torchrun, editing, fewer
-denoising steps in training than in evaluation, a demo with a decoder-side reward that has room.
+denoising step as a token). Text-to-image, one process or torchrun (FSDP2 over the DiT's blocks: parallel.shard);
+not yet: editing, PPO epochs (--mu > 1). The README's demo: `--reward shapes,size=0.3` (the DiT alone decides how
+large objects are painted).
 
 The DiT is sampled by integrating a flow-matching ODE, x_{t+1} = x_t + (sigma_{t+1} - sigma_t) v, with the velocity
 v = DiT(x_t, t) guided as the pipeline guides it. A deterministic chain has no log-probs, so Flow-GRPO (Liu et al.
@@ -20,9 +21,10 @@ Euler step, exactly. The KL between the policy's and the frozen reference's step
 of the same std, so KL = |mean - mean_ref|^2 / (2 s^2 |dt|), averaged over the latent's elements likewise.
 
 Where this departs from Flow-GRPO: the group shares one sample of GLM-Image's AR tokens (the DiT's prior), so
-rewards differ by decoder noise alone; the timesteps are the pipeline's own (GLM-Image's shifted schedule); the SDE
-runs on every step while `--sde-window N` updates on the first N only (Flow-GRPO-Fast keeps the steps outside its
-window deterministic); one update per batch of chains (no PPO epochs yet), so the clip idles at the first update.
+rewards differ by decoder noise alone; the timesteps are the pipeline's own (GLM-Image's shifted schedule);
+`--sde-window N` makes the first N steps SDE steps and trains them, the rest ODE steps (Flow-GRPO-Fast slides its
+window along the chain; this one stays at the start, where the layout is decided); one update per batch of chains
+(no PPO epochs yet), so the clip idles at the first update.
 
 Sampling runs the pipeline itself (`GlmImagePipeline.__call__`: its timesteps, guidance and VAE) with its scheduler
 swapped for `SDEScheduler`, a FlowMatchEulerDiscreteScheduler whose `step` draws the Gaussian step and records it; the
@@ -69,9 +71,11 @@ class SDEScheduler(FlowMatchEulerDiscreteScheduler):
 
     noise_level: float = 0.0
     generator: torch.Generator | None = None
+    sde_window: int = 0
 
-    def begin(self, noise_level: float, generator: torch.Generator) -> "SDEScheduler":
-        self.noise_level, self.generator, self.steps = noise_level, generator, []
+    def begin(self, noise_level: float, generator: torch.Generator, sde_window: int = 0) -> "SDEScheduler":
+        """Stochastic steps: the first `sde_window` (0: all); the steps after them are the ODE's (Euler) steps."""
+        self.noise_level, self.generator, self.sde_window, self.steps = noise_level, generator, sde_window, []
         return self
 
     def step(self, model_output, timestep, sample, *args, return_dict: bool = True, **kwargs):
@@ -79,9 +83,10 @@ class SDEScheduler(FlowMatchEulerDiscreteScheduler):
             self._init_step_index(timestep)
         sigma, sigma_next = self.sigmas[self.step_index], self.sigmas[self.step_index + 1]
         x, v = sample.to(torch.float32), model_output.to(torch.float32)
-        mean, std = sde_step(x, v, sigma, sigma_next, self.sigmas[1], self.noise_level)
+        level = self.noise_level if not self.sde_window or self.step_index < self.sde_window else 0.0
+        mean, std = sde_step(x, v, sigma, sigma_next, self.sigmas[1], level)
         std = std.to(x.device)
-        if self.noise_level > 0:
+        if level > 0:
             noise = torch.randn(x.shape, generator=self.generator).to(x.device)
             prev = mean + std * noise
             self.steps.append((x, prev, gaussian_logprob(prev, mean, std)))
@@ -96,7 +101,8 @@ class SDEScheduler(FlowMatchEulerDiscreteScheduler):
 class Chain(NamedTuple):
     images: torch.Tensor  # (G, 3, H, W) float32 in [0, 1]
     latents: torch.Tensor  # (G, T + 1, C, h, w) float32: x_0 (pure noise) ... x_T (the decoded latent)
-    logprobs: torch.Tensor | None  # (G, T) float32, the sampler's log-prob of each step (None at noise level 0)
+    logprobs: torch.Tensor | None  # (G, S) float32, the sampler's log-prob of each SDE step (the first S of the T;
+    #                                 None at noise level 0)
     timesteps: torch.Tensor  # (T,) the pipeline's timesteps
     sigmas: torch.Tensor  # (T + 1,) their sigmas, ending in 0
     cond: dict  # what the transformer is called with besides the latents and timestep (see `velocity`)
@@ -104,10 +110,12 @@ class Chain(NamedTuple):
 
 @torch.no_grad()
 def sample_chain(pipe, prompt: str, tokens: torch.Tensor, large_hw: tuple[int, int], height: int, width: int,
-                 num_inference_steps: int, guidance_scale: float, seed: int, noise_level: float) -> Chain:
+                 num_inference_steps: int, guidance_scale: float, seed: int, noise_level: float,
+                 sde_window: int = 0) -> Chain:
     """G pictures of one prompt from the same (G, N) AR tokens (one row repeated: the group shares them), differing
     only by the decoder's noise (initial latents and SDE steps, all from `seed`), through the pipeline itself with
-    SDEScheduler. Text-to-image only for now (no source image)."""
+    SDEScheduler: SDE steps on the first `sde_window` steps (0: all), ODE steps after. Text-to-image only for now
+    (no source image)."""
     G, device, dtype = tokens.shape[0], pipe.transformer.device, pipe.transformer.dtype
     prior = grpo.prior_ids(tokens, large_hw).to(device)
     embeds, negative = pipe.encode_prompt(prompt, do_classifier_free_guidance=guidance_scale > 1, device=device,
@@ -115,17 +123,18 @@ def sample_chain(pipe, prompt: str, tokens: torch.Tensor, large_hw: tuple[int, i
     generator = torch.Generator("cpu").manual_seed(seed)
     shape = (G, pipe.transformer.config.in_channels, height // pipe.vae_scale_factor, width // pipe.vae_scale_factor)
     latents = torch.randn(shape, generator=generator).to(device, dtype)
-    stock, pipe.scheduler = pipe.scheduler, SDEScheduler.from_config(pipe.scheduler.config).begin(noise_level, generator)
+    sde = SDEScheduler.from_config(pipe.scheduler.config).begin(noise_level, generator, sde_window)
+    stock, pipe.scheduler = pipe.scheduler, sde
     try:
         images = pipe(prompt_embeds=embeds.repeat(G, 1, 1),
                       negative_prompt_embeds=None if negative is None else negative.repeat(G, 1, 1),
                       prior_token_ids=prior, latents=latents, height=height, width=width,
                       num_inference_steps=num_inference_steps, guidance_scale=guidance_scale, output_type="pt").images
-        sde = pipe.scheduler
     finally:
         pipe.scheduler = stock
     states = torch.stack([sde.steps[0][0]] + [prev for _, prev, _ in sde.steps], dim=1)  # (G, T + 1, C, h, w)
-    logprobs = torch.stack([lp for *_, lp in sde.steps], dim=1) if noise_level > 0 else None  # (G, T)
+    logprobs = [lp for *_, lp in sde.steps if lp is not None]
+    logprobs = torch.stack(logprobs, dim=1) if logprobs else None  # (G, S)
     cond = {"embeds": embeds.repeat(G, 1, 1), "negative": None if negative is None else negative.repeat(G, 1, 1),
             "prior": prior, "guidance_scale": guidance_scale, "height": height, "width": width}
     return Chain(images.float().clamp(0, 1), states, logprobs, sde.timesteps.clone(), sde.sigmas.clone(), cond)
@@ -174,37 +183,40 @@ def train_step(policy, optimizer, chains: list[Chain], advantages: torch.Tensor,
     grpo.grpo_loss: ratio pi / pi_old of the step's Gaussian, PPO clip, the group's advantage; plus beta times the
     closed-form KL to the reference's step (`ref_model`: a frozen copy, or the policy itself with its LoRA adapter
     switched off). The old policy is the current one (one update per batch of chains), so the first ratio is exactly
-    1. Micro-batches of samples, each loss weighted by its share of the P*G samples: the gradient is the full batch's.
+    1. The backward runs per micro-batch of samples and per denoising step (as Flow-GRPO loops over timesteps), each
+    piece weighted by its share of the P*G samples x S steps: the gradient is the full batch's, and the memory that of
+    one step's graph for `micro_batch_size` samples, whatever the window.
     """
     policy.eval()  # no dropout: the trainer's Gaussian must be the sampler's
     optimizer.zero_grad(set_to_none=True)
-    n = advantages.numel()
+    n, S = advantages.numel(), len(steps)
     totals, gap, ratio_min, ratio_max, finite = {}, 0.0, math.inf, -math.inf, True
-    for chain, adv in zip(chains, advantages):
-        for start in range(0, len(adv), micro_batch_size):
-            rows = slice(start, start + micro_batch_size)
-            logp, means, stds = chain_logprobs(policy, chain, steps, noise_level, rows)  # (mb, S), with grad
-            loss, m = grpo.grpo_loss(logp, logp.detach(), None, adv[rows], clip_eps, 0.0)  # a step = a token
-            kl = torch.zeros_like(logp)
-            if kl_beta > 0:
-                with torch.no_grad(), (ref_model.disable_adapter() if hasattr(ref_model, "disable_adapter")
-                                       else contextlib.nullcontext()):
-                    ref_means = chain_logprobs(ref_model, chain, steps, noise_level, rows)[1]
-                std = stds.view(1, -1, *[1] * (means.ndim - 2)).to(means.device)  # (1, S, 1, 1, 1)
-                kl = (((means - ref_means) ** 2) / (2 * std ** 2)).flatten(2).mean(dim=2)  # (mb, S)
-                loss = loss + kl_beta * kl.mean()
-            share = logp.shape[0] / n
-            finite = finite and bool(torch.isfinite(loss))
-            (loss * share).backward()
-            gap = max(gap, (logp.detach() - chain.logprobs[rows][:, steps]).abs().max().item())
-            ratio_min, ratio_max = min(ratio_min, m["ratio_min"]), max(ratio_max, m["ratio_max"])
-            for key, value in (("loss", loss.item()), ("policy_loss", m["policy_loss"]), ("kl", kl.mean().item()),
-                               ("clip_frac", m["clip_frac"]), ("logprob", logp.mean().item())):
-                totals[key] = totals.get(key, 0.0) + value * share
+    pieces = [(chain, adv, slice(start, start + micro_batch_size), i)  # micro-batches of samples x single steps
+              for chain, adv in zip(chains, advantages) for start in range(0, len(adv), micro_batch_size)
+              for i in steps]
+    for k, (chain, adv, rows, i) in enumerate(pieces):
+        logp, means, stds = chain_logprobs(policy, chain, [i], noise_level, rows)  # (mb, 1), with grad
+        loss, m = grpo.grpo_loss(logp, logp.detach(), None, adv[rows], clip_eps, 0.0)  # a step = a token
+        kl = torch.zeros_like(logp)
+        if kl_beta > 0:
+            with torch.no_grad(), (ref_model.disable_adapter() if hasattr(ref_model, "disable_adapter")
+                                   else contextlib.nullcontext()):
+                ref_means = chain_logprobs(ref_model, chain, [i], noise_level, rows)[1]
+            kl = gaussian_kl(means[:, 0], ref_means[:, 0], stds[0].to(means.device))[:, None]  # (mb, 1)
+            loss = loss + kl_beta * kl.mean()
+        share = logp.shape[0] / n / S  # the loss is a mean over samples and steps: each piece adds its share
+        finite = finite and bool(torch.isfinite(loss))
+        grpo.sync_gradients(policy, k == len(pieces) - 1)  # FSDP + LoRA: reduce across processes after the last
+        (loss * share).backward()  # one step's graph at a time: memory of one step, whatever the window
+        gap = max(gap, (logp.detach()[:, 0] - chain.logprobs[rows][:, i]).abs().max().item())
+        ratio_min, ratio_max = min(ratio_min, m["ratio_min"]), max(ratio_max, m["ratio_max"])
+        for key, value in (("loss", loss.item()), ("policy_loss", m["policy_loss"]), ("kl", kl.mean().item()),
+                           ("clip_frac", m["clip_frac"]), ("logprob", logp.mean().item())):
+            totals[key] = totals.get(key, 0.0) + value * share
     params = [p for group in optimizer.param_groups for p in group["params"]]
     totals["grad_norm"] = torch.nn.utils.clip_grad_norm_(params, max_grad_norm).item()
     skipped = 0
-    if finite and math.isfinite(totals["grad_norm"]):
+    if grpo.all_agree(finite) and math.isfinite(totals["grad_norm"]):  # every process steps, or none
         optimizer.step()
     else:  # a NaN / inf never reaches the weights
         optimizer.zero_grad(set_to_none=True)
@@ -212,13 +224,15 @@ def train_step(policy, optimizer, chains: list[Chain], advantages: torch.Tensor,
     return {**totals, "ratio_min": ratio_min, "ratio_max": ratio_max, "sampler_gap": gap, "skipped": skipped}
 
 
+LORA_TARGETS = r".*transformer_blocks\.\d+\.(attn1\.(to_q|to_k|to_v|to_out\.0)|ff\.net\.(0\.proj|2))"
+
+
 def apply_lora(transformer, rank: int, seed: int = 0):
     """LoRA adapters (peft) on the DiT's attention and MLP projections, the rest frozen; seeded like grpo.apply_lora.
     Injected in place, so the pipeline samples with them; the returned PeftModel switches them off (the reference)
     and saves the adapter alone."""
     from peft import LoraConfig, get_peft_model
-    config = LoraConfig(r=rank, lora_alpha=rank, lora_dropout=0.0,
-                        target_modules=r".*transformer_blocks\.\d+\.(attn1\.(to_q|to_k|to_v|to_out\.0)|ff\.net\.(0\.proj|2))")
+    config = LoraConfig(r=rank, lora_alpha=rank, lora_dropout=0.0, target_modules=LORA_TARGETS)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         return get_peft_model(transformer, config)
@@ -233,19 +247,21 @@ def sample_and_score(pipe, policy, batch: list[dict], groups: list[int], rewards
     with grpo.timed(seconds, "sample"), autocast:  # 1. the AR's tokens, once per prompt
         tokens = [grpo.sample_group(pipe, ex["prompt"], 1, cfg.height, cfg.width, cfg.temperature, s, None,
                                     cfg.top_k, cfg.top_p) for ex, s in zip(batch, seeds)]
-    with grpo.timed(seconds, "decode"), grpo.decoder_on(pipe, device, cfg.offload):  # 2. G chains per prompt
+    with grpo.timed(seconds, "decode"), grpo.decoder_on(pipe, device, cfg.offload), grpo.unsharded(policy):  # 2.
         chains = [sample_chain(pipe, ex["prompt"], r.tokens.repeat(cfg.group_size, 1), r.large_hw, cfg.height,
-                               cfg.width, cfg.num_inference_steps, cfg.guidance_scale, s, cfg.sde_noise)
+                               cfg.width, cfg.sde_steps or cfg.num_inference_steps, cfg.guidance_scale, s,
+                               cfg.sde_noise, cfg.sde_window)
                   for ex, r, s in zip(batch, tokens, seeds)]
     images = [c.images for c in chains]
     with grpo.timed(seconds, "reward"):
         reward, each = grpo.group_rewards(images, batch, rewards)  # 3. (P, G)
-        advantages = grpo.group_advantages(reward, scale=cfg.scale_rewards,  # 4. (one process: the batch is `reward`)
-                                           batch=reward if cfg.scale_rewards == "batch" else None)
+        advantages = grpo.group_advantages(reward, scale=cfg.scale_rewards,  # 4.
+                                           batch=grpo.gather_rows(reward) if cfg.scale_rewards == "batch" else None)
     return chains, images, reward, each, advantages
 
 
 def window(chain_steps: int, sde_window: int) -> list[int]:
-    """The denoising steps trained: the first `sde_window` of the chain (0: all). Early steps decide the layout, and
-    fewer steps cost proportionally less in the update (Flow-GRPO-Fast trains a window of the chain likewise)."""
+    """The denoising steps that are SDE steps and trained: the first `sde_window` of the chain (0: all); the sampler
+    takes ODE steps after them, so the group's rewards differ only by what the trained steps drew (and the initial
+    noise). Fewer steps cost proportionally less in the update (Flow-GRPO-Fast trains a window of the chain too)."""
     return list(range(min(sde_window, chain_steps) if sde_window else chain_steps))

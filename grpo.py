@@ -36,7 +36,7 @@ Where this departs from the paper:
     and trainer see the same tokens; the AR then writes the large grid only (no preview grid).
 
 Many GPUs the nanoGPT way: under torchrun each process takes whole groups of its own (the algorithm never
-sees the world size), FSDP2 shards the AR (`parallel.shard`), rank 0 writes. Helpers live beside this file:
+sees the world size), FSDP2 shards the trained model (`parallel.shard`), rank 0 writes. Helpers live beside this file:
 offline_model.py (GLM-Image built in code), parallel.py (torch.distributed), run_io.py (files, curves.png), rewards.py
 (more rewards), world.py (the tiny model's world of shapes); tools/compare.py puts a run beside its base model.
 
@@ -127,9 +127,11 @@ class Config:
     resume: str = arg("", "run directory to continue (--steps is the total)")
     overwrite: bool = arg(False, "replace the run in --out")
     train: str = arg("ar", "what GRPO trains: ar (the AR's visual tokens) or dit (the DiT's denoising chain, "
-                           "Flow-GRPO: dit_grpo.py; one process, text-to-image)")
+                           "Flow-GRPO: dit_grpo.py; text-to-image)")
     sde_noise: float = arg(0.7, "--train dit: noise level of the SDE step (Flow-GRPO's a)")
-    sde_window: int = arg(0, "--train dit: update on the first N denoising steps only (0: all)")
+    sde_steps: int = arg(0, "--train dit: denoising steps of the training chains (0: --num-inference-steps; "
+                            "evaluation and pictures keep --num-inference-steps)")
+    sde_window: int = arg(0, "--train dit: SDE steps (trained) on the first N denoising steps, ODE after (0: all SDE)")
     lora_rank: int | None = arg(None, "LoRA rank on the trained model, 0: train all its weights (default 0 tiny, 16 real)")
     gradient_checkpointing: bool = arg(False, "recompute AR activations")
     offload: bool = arg(False, "keep DiT, VAE, T5 on CPU except to decode")
@@ -870,11 +872,12 @@ def validate(cfg: Config) -> None:
             raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
     if cfg.train not in ("ar", "dit"):
         raise ValueError(f"--train {cfg.train}: use ar (the AR) or dit (the DiT's denoising chain)")
-    if cfg.train == "dit" and not (cfg.sde_noise > 0 and cfg.sde_window >= 0):
-        raise ValueError(f"--sde-noise {cfg.sde_noise} / --sde-window {cfg.sde_window}: the noise must be > 0 (the "
-                         "log-probs of a deterministic step do not exist) and the window >= 0")
-    if cfg.train == "dit" and int(os.environ.get("WORLD_SIZE", 1)) > 1:
-        raise ValueError("--train dit runs in one process for now; run it with python, not torchrun")
+    if cfg.train == "dit" and not (cfg.sde_noise > 0 and cfg.sde_window >= 0 and cfg.sde_steps >= 0):
+        raise ValueError(f"--sde-noise {cfg.sde_noise} / --sde-window {cfg.sde_window} / --sde-steps "
+                         f"{cfg.sde_steps}: the noise must be > 0 (the log-probs of a deterministic step do not "
+                         "exist), the window and steps >= 0")
+    if cfg.train == "dit" and cfg.mu != 1:
+        raise ValueError(f"--mu {cfg.mu}: --train dit makes one update per batch of chains for now; drop --mu")
     if cfg.eval_every < 0:
         raise ValueError(f"--eval-every {cfg.eval_every} must be >= 0 (0: evaluate only at step 0 and at the end)")
     if cfg.eval_reward and not cfg.eval_prompts:
@@ -1013,8 +1016,11 @@ def setup_training(pipe, cfg: Config, dtype: torch.dtype, world: int):
         policy = (apply_lora if cfg.train == "ar" else dit_grpo().apply_lora)(policy, cfg.lora_rank, cfg.seed)
     elif dtype != torch.float32:
         policy.float()  # trainable weights stay float32: AdamW updates to bf16 weights round away (RMSNorm freezes)
-    if cfg.gradient_checkpointing:
-        policy.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    if cfg.gradient_checkpointing:  # the DiT (diffusers) names it differently from the AR (transformers)
+        if cfg.train == "dit":
+            policy.enable_gradient_checkpointing()
+        else:
+            policy.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     if cfg.offload:
         for module in (pipe.text_encoder, pipe.transformer, pipe.vae):
             module.to("cpu")
@@ -1100,7 +1106,7 @@ def update(policy, optimizer, rollouts: list, advantages: torch.Tensor, ref_mode
     """Step 5 with the config's settings: train_step on the AR, or with --train dit dit_grpo.train_step on the DiT."""
     clip_eps = (cfg.clip_eps, cfg.clip_eps_high or cfg.clip_eps)
     if cfg.train == "dit":
-        steps = dit_grpo().window(cfg.num_inference_steps, cfg.sde_window)
+        steps = dit_grpo().window(cfg.sde_steps or cfg.num_inference_steps, cfg.sde_window)
         return dit_grpo().train_step(policy, optimizer, rollouts, advantages, ref_model, noise_level=cfg.sde_noise,
                                      steps=steps, clip_eps=clip_eps, kl_beta=cfg.kl_beta,
                                      micro_batch_size=cfg.micro_batch_size, max_grad_norm=cfg.max_grad_norm)

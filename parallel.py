@@ -50,12 +50,17 @@ def unwrapped(model):
 def shard(model, dtype: torch.dtype) -> None:
     """FSDP2: every decoder layer of the AR's language model is one unit, the vision tower and the VQ one each (they
     only run to encode a source image, so text-to-image never gathers them), the rest of the AR (embeddings, lm_head,
-    final norm) the root. With bf16 the weights are gathered in bf16 and gradients averaged in float32. A frozen
-    model (the KL reference of full fine-tuning) also reshards its root after each forward: no backward follows."""
+    final norm) the root; a DiT (--train dit): every transformer block one unit, the rest the root. With bf16 the
+    weights are gathered in bf16 and gradients averaged in float32. A frozen model (the KL reference of full
+    fine-tuning) also reshards its root after each forward: no backward follows."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     ar = unwrapped(model)  # with LoRA the inner AR: sharding the PeftModel would leave generate() half-gathered
     policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
-    for unit in [*ar.model.language_model.layers, ar.model.visual, ar.model.vqmodel]:
+    if hasattr(ar, "transformer_blocks"):  # --train dit: the DiT, one unit per transformer block, the rest the root
+        units = list(ar.transformer_blocks)
+    else:
+        units = [*ar.model.language_model.layers, ar.model.visual, ar.model.vqmodel]
+    for unit in units:
         fully_shard(unit, mp_policy=policy)
     frozen = not any(p.requires_grad for p in ar.parameters())
     fully_shard(ar, mp_policy=policy, reshard_after_forward=True if frozen else None)

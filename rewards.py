@@ -8,10 +8,12 @@ trains, so a bad line stops the run before anything is written.
   ocr      the text in the picture, read by EasyOCR, against the text asked for (optional packages)
   shapes   a rule-based checker of world.py's captions (counts, colours, shapes, positions), GenEval-style
   shapes_exact   1 where shapes is 1 (the picture is fully right), else 0: GenEval's accuracy, to watch in evaluation
+  size     how large the caption's objects are painted (a detail only the DiT decides: the --train dit demo)
   module:function   any function of yours (`import_reward`)
 """
 
 import functools
+import math
 import sys
 from pathlib import Path
 
@@ -105,7 +107,25 @@ def shapes_exact_reward(images: torch.Tensor, example: dict) -> torch.Tensor:
     return (shapes_reward(images, example) == 1.0).float()
 
 
-MORE_REWARDS = {"ocr": ocr_reward, "shapes": shapes_reward, "shapes_exact": shapes_exact_reward}
+FULL_SIZE = math.pi * 13 ** 2  # pixels of a 26-pixel disc, the largest object world.render paints
+
+
+@needs("prompt", check=not_a_world_caption)
+def size_reward(images: torch.Tensor, example: dict) -> torch.Tensor:
+    """(G, 3, H, W) in [0, 1], a caption of world.py -> (G,) in [0, 1]: how large the objects are painted, the pixels
+    in the world's colours (world.read_scene's rule: within 80 of a palette colour) per object the caption asks for,
+    over a 26-pixel disc's area, capped at 1. A decoder-side detail: the AR's tokens say what goes in which cell, and
+    the DiT alone decides how large (pre-training painted 20-26 pixels, at random). Alone it would pay for blobs and
+    merged objects; train it beside `shapes` (e.g. --reward shapes,size=0.3)."""
+    palette = torch.tensor(list(world.COLOURS.values()), dtype=torch.float32, device=images.device) / 255
+    pixels = images.float().permute(0, 2, 3, 1)[..., None, :]  # (G, H, W, 1, 3)
+    painted = ((pixels - palette) * 255).norm(dim=-1).min(dim=-1).values < 80  # (G, H, W)
+    n = len(world.parse_caption(example["prompt"])["objects"])
+    scale = (images.shape[-2] * images.shape[-1]) / world.SIZE ** 2
+    return (painted.flatten(1).float().sum(1) / (n * FULL_SIZE * scale)).clamp(max=1.0)
+
+
+MORE_REWARDS = {"ocr": ocr_reward, "shapes": shapes_reward, "shapes_exact": shapes_exact_reward, "size": size_reward}
 
 
 # ---- plug-ins ------------------------------------------------------------------------------------

@@ -234,12 +234,18 @@ def save_checkpoint(path: Path, weights: dict, optimizer_state: dict, step: int,
 
 
 def save_pretrained_atomic(model, path: Path, state_dict: dict | None = None) -> None:
-    """model.save_pretrained into `path` (the full AR, or for a peft model only the adapter), written under a
-    temporary name and swapped in, so `path` is never half-written and the previous one survives a failure."""
+    """model.save_pretrained into `path` (the full AR or DiT, or for a peft model only the adapter; `state_dict`: the
+    weights gathered from every process under torchrun), written under a temporary name and swapped in, so `path` is
+    never half-written and the previous one survives a failure."""
     tmp, old = path.with_name(path.name + ".tmp"), path.with_name(path.name + ".old")
     shutil.rmtree(tmp, ignore_errors=True)
     try:
-        model.save_pretrained(tmp, **({} if state_dict is None else {"state_dict": state_dict}))  # diffusers: no such arg
+        if state_dict is not None and hasattr(model, "save_config") and not hasattr(model, "get_base_model"):
+            model.save_config(tmp)  # a diffusers model (the DiT, --train dit, torchrun) takes no state_dict: its config
+            from safetensors.torch import save_file  # and the weights gathered from every process, as it names them
+            save_file({k: v.contiguous() for k, v in state_dict.items()}, tmp / "diffusion_pytorch_model.safetensors")
+        else:
+            model.save_pretrained(tmp, **({} if state_dict is None else {"state_dict": state_dict}))
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -50,6 +50,33 @@ def test_gaussian_logprob_and_kl():
     assert torch.equal(dit_grpo.gaussian_kl(mean, mean, std), torch.zeros(3))
 
 
+def test_sde_scheduler_step_known_noise():
+    """An independent check of one SDE step: diffusers' own FlowMatchEulerDiscreteScheduler gives the Euler step, the
+    SDE's mean adds Flow-GRPO's drift correction s^2 dt / (2 sigma) (x + (1 - sigma) v) to it, the noise is the one
+    the generator draws, and the recorded log-prob is torch's Normal density of the sample, averaged over elements."""
+    from diffusers import FlowMatchEulerDiscreteScheduler
+    stock = FlowMatchEulerDiscreteScheduler()
+    stock.set_timesteps(4)
+    sde = dit_grpo.SDEScheduler.from_config(stock.config)
+    sde.set_timesteps(4)
+    x, v = torch.randn(2, 4, 6, 6), torch.randn(2, 4, 6, 6)
+    for i in (0, 2):
+        t = stock.timesteps[i]
+        stock._step_index = sde._step_index = i
+        euler = stock.step(v, t, x).prev_sample
+        sde.begin(0.7, torch.Generator().manual_seed(11))
+        sde._step_index = i
+        prev = sde.step(v, t, x).prev_sample
+        sigma, nxt = stock.sigmas[i].item(), stock.sigmas[i + 1].item()
+        s = 0.7 * math.sqrt(sigma / (1 - (stock.sigmas[1].item() if sigma == 1 else sigma)))
+        mean = euler + s ** 2 * (nxt - sigma) / (2 * sigma) * (x + (1 - sigma) * v)
+        std = s * math.sqrt(sigma - nxt)
+        noise = torch.randn(x.shape, generator=torch.Generator().manual_seed(11))
+        assert torch.allclose(prev, mean + std * noise, atol=1e-5), i
+        density = torch.distributions.Normal(mean, std).log_prob(prev).flatten(1).mean(1)
+        assert torch.allclose(sde.steps[0][2], density, atol=1e-4), i
+
+
 def test_sde_scheduler_noise_zero_is_the_pipeline(pipe):
     """At noise level 0 the pipeline with SDEScheduler paints exactly what the stock pipeline (its
     FlowMatchEulerDiscreteScheduler) paints from the same latents, at guidance 1 and 1.5; the stock scheduler is back
@@ -87,6 +114,23 @@ def test_chain_logprobs_parity(pipe, guidance):
     assert m["ratio_min"] == m["ratio_max"] == 1.0
 
 
+def test_sde_window_ode_after(pipe):
+    """--sde-window 1 of 3 steps: the first step is an SDE step with a log-prob (the trainer's within 1e-5), the two
+    after it are the pipeline's Euler steps x + dt v (no noise, no log-prob), so the group's pictures differ only by
+    the initial noise and the first step's draw."""
+    tokens, large_hw = world_tokens(pipe)
+    chain = dit_grpo.sample_chain(pipe, "two red circles", tokens.repeat(2, 1), large_hw, SIZE, SIZE, 3, 1.5, 7, 0.7,
+                                  sde_window=1)
+    assert chain.logprobs.shape == (2, 1) and dit_grpo.window(3, 1) == [0]
+    with torch.no_grad():
+        assert (dit_grpo.chain_logprobs(pipe.transformer, chain, [0], 0.7)[0] - chain.logprobs).abs().max() <= 1e-5
+        for i in (1, 2):
+            x = chain.latents[:, i]
+            v = dit_grpo.velocity(pipe.transformer, x, chain.timesteps[i], chain.cond)
+            euler = x + (chain.sigmas[i + 1] - chain.sigmas[i]) * v
+            assert torch.allclose(chain.latents[:, i + 1], euler, atol=1e-5), i
+
+
 def test_chain_logprobs_gradient(pipe):
     """Log-probs recomputed with gradient reach the DiT's weights; one sample at a time, their gradients add up to the
     whole group's (micro-batching over samples)."""
@@ -110,7 +154,8 @@ def test_chain_logprobs_gradient(pipe):
 
 def test_train_step(pipe):
     """The first update's ratio is exactly 1, the trainer agrees with the sampler (sampler_gap <= 1e-5) and the KL to
-    an unchanged reference is 0; micro-batches of one sample give the full batch's gradient, KL term included."""
+    an unchanged reference is 0; backward per denoising step and micro-batch (of 4 samples or of 1) gives the gradient
+    of the whole batch's loss in one backward, KL term included."""
     import copy
     tokens, large_hw = world_tokens(pipe)
     chains = [dit_grpo.sample_chain(pipe, "two red circles", tokens.repeat(4, 1), large_hw, SIZE, SIZE, 3, 1.5, s, 0.7)
@@ -126,8 +171,18 @@ def test_train_step(pipe):
         assert m["ratio_min"] == m["ratio_max"] == 1.0 and m["sampler_gap"] <= 1e-5 and m["kl"] == 0.0
         assert m["skipped"] == 0 and m["grad_norm"] > 0
         grads.append({n: p.grad.clone() for n, p in policy.named_parameters() if p.grad is not None})
-    assert grads[0].keys() == grads[1].keys()
-    assert all(torch.allclose(grads[0][n], grads[1][n], atol=1e-6, rtol=1e-4) for n in grads[0])
+    policy.zero_grad(set_to_none=True)  # the whole batch in one backward, written out: what the pieces must add up to
+    for chain, adv in zip(chains, advantages):
+        logp, means, stds = dit_grpo.chain_logprobs(policy, chain, [0, 2], 0.7)
+        with torch.no_grad():
+            ref_means = dit_grpo.chain_logprobs(reference, chain, [0, 2], 0.7)[1]
+        kl = torch.stack([dit_grpo.gaussian_kl(means[:, j], ref_means[:, j], stds[j]) for j in range(2)], dim=1)
+        loss = grpo.grpo_loss(logp, logp.detach(), None, adv, 0.2, 0.0)[0] + 0.04 * kl.mean()
+        (loss / len(chains)).backward()
+    whole = {n: p.grad.clone() for n, p in policy.named_parameters() if p.grad is not None}
+    for got in grads:
+        assert got.keys() == whole.keys()
+        assert all(torch.allclose(got[n], whole[n], atol=1e-6, rtol=1e-4) for n in whole)
 
 
 def test_train_step_learns():
@@ -176,7 +231,8 @@ def records(path):
 def test_main_train_dit(tmp_path):
     """grpo.py --train dit: the first update's ratio is exactly 1 and the trainer agrees with the sampler; 4 steps equal
     2 steps + resume + 2 (metrics, evaluations, weights); final/ loads with GlmImageTransformer2DModel; tools/compare.py
-    reproduces the run's first and last evaluations; LoRA with a KL term runs and saves the adapter alone."""
+    reproduces the run's first and last evaluations; LoRA with a KL term runs (with --sde-steps 3: training chains of 3
+    steps, evaluation of 2; with gradient checkpointing) and saves the adapter alone."""
     from diffusers import GlmImageTransformer2DModel
     import tools.compare as compare
     run(tmp_path, "whole", "--steps", "4", "--kl-beta", "0.04", "--lr", "1e-3", "--sde-window", "1")
@@ -195,16 +251,26 @@ def test_main_train_dit(tmp_path):
     result = compare.main([str(tmp_path / "whole" / "final")])
     assert {**result["trained"], "step": 4} == {**evals[-1], "sec_eval": 0.0}
     assert {**result["base"], "step": 0} == {**evals[0], "sec_eval": 0.0}
-    run(tmp_path, "lora", "--steps", "2", "--lora-rank", "4", "--kl-beta", "0.04")
+    chain_steps = []  # --sde-steps 3: the training chains take 3 steps, evaluation the run's 2 (grpo.decode_images)
+    sample_chain = dit_grpo.sample_chain
+    dit_grpo.sample_chain = lambda *a, **k: chain_steps.append(a[6]) or sample_chain(*a, **k)
+    try:
+        run(tmp_path, "lora", "--steps", "2", "--lora-rank", "4", "--kl-beta", "0.04", "--sde-steps", "3",
+            "--gradient-checkpointing")
+    finally:
+        dit_grpo.sample_chain = sample_chain
+    assert chain_steps == [3] * 4  # 2 steps x 2 prompts
     assert (tmp_path / "lora" / "final" / "adapter_config.json").exists()
     assert [x["ratio_max"] for x in records(tmp_path / "lora") if not x.get("eval")][0] == 1.0
 
 
 def test_main_train_dit_bad_input(tmp_path, capsys):
-    """--train dit refuses, with one line and nothing written: a zero or negative noise level, a negative window,
-    prompts with source images (editing is the AR's for now), and an unknown --train."""
+    """--train dit refuses, with one line and nothing written: a zero or negative noise level, a negative window or
+    number of steps, --mu > 1 (one update per batch for now), prompts with source images (editing is the AR's for
+    now), and an unknown --train."""
     here = grpo.Path(__file__).parent
     for args, needle in [(["--sde-noise", "0"], "--sde-noise 0.0"), (["--sde-window", "-1"], "--sde-window -1"),
+                         (["--sde-steps", "-2"], "--sde-steps -2"), (["--mu", "2"], "--mu 2"),
                          (["--prompts", str(here / "examples" / "edits.jsonl")], "text-to-image only"),
                          (["--train", "vae"], "--train vae")]:
         with pytest.raises(SystemExit) as stop:
@@ -212,3 +278,45 @@ def test_main_train_dit_bad_input(tmp_path, capsys):
         err = capsys.readouterr().err
         assert stop.value.code == 2 and needle in err and "Traceback" not in err, (args, err)
         assert not (tmp_path / "x").exists()
+
+
+@pytest.mark.parametrize("extra", [["--kl-beta", "0.04", "--scale-rewards", "batch"],
+                                   ["--lora-rank", "4", "--kl-beta", "0.04"]])
+def test_torchrun_train_dit_equals_one_process(tmp_path, extra):
+    """--train dit under torchrun (FSDP2 over the DiT's transformer blocks): 2 processes x 1 prompt per step make the
+    same updates as 1 process x 2 prompts: the same metrics (rewards, log-probs, KL, the first ratio exactly 1) and
+    the same final/ weights within 5% of one AdamW step (see below). The reward is `size` (continuous, with a spread
+    of a few hundredths within a group): with SSIM, whose spread from decoder noise alone can be ~1e-4, float32
+    rounding of the rewards becomes a visible part of the z-scored advantages, and the runs part after one update."""
+    from safetensors.torch import load_file
+    from test_grpo import assert_same_metrics, run_record, torchrun
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("two red circles\na blue square left of a yellow triangle\n")
+    common = ["--prompts", str(prompts), "--reward", "size", "--train", "dit", "--steps", "3", "--group-size", "4",
+              "--micro-batch-size", "2", "--sde-window", "1", "--lr", "1e-3", "--image-every", "0",
+              "--before-after", "0", *extra]
+    one = torchrun(*common, "--out", str(tmp_path / "one"), "--prompts-per-step", "2", nproc=1)
+    assert one.returncode == 0, one.stderr[-3000:]
+    two = torchrun(*common, "--out", str(tmp_path / "two"), "--prompts-per-step", "1")
+    assert two.returncode == 0, two.stderr[-3000:]
+    assert_same_metrics(tmp_path / "one", tmp_path / "two")
+    steps = run_record(tmp_path / "two")
+    assert steps[0]["prompts"] == [0, 1] and steps[0]["ratio_min"] == steps[0]["ratio_max"] == 1.0
+    assert steps[-1]["kl"] > 0
+    name = "adapter_model.safetensors" if "--lora-rank" in extra else "diffusion_pytorch_model.safetensors"
+    a, b = (load_file(tmp_path / d / "final" / name) for d in ("one", "two"))
+    assert a.keys() == b.keys() and a
+    # the gradients agree within 1e-5 (grad_norm is among the metrics above), but many of the DiT's gradient entries
+    # are ~1e-8, AdamW's eps, where lr * g / (|g| + eps) turns the reduction's float rounding into a visible part of
+    # a step: measured up to 2% of lr (1e-3) after 3 steps; a wrong gradient would move weights by a whole lr
+    assert max((a[k].float() - b[k].float()).abs().max().item() for k in a) <= 0.05 * 1e-3
+
+
+def test_memory_plan_dit_lora_params(pipe):
+    """tools/memory_plan.py counts the DiT's adapter parameters from shapes; on the tiny DiT's config the count equals
+    what peft creates with dit_grpo.apply_lora."""
+    import copy
+    import tools.memory_plan as plan
+    lora = dit_grpo.apply_lora(copy.deepcopy(pipe.transformer), 4)
+    trainable = sum(p.numel() for p in lora.parameters() if p.requires_grad)
+    assert trainable > 0 and plan.dit_lora_params(4, dict(pipe.transformer.config)) == trainable

@@ -147,6 +147,34 @@ def test_shapes_exact_reward():
     assert rewards.shapes_exact_reward(images, {"prompt": caption}).tolist() == [1.0, 0.0, 0.0]
 
 
+def test_size_reward():
+    """The share of a 26-pixel disc each asked object covers, on world.render's anti-aliased pictures: 20- and
+    24-pixel discs (20/26)^2 and (24/26)^2 within 0.02, 26 pixels ~1, larger capped at 1, a blank picture 0; counted
+    per object asked (one of two drawn: half), and the same at twice the resolution."""
+    class Width:  # world.render's rng: the width asked for, centred (the offsets are 0)
+        def __init__(self, width):
+            self.width = width
+
+        def randint(self, low, high):
+            return self.width if low == 20 else 0
+
+    def drawn(scene, width, size=96):
+        image = world.render(scene, Width(width)).resize((size, size))
+        return torch.from_numpy(np.array(image)).permute(2, 0, 1).float()[None] / 255
+
+    one, two, disc = {"prompt": "a red circle"}, {"prompt": "two red circles"}, ("red", "circle")
+    for width in (20, 24, 26):
+        got = rewards.size_reward(drawn({(1, 1): disc}, width), one).item()
+        assert got == pytest.approx(min(1.0, (width / 26) ** 2), abs=0.02), width
+    assert rewards.size_reward(drawn({(1, 1): disc}, 31), one).item() == 1.0
+    assert rewards.size_reward(torch.ones(1, 3, 96, 96), one).item() == 0.0
+    both = rewards.size_reward(drawn({(0, 0): disc, (2, 2): disc}, 24), two).item()
+    half = rewards.size_reward(drawn({(0, 0): disc}, 24), two).item()
+    assert both == pytest.approx((24 / 26) ** 2, abs=0.02) and half == pytest.approx(both / 2, abs=1e-6)
+    big = rewards.size_reward(drawn({(1, 1): disc}, 24, size=192), one).item()
+    assert big == pytest.approx((24 / 26) ** 2, abs=0.02)
+
+
 def test_shapes_reward_bad_prompt(tmp_path, capsys):
     """A prompt outside the world's grammar stops the run before anything is written, naming its line."""
     prompts = tmp_path / "p.txt"

@@ -1137,6 +1137,91 @@ def section_fsdp(counts: dict, args) -> list[str]:
     return ["### Many GPUs (FSDP2)", text, body]
 
 
+# ---- --train dit: GRPO on the DiT (dit_grpo.py) -----------------------------------------------------
+
+DIT_KEPT_PER_TOKEN_BLOCK = 34  # x hidden bytes: a transformer block's saved tensors per token in bf16 with flash
+#                                attention and no dropout (Korthikanti et al. 2022, "34 s b h"); not measured for the DiT
+
+
+def dit_lora_params(r: int, config: dict | None = None) -> int:
+    """Adapter parameters of dit_grpo.apply_lora at rank r on the published DiT: r (in + out) per Linear its
+    LORA_TARGETS pattern matches (attn1 q/k/v/out and the MLP of every block; peft matches the full name)."""
+    import re
+    from diffusers import GlmImageTransformer2DModel
+    from dit_grpo import LORA_TARGETS
+    with torch.device("meta"):
+        dit = GlmImageTransformer2DModel(**(config or DIT_CONFIG))
+    return sum(r * (m.in_features + m.out_features) for name, m in dit.named_modules()
+               if isinstance(m, torch.nn.Linear) and re.fullmatch(LORA_TARGETS, name))
+
+
+def dit_train_activation_bytes(micro_batch: int, calls: int, height: int, width: int, glyph_tokens: int,
+                               checkpointing: bool) -> float:
+    """What one backward piece of dit_grpo.train_step keeps: `micro_batch` samples x ONE denoising step (it
+    back-propagates step by step) x `calls` DiT calls (2 with classifier-free guidance). Without checkpointing every
+    block's saved tensors; with it, each block's input (bf16) plus one block recomputed."""
+    p, vae_scale = DIT_CONFIG["patch_size"], 2 ** (len(VAE_CONFIG["block_out_channels"]) - 1)
+    tokens = (height // vae_scale // p) * (width // vae_scale // p) + glyph_tokens
+    hidden = DIT_CONFIG["num_attention_heads"] * DIT_CONFIG["attention_head_dim"]
+    block = tokens * DIT_KEPT_PER_TOKEN_BLOCK * hidden
+    layers = DIT_CONFIG["num_layers"]
+    kept = layers * tokens * hidden * 2 + block if checkpointing else layers * block
+    return micro_batch * calls * kept
+
+
+def dit_rows(counts: dict, G: int, height: int, width: int, micro_batch: int, glyph_tokens: int,
+             worlds=(1, 4, 8)) -> list[dict]:
+    """Per-GPU peaks of `grpo.py --train dit` on the real DiT: G chains per prompt at guidance 1.5 (2 DiT calls a
+    step). The AR (frozen, one sample per prompt), VAE and T5 are replicated in bf16; the DiT's trainable state is
+    sharded over the GPUs by FSDP2 (parallel.shard: one unit per transformer block). Full FT: fp32 weights, grads and
+    AdamW (16 B/param) + a bf16 KL reference (2 B/param); LoRA: the bf16 DiT + fp32 adapters, grads and AdamW.
+    Phases: sample (the AR, G = 1: its KV cache is small), decode (the DiT gathered in bf16 for the chains, no
+    gradient, + their activations or the VAE's), train (one step's graph for a micro-batch, the root and two blocks
+    gathered in bf16 under FSDP, the gradients)."""
+    N = 256 + (height // 32) * (width // 32)
+    frozen = (counts["AR total"] + counts["VAE"] + counts["T5 glyph encoder"]) * 2
+    dit = counts["DiT"]
+    block = dit / DIT_CONFIG["num_layers"]
+    decoding = max(dit_activation_bytes(G, height, width, glyph_tokens), vae_decode_bytes(G, height, width))
+    rows = []
+    for name, n, full in [("full FT, fp32 master + AdamW, KL reference", dit, True),
+                          ("LoRA r=16", dit_lora_params(16), False), ("LoRA r=64", dit_lora_params(64), False)]:
+        for world in worlds:
+            state = (dit * (16 + 2) if full else dit * 2 + n * 16) / world
+            gathered = 0 if world == 1 else dit * 2  # the chains run the DiT unsharded (parallel.unsharded)
+            in_flight = 0 if world == 1 else (dit - DIT_CONFIG["num_layers"] * block) * 2 + 2 * block * 2
+            for ckpt in (False, True):
+                act = dit_train_activation_bytes(micro_batch, 2, height, width, glyph_tokens, ckpt)
+                sampling = kv_cache_bytes(1, 100 + N - 1, "lora") + sampler_logits_bytes(1, N)
+                phases = {"sample": frozen + state + sampling,
+                          "decode": frozen + state + gathered + decoding,
+                          "train": frozen + state + in_flight + act + (n * 4 if not full and world > 1 else 0)}
+                phase = max(phases, key=phases.get)
+                rows.append(dict(name=name, world=world, ckpt=ckpt, trainable=n, state=state, phases=phases,
+                                 phase=phase, peak=phases[phase], act=act))
+    return rows
+
+
+def section_dit(counts: dict, args) -> list[str]:
+    G, H, W = args.group_size, args.height, args.width
+    rows = dit_rows(counts, G, H, W, args.micro_batch, args.glyph_tokens)
+    frozen = (counts["AR total"] + counts["VAE"] + counts["T5 glyph encoder"]) * 2
+    body = table(["setting", "GPUs", "grad ckpt", "trainable", "DiT state per GPU", "train activations", "sample",
+                  "decode", "train", "peak per GPU", "fits 80 GB"],
+                 ["---", "---:", "---", "---:", "---:", "---:", "---:", "---:", "---:", "---:", "---"],
+                 [[r["name"], r["world"], "yes" if r["ckpt"] else "no", f"{r['trainable'] / 1e9:.3f}B",
+                   f"{r['state'] / GiB:.1f}", f"{r['act'] / GiB:.1f}",
+                   *(f"{r['phases'][p] / GiB:.1f}" for p in ("sample", "decode", "train")),
+                   f"{r['peak'] / GiB:.1f} ({r['phase']})", verdict(r["peak"])] for r in rows])
+    text = (f"`grpo.py --train dit` (dit_grpo.py) on the real DiT ({counts['DiT'] / 1e9:.2f}B), G={G} chains per "
+            f"prompt, micro-batch {args.micro_batch}, guidance 1.5 (two DiT calls a step), one denoising step's graph "
+            "at a time (train_step back-propagates step by step, so the window and --sde-steps change time, not "
+            "memory). ESTIMATES, none measured: the DiT's kept activations use the standard count of 34 hidden-widths "
+            "per token and block in bf16 (Korthikanti et al. 2022), not a measurement of this DiT; the AR, VAE and T5 "
+            f"stay resident and replicated ({frozen / GiB:.1f} GiB).")
+    return ["### GRPO on the DiT (--train dit)", text, body]
+
+
 def section_sources() -> list[str]:
     return ["### Sources of the configs", "\n".join(f"- {k}: {v}" for k, v in SOURCES.items())]
 
@@ -1177,7 +1262,7 @@ def main(argv=None) -> str:
     sections = [section_title(args.height, args.width, args.group_size), section_parameters(counts),
                 section_peaks(rows, c, args), section_assumptions(), section_measured(measured, args.measure),
                 section_checks(counts, args), section_verdict(counts, rows, c, args), section_fsdp(counts, args),
-                section_sources()]
+                section_dit(counts, args), section_sources()]
     text = "\n\n".join(block for section in sections for block in section)
     print(text)
     if args.measure:
