@@ -83,7 +83,7 @@ class SDEScheduler(FlowMatchEulerDiscreteScheduler):
             self._init_step_index(timestep)
         sigma, sigma_next = self.sigmas[self.step_index], self.sigmas[self.step_index + 1]
         x, v = sample.to(torch.float32), model_output.to(torch.float32)
-        level = self.noise_level if not self.sde_window or self.step_index < self.sde_window else 0.0
+        level = self.noise_level if self.step_index in window(len(self.timesteps), self.sde_window) else 0.0
         mean, std = sde_step(x, v, sigma, sigma_next, self.sigmas[1], level)
         std = std.to(x.device)
         if level > 0:
@@ -254,9 +254,7 @@ def sample_and_score(pipe, policy, batch: list[dict], groups: list[int], rewards
                   for ex, r, s in zip(batch, tokens, seeds)]
     images = [c.images for c in chains]
     with grpo.timed(seconds, "reward"):
-        reward, each = grpo.group_rewards(images, batch, rewards)  # 3. (P, G)
-        advantages = grpo.group_advantages(reward, scale=cfg.scale_rewards,  # 4.
-                                           batch=grpo.gather_rows(reward) if cfg.scale_rewards == "batch" else None)
+        reward, each, advantages = grpo.score(images, batch, rewards, cfg)  # 3.-4. as for the AR
     return chains, images, reward, each, advantages
 
 

@@ -1106,7 +1106,7 @@ def update(policy, optimizer, rollouts: list, advantages: torch.Tensor, ref_mode
     """Step 5 with the config's settings: train_step on the AR, or with --train dit dit_grpo.train_step on the DiT."""
     clip_eps = (cfg.clip_eps, cfg.clip_eps_high or cfg.clip_eps)
     if cfg.train == "dit":
-        steps = dit_grpo().window(cfg.sde_steps or cfg.num_inference_steps, cfg.sde_window)
+        steps = dit_grpo().window(len(rollouts[0].timesteps), cfg.sde_window)  # the chains' own length
         return dit_grpo().train_step(policy, optimizer, rollouts, advantages, ref_model, noise_level=cfg.sde_noise,
                                      steps=steps, clip_eps=clip_eps, kl_beta=cfg.kl_beta,
                                      micro_batch_size=cfg.micro_batch_size, max_grad_norm=cfg.max_grad_norm)
@@ -1146,10 +1146,17 @@ def sample_and_score(pipe, policy, batch: list[dict], groups: list[int], rewards
                                 cfg.num_inference_steps, cfg.decode_seed, cfg.guidance_scale, r.source)
                   for ex, r in zip(batch, rollouts)]
     with timed(seconds, "reward"):
-        reward, each = group_rewards(images, batch, rewards)  # 3. score them: (P, G)
-        advantages = group_advantages(reward, scale=cfg.scale_rewards,  # 4. z-score within each group
-                                      batch=gather_rows(reward) if cfg.scale_rewards == "batch" else None)
+        reward, each, advantages = score(images, batch, rewards, cfg)  # 3.-4.
     return rollouts, images, reward, each, advantages
+
+
+def score(images: list[torch.Tensor], batch: list[dict], rewards: dict, cfg: Config) -> tuple:
+    """Steps 3-4 for P groups of images (the AR's or, with --train dit, the DiT's): (P, G) rewards and each reward's,
+    and the (P, G) advantages, z-scored within each group (--scale-rewards batch: by the std of every process's)."""
+    reward, each = group_rewards(images, batch, rewards)  # 3. score them: (P, G)
+    advantages = group_advantages(reward, scale=cfg.scale_rewards,  # 4. z-score within each group
+                                  batch=gather_rows(reward) if cfg.scale_rewards == "batch" else None)
+    return reward, each, advantages
 
 
 def quiet_libraries() -> None:

@@ -7,6 +7,7 @@ import torch
 
 import dit_grpo
 import grpo
+from test_grpo import run_record as records  # a run's metrics.jsonl lines without the timings
 
 SIZE = 96  # the tiny model's world: 3x3 large tokens
 
@@ -222,12 +223,6 @@ def run(tmp_path, out, *extra):
                       "shapes_exact", *extra])
 
 
-def records(path):
-    import json
-    return [{k: v for k, v in json.loads(x).items() if not k.startswith("sec_")}
-            for x in (path / "metrics.jsonl").read_text().splitlines()]
-
-
 def test_main_train_dit(tmp_path):
     """grpo.py --train dit: the first update's ratio is exactly 1 and the trainer agrees with the sampler; 4 steps equal
     2 steps + resume + 2 (metrics, evaluations, weights); final/ loads with GlmImageTransformer2DModel; tools/compare.py
@@ -289,7 +284,7 @@ def test_torchrun_train_dit_equals_one_process(tmp_path, extra):
     of a few hundredths within a group): with SSIM, whose spread from decoder noise alone can be ~1e-4, float32
     rounding of the rewards becomes a visible part of the z-scored advantages, and the runs part after one update."""
     from safetensors.torch import load_file
-    from test_grpo import assert_same_metrics, run_record, torchrun
+    from test_grpo import assert_same_metrics, torchrun
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("two red circles\na blue square left of a yellow triangle\n")
     common = ["--prompts", str(prompts), "--reward", "size", "--train", "dit", "--steps", "3", "--group-size", "4",
@@ -300,7 +295,7 @@ def test_torchrun_train_dit_equals_one_process(tmp_path, extra):
     two = torchrun(*common, "--out", str(tmp_path / "two"), "--prompts-per-step", "1")
     assert two.returncode == 0, two.stderr[-3000:]
     assert_same_metrics(tmp_path / "one", tmp_path / "two")
-    steps = run_record(tmp_path / "two")
+    steps = records(tmp_path / "two")
     assert steps[0]["prompts"] == [0, 1] and steps[0]["ratio_min"] == steps[0]["ratio_max"] == 1.0
     assert steps[-1]["kl"] > 0
     name = "adapter_model.safetensors" if "--lora-rank" in extra else "diffusion_pytorch_model.safetensors"

@@ -708,6 +708,24 @@ def test_group_advantages():
     assert torch.equal(grpo.group_advantages(torch.zeros(2, 4)), torch.zeros(2, 4))
 
 
+def test_score():
+    """Steps 3-4 together: each group scored against its own example, the weighted sum, and advantages scaled as
+    --scale-rewards says (group: z-scores per group; batch: one std for the whole batch, so a group of small spread
+    keeps small advantages)."""
+    images = [torch.rand(4, 3, 8, 8), torch.rand(4, 3, 8, 8) * 0.1]
+    batch = [{"prompt": "a", "bias": 1.0}, {"prompt": "b", "bias": 0.0}]
+    rewards = {"mean": (lambda im, ex: im.mean(dim=(1, 2, 3)) + ex["bias"], 2.0)}
+    for scale in ("group", "batch"):
+        cfg = grpo.parse_config(["--scale-rewards", scale])
+        reward, each, advantages = grpo.score(images, batch, rewards, cfg)
+        means = torch.stack([im.mean(dim=(1, 2, 3)) for im in images]) + torch.tensor([[1.0], [0.0]])
+        assert torch.allclose(each["mean"], means) and torch.allclose(reward, 2 * means)
+        want = grpo.group_advantages(2 * means, scale=scale, batch=2 * means if scale == "batch" else None)
+        assert torch.allclose(advantages, want)
+    spread, raw = advantages.std(dim=1), means.std(dim=1)  # batch: one divisor, so the groups keep their spreads
+    assert torch.allclose(spread[0] / spread[1], raw[0] / raw[1], rtol=1e-4) and spread[0] > 5 * spread[1]
+
+
 def test_group_advantages_scale():
     """--scale-rewards by hand: group (each group's std), batch (the std of every reward of the step, also when the
     batch is given from all processes), none (Dr. GRPO: centred only); a group with no spread stays zero."""
