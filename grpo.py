@@ -70,7 +70,7 @@ import torch.nn.functional as F
 from PIL import Image
 from tqdm.auto import tqdm
 
-from parallel import (INTERRUPT, all_agree, final_weights, gather_list, gather_rows,  # many GPUs (torchrun)
+from parallel import (INTERRUPT, all_agree, distributed, final_weights, gather_list, gather_rows,  # many GPUs
                       interrupts_caught, interrupts_held, load_trainable_state, reduce_metrics, shard, start_processes,
                       stop_processes, stop_requested, sync_gradients, trainable_state, unsharded)
 from rewards import MORE_REWARDS, import_reward, needs  # ocr, shapes, module:function rewards
@@ -197,7 +197,18 @@ def only_ar_trains(pipe):
     ar.model.visual.requires_grad_(False)  # the vision tower and VQ encoder only encode source images
     ar.model.vqmodel.requires_grad_(False)
     disable_dropout(ar)
+    if float32_logits not in ar.lm_head._forward_hooks.values():
+        ar.lm_head.register_forward_hook(float32_logits)
     return pipe
+
+
+def float32_logits(head, args: tuple, logits: torch.Tensor) -> torch.Tensor:
+    """A forward hook on the AR's lm_head: the logits computed and returned in float32, whatever the weights' dtype
+    or autocast, so that sampler and trainer both score float32 logits (MiniMax-M1's fix for the gap between them:
+    bf16 logits are rounded to 8 significant bits, 0.03 at a logit of 10, and the two round differently). In float32
+    this is the lm_head's own product."""
+    with torch.autocast(logits.device.type, enabled=False):
+        return F.linear(args[0].float(), head.weight.float())
 
 
 @contextlib.contextmanager
@@ -387,7 +398,7 @@ def group_inputs(processor, prompt: str, group_size: int, height: int, width: in
 def encode_source(model, inputs: dict, source: Image.Image) -> tuple[dict, Source]:
     """The source's patches -> its VQ codes (vision tower, then nearest codebook entry), written into input_ids in
     place of the <|image|> placeholders: the path GlmImageModel.forward takes with pixel_values, done ONCE per group,
-    so generate and every training forward see the very same source tokens (and need no pixel_values)."""
+    so the sampler and every training forward see the very same source tokens (and need no pixel_values)."""
     core, grid = model.model, inputs["image_grid_thw"][:1]  # (1, 3): the source row of the first sample
     features = core.get_image_features(inputs["pixel_values"], grid, return_dict=True).pooler_output
     codes = core.get_image_tokens(features).view(-1)  # (h_s * w_s,)
@@ -407,48 +418,20 @@ def to_pil(image: torch.Tensor) -> Image.Image:
     return Image.fromarray((image.float().clamp(0, 1).permute(1, 2, 0).cpu().numpy() * 255).round().astype(np.uint8))
 
 
-@torch.no_grad()
-def sample_group(pipe, prompt: str, group_size: int, height: int, width: int, temperature: float,
-                 seed: int, source: torch.Tensor | None = None, top_k: int = 0, top_p: float = 1.0) -> Rollout:
-    """G samples for one prompt (editing: and a (3, H, W) source image) from ONE batched generate (KV cache),
-    with their log-probs.
-
-    Every sample is exactly N = h'w' + (H/32)(W/32) codebook tokens (editing: (H/32)(W/32)). generate samples
-    from `code_logprobs` itself (a logits processor: temperature, top-k, top-p and the codebook in one place), and
-    the log-probs come from its raw logits through the same function.
-    """
-    from transformers import LogitsProcessorList
-    model, K = pipe.vision_language_encoder, pipe.vision_language_encoder.config.vq_config.num_embeddings
-    model.eval()  # no dropout: sampler and trainer must draw from one and the same distribution
+def group_prompt(pipe, prompt: str, group_size: int, height: int, width: int,
+                 source: torch.Tensor | None = None) -> tuple[dict, Source | None, tuple, tuple]:
+    """One prompt (and a (3, H, W) source image) -> the group's AR inputs (group_inputs; editing: with the source's
+    codes in place, encode_source), the Source, and the preview and large grids (h', w'), (H/32, W/32) that the AR
+    will write: the preview first, (0, 0) when editing (none is written)."""
+    model = pipe.vision_language_encoder
     image = to_pil(source) if source is not None else None
     inputs = group_inputs(pipe.processor, prompt, group_size, height, width, model.device, image)
     first, second = (tuple(row[1:]) for row in inputs["image_grid_thw"][:2].tolist())
-    if image is not None:
-        inputs, src = encode_source(model, inputs, image)
-        preview_hw, large_hw = (0, 0), second  # [source, large]
-    else:
-        src, preview_hw, large_hw = None, second, first  # [large, preview]
-    n_tokens = preview_hw[0] * preview_hw[1] + large_hw[0] * large_hw[1]
+    if image is None:
+        return inputs, None, second, first  # image_grid_thw holds [large, preview]
+    inputs, src = encode_source(model, inputs, image)
+    return inputs, src, (0, 0), second  # [source, large]
 
-    def sampled_distribution(input_ids, scores):  # what generate draws from: code_logprobs, -inf beyond the codebook
-        return F.pad(code_logprobs(scores, temperature, K, top_k, top_p), (0, scores.shape[-1] - K), value=-math.inf)
-
-    devices = [model.device] if model.device.type == "cuda" else []
-    with torch.random.fork_rng(devices=devices):  # seeded sampling without touching the caller's RNG
-        torch.manual_seed(seed)
-        out = model.generate(
-            **inputs, do_sample=True, temperature=1.0, top_k=0, top_p=1.0, repetition_penalty=1.0,  # all in ...
-            logits_processor=LogitsProcessorList([sampled_distribution]),  # ... code_logprobs
-            max_new_tokens=n_tokens,  # never stops early: image end, like every id beyond the codebook, is -inf
-            output_logits=True, return_dict_in_generate=True,
-            synced_gpus=False)  # every process writes exactly N tokens: no per-token all-reduce under FSDP
-    tokens = out.sequences[:, inputs["input_ids"].shape[1]:]  # (G, N)
-    logits = torch.stack(out.logits, dim=1)  # (G, N, V) raw, before any processing
-    logprobs = code_logprobs(logits, temperature, K, top_k, top_p).gather(-1, tokens[..., None]).squeeze(-1)  # (G, N)
-    return Rollout(tokens, logprobs, inputs, preview_hw, large_hw, src)
-
-
-# ---- 5. Log-probs of given tokens ---------------------------------------------------------------
 
 def rope_positions(input_ids: torch.Tensor, image_grid_thw: torch.Tensor, num_tokens: int, image_start_id: int,
                    image_end_id: int) -> torch.Tensor:
@@ -482,6 +465,123 @@ def rope_positions(input_ids: torch.Tensor, image_grid_thw: torch.Tensor, num_to
     positions = torch.cat(positions, dim=1)[:, : len(ids) + num_tokens - 1]  # the last token is never an input
     return positions[:, None, :].to(image_grid_thw.device)  # (3, 1, P+N-1)
 
+
+@torch.no_grad()
+def sample_groups(pipe, prompts: list[str], group_size: int, height: int, width: int, temperature: float,
+                  seeds: list[int], sources: list | None = None, top_k: int = 0, top_p: float = 1.0) -> list[Rollout]:
+    """G samples for each of P prompts (editing: and a (3, H, W) source image each), with their log-probs, from ONE
+    decode of all P*G rows: the prompts left-padded to one length, each row at its own rotary positions.
+
+    Every sample is exactly N = h'w' + (H/32)(W/32) codebook tokens (editing: (H/32)(W/32); groups of different N,
+    editing beside text-to-image, are decoded apart). Group p draws from its own generator seeded with seeds[p], so
+    its tokens are those it gets when sampled alone, and those `generate` drew with grpo.py's logits processor.
+    """
+    model = pipe.vision_language_encoder.eval()  # no dropout: sampler and trainer draw from one distribution
+    groups = [group_prompt(pipe, prompt, group_size, height, width, source)
+              for prompt, source in zip(prompts, sources or [None] * len(prompts))]
+    lengths = [a[0] * a[1] + b[0] * b[1] for _, _, a, b in groups]  # N of each group: preview + large grid
+    rollouts = [None] * len(groups)
+    for n in sorted(set(lengths)):
+        mine = [i for i, length in enumerate(lengths) if length == n]
+        prompt_ids = [groups[i][0]["input_ids"][0] for i in mine]  # (P_i,) each
+        positions = [rope_positions(ids, groups[i][0]["image_grid_thw"][:int(groups[i][0]["images_per_sample"][0])],
+                                    n + 1, model.config.image_start_token_id, model.config.image_end_token_id)
+                     for ids, i in zip(prompt_ids, mine)]  # (3, 1, P_i + N) each: the last token is fed too
+        width_p = max(len(ids) for ids in prompt_ids)  # left padding: every prompt ends in the last column
+
+        def left_pad(x, dim=-1):  # pad the last dim on the left to width_p (+ N), then G rows a prompt along `dim`
+            return torch.cat([F.pad(v, (width_p - len(ids), 0)) for v, ids in zip(x, prompt_ids)], dim
+                             ).repeat_interleave(group_size, dim)
+
+        tokens, logprobs = decode(model, left_pad([ids[None] for ids in prompt_ids], 0),  # (P*G, width_p), pad id 0
+                                  left_pad([torch.ones_like(ids[None], dtype=torch.bool) for ids in prompt_ids], 0),
+                                  left_pad(positions, 1),  # (3, P*G, width_p + N)
+                                  n, temperature, top_k, top_p,
+                                  [torch.Generator(model.device).manual_seed(seeds[i]) for i in mine])
+        for j, i in enumerate(mine):
+            inputs, source, preview_hw, large_hw = groups[i]
+            rows = slice(j * group_size, (j + 1) * group_size)
+            rollouts[i] = Rollout(tokens[rows], logprobs[rows], inputs, preview_hw, large_hw, source)
+    return rollouts
+
+
+def sample_group(pipe, prompt: str, group_size: int, height: int, width: int, temperature: float,
+                 seed: int, source: torch.Tensor | None = None, top_k: int = 0, top_p: float = 1.0) -> Rollout:
+    """G samples for one prompt: sample_groups with one group."""
+    return sample_groups(pipe, [prompt], group_size, height, width, temperature, [seed],
+                         None if source is None else [source], top_k, top_p)[0]
+
+
+@torch.no_grad()
+def decode(model, input_ids: torch.Tensor, valid: torch.Tensor, positions: torch.Tensor, n_tokens: int,
+           temperature: float, top_k: int, top_p: float, generators: list, static: bool | None = None
+           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The AR's decode loop: prefill the prompts once, then one token a step with a KV cache.
+
+    input_ids (B, P) prompts, left-padded; valid (B, P) bool, False on padding; positions (3, B, P + N) the rotary
+    positions of every prompt and generated token (rope_positions); `generators`: one per group, the B rows split
+    evenly between them. Returns the (B, N) sampled codes and their (B, N) float32 log-probs under code_logprobs,
+    the one distribution; no step's logits are kept. On a GPU the step is captured once as a CUDA graph and
+    replayed (repeat_step), which needs fixed shapes: `static` (default: on a GPU) pre-allocates the cache for all
+    P + N slots and masks all of them at every step; otherwise the cache grows and a step attends to the filled
+    slots only (as generate's: 6% faster per step on a CPU).
+    """
+    from transformers import DynamicCache, StaticCache
+    K, V = model.config.vq_config.num_embeddings, model.lm_head.out_features  # codebook ids, lm_head rows
+    (B, P), N, device = input_ids.shape, n_tokens, input_ids.device
+    L = P + N  # slots: the prompt, then every generated token (the last one is fed too: one step body)
+    static = device.type == "cuda" if static is None else static
+    cache = (StaticCache(config=model.config.text_config, max_cache_len=L) if static else
+             DynamicCache(config=model.config.text_config))
+    seen = F.pad(valid, (0, N), value=True)  # (B, L): slots that hold a token (padding never does)
+    slot = torch.arange(L, device=device)
+
+    def forward(ids, slots):  # (B, S) tokens at slots `slots` (S,) -> (B, V) logits after the last one
+        kv = L if static else int(slots[-1]) + 1  # the slots attended to
+        mask = ((seen[:, None, None, :] & (slot <= slots[:, None])) | (slot == slots[:, None]))[..., :kv]  # (B, 1, S,
+        # kv): causal, without the padding; a pad slot attends to itself (a query that sees nothing makes NaN)
+        return model(input_ids=ids, attention_mask=mask, position_ids=positions[:, :, slots], cache=cache,
+                     logits_to_keep=1).logits[:, -1]  # the trainer's forward (token_logprobs), one token at a time
+
+    tokens = torch.zeros(B, N, dtype=torch.long, device=device)
+    logprobs = torch.zeros(B, N, device=device)
+    t = torch.zeros(1, dtype=torch.long, device=device)  # the step, kept on the device: a CUDA graph replays it
+    logits = forward(input_ids, slot[:P])  # prefill: (B, V) logits of the first token
+
+    def step():  # draw token t from code_logprobs, then feed it: the logits of token t + 1
+        logp = code_logprobs(logits, temperature, K, top_k, top_p)  # (B, K)
+        noise = torch.cat([torch.empty(B // len(generators), V, device=device).exponential_(generator=g)
+                           for g in generators])  # (B, V), each group's (G, V) as torch.multinomial draws it
+        token = (logp.exp() / noise[:, :K]).argmax(dim=-1, keepdim=True)  # (B, 1): torch.multinomial(probs, 1)
+        tokens.index_copy_(1, t, token)
+        logprobs.index_copy_(1, t, logp.gather(-1, token))
+        logits.copy_(forward(token, P + t))
+        t.add_(1)
+
+    repeat_step(step, N, generators)
+    return tokens, logprobs
+
+
+def repeat_step(step, n: int, generators: list) -> None:
+    """step() n times. On a GPU (one process) the first runs eagerly, warming up kernels and allocator, and the rest
+    replay ONE CUDA graph of it: no Python and no kernel launches between steps, no host synchronisation (a decode
+    step of the real AR is ~2,000 small kernels, which the CPU cannot launch as fast as the GPU runs them)."""
+    step()
+    if n == 1 or generators[0].device.type != "cuda" or distributed():  # FSDP's hooks are not captured
+        for _ in range(n - 1):
+            step()
+        return
+    graph = torch.cuda.CUDAGraph()
+    for generator in generators:  # the draws of a replay advance each group's generator, as eager steps do
+        graph.register_generator_state(generator)
+    autocast = torch.is_autocast_enabled("cuda")  # autocast's cast cache cannot live in a graph
+    with torch.cuda.graph(graph), torch.autocast("cuda", torch.get_autocast_dtype("cuda"), autocast, cache_enabled=False):
+        step()
+    for _ in range(n - 1):
+        graph.replay()
+
+
+# ---- 5. Log-probs of given tokens ---------------------------------------------------------------
 
 def token_logprobs(model, inputs: dict, tokens: torch.Tensor, temperature: float, top_k: int = 0,
                    top_p: float = 1.0) -> torch.Tensor:
@@ -819,8 +919,11 @@ def evaluate(pipe, examples: list[dict], rewards: dict, n_samples: int, seed: in
     total and each reward's (P, K), P = len(examples).
     """
     mine = list(range(rank, len(examples), world))
-    rollouts = [sample_group(pipe, examples[i]["prompt"], n_samples, cfg.height, cfg.width, cfg.temperature, seed + i,
-                             examples[i].get("source"), cfg.top_k, cfg.top_p) for i in mine]
+    chunk = max(1, cfg.prompts_per_step * cfg.group_size // n_samples)  # prompts a decode: a training step's rows
+    rollouts = [r for c in range(0, len(mine), chunk) for r in sample_groups(
+        pipe, [examples[i]["prompt"] for i in mine[c:c + chunk]], n_samples, cfg.height, cfg.width, cfg.temperature,
+        [seed + i for i in mine[c:c + chunk]], [examples[i].get("source") for i in mine[c:c + chunk]], cfg.top_k,
+        cfg.top_p)]
     images = [decode_images(pipe, examples[i]["prompt"], r.tokens, r.large_hw, cfg.height, cfg.width,
                             cfg.num_inference_steps, cfg.decode_seed, cfg.guidance_scale, r.source)
               for i, r in zip(mine, rollouts)]
@@ -1138,9 +1241,9 @@ def sample_and_score(pipe, policy, batch: list[dict], groups: list[int], rewards
     number), decode them with the frozen DiT, score them, and z-score the rewards within each group. Returns the
     rollouts, the images, the (P, G) rewards (and each reward's), and the (P, G) advantages."""
     with timed(seconds, "sample"), autocast, unsharded(policy):  # 1. G token grids per prompt
-        rollouts = [sample_group(pipe, ex["prompt"], cfg.group_size, cfg.height, cfg.width, cfg.temperature,
-                                 cfg.seed * 1_000_003 + g, ex.get("source"), cfg.top_k, cfg.top_p)
-                    for ex, g in zip(batch, groups)]
+        rollouts = sample_groups(pipe, [ex["prompt"] for ex in batch], cfg.group_size, cfg.height, cfg.width,
+                                 cfg.temperature, [cfg.seed * 1_000_003 + g for g in groups],
+                                 [ex.get("source") for ex in batch], cfg.top_k, cfg.top_p)  # all groups, one decode
     with timed(seconds, "decode"), decoder_on(pipe, device, cfg.offload):  # 2. images, frozen DiT
         images = [decode_images(pipe, ex["prompt"], r.tokens, r.large_hw, cfg.height, cfg.width,
                                 cfg.num_inference_steps, cfg.decode_seed, cfg.guidance_scale, r.source)
@@ -1169,7 +1272,7 @@ def quiet_libraries() -> None:
     transformers.utils.logging.disable_progress_bar()  # save_pretrained's "Writing model shards" bar
 
 
-PHASES = {"sample": "sampling (generate)", "decode": "decoding (DiT + VAE)", "reward": "scoring the images",
+PHASES = {"sample": "sampling (the decode loop)", "decode": "decoding (DiT + VAE)", "reward": "scoring the images",
           "train": "the update (train_step)", "show": "sampling the before / after grids",
           "eval": "evaluating --eval-prompts"}
 

@@ -4,6 +4,7 @@
 """
 
 import copy
+import functools
 import json
 import math
 import re
@@ -20,6 +21,7 @@ from PIL import Image
 import grpo
 import rewards
 from offline_model import sharpen, tiny_glm_image
+from tools.generate_reference import generate_group  # grpo.py's sampler before its decode loop
 
 HERE = Path(__file__).resolve().parent
 T = 0.9  # GLM-Image's sampling temperature
@@ -228,28 +230,58 @@ def test_sample_group(random_pipe, height, width):
     assert len({tuple(t) for t in r.tokens.tolist()}) == 4  # the G samples differ
 
 
-def test_code_logprobs(pipe, monkeypatch):
-    """The distribution generate actually sampled from (its processed scores) equals code_logprobs:
-    same temperature, no top-k / top-p truncation, zero mass outside the codebook."""
-    model = pipe.vision_language_encoder
-    K = model.config.vq_config.num_embeddings
-    captured = {}
-    original = model.generate
-
-    def spy(*args, **kwargs):
-        out = original(*args, **kwargs, output_scores=True)
-        captured["out"] = out
-        return out
-
-    monkeypatch.setattr(model, "generate", spy)
-    grpo.sample_group(pipe, "a cat", 4, 64, 64, T, seed=0)
-    out = captured["out"]
-    scores, logits = torch.stack(out.scores, 1), torch.stack(out.logits, 1)  # (G, N, V) processed / raw
+def test_code_logprobs(pipe):
+    """The distribution generate samples from with code_logprobs as its processor (its processed scores) equals
+    code_logprobs of the raw logits: same temperature, no truncation, zero mass outside the codebook."""
+    K = pipe.vision_language_encoder.config.vq_config.num_embeddings
+    _, _, scores, logits = generate_group(pipe, "a cat", 4, 64, 64, T, 0)  # (G, N, V) processed / raw
     assert torch.isinf(scores[..., K:]).all() and torch.isfinite(scores[..., :K]).all()
     sampled = torch.log_softmax(scores.float(), -1)[..., :K]
     assert (sampled - grpo.code_logprobs(logits, T, K)).abs().max() < 1e-5
     # the peer bug "divide the processed scores by T again" gives another distribution
     assert (torch.log_softmax(scores[..., :K] / T, -1) - sampled).abs().max() > 1e-2
+
+
+@pytest.mark.parametrize("top_k,top_p", [(0, 1.0), (0, 0.75), (5, 1.0)], ids=["full", "top-p", "top-k"])
+def test_decode_samples_what_generate_samples(pipe, sharp_pipe, top_k, top_p):
+    """grpo.py's decode loop draws the very tokens `generate` drew with grpo.py's old logits processor for the same
+    seed (the exponential race of torch.multinomial, replayed per group), with log-probs within 1e-5 of
+    code_logprobs of generate's raw logits: pre-trained and sharpened models, square and non-square, editing."""
+    for p, (height, width), source in [(pipe, (96, 96), None), (sharp_pipe, (64, 96), None),
+                                        (pipe, (96, 64), smooth_source(96, 64))]:
+        K = p.vision_language_encoder.config.vq_config.num_embeddings
+        r = grpo.sample_group(p, "a red circle", 4, height, width, T, seed=5, source=source, top_k=top_k, top_p=top_p)
+        tokens, _, _, logits = generate_group(p, "a red circle", 4, height, width, T, 5, source, top_k, top_p)
+        assert torch.equal(r.tokens, tokens)
+        want = grpo.code_logprobs(logits, T, K, top_k, top_p).gather(-1, tokens[..., None]).squeeze(-1)
+        assert (r.logprobs - want).abs().max() <= 1e-5
+
+
+def test_decode_static_cache(pipe, monkeypatch):
+    """The fixed-shape step a GPU captures as a CUDA graph (pre-allocated cache, masks over every slot), run eagerly
+    here: the same tokens as generate, log-probs within 1e-5, for one group and for groups of different lengths."""
+    monkeypatch.setattr(grpo, "decode", functools.partial(grpo.decode, static=True))
+    r = grpo.sample_group(pipe, "a red circle", 4, 96, 64, T, seed=5, top_p=0.9)
+    tokens, logprobs, _, _ = generate_group(pipe, "a red circle", 4, 96, 64, T, 5, top_p=0.9)
+    assert torch.equal(r.tokens, tokens) and (r.logprobs - logprobs).abs().max() <= 1e-5
+    both = grpo.sample_groups(pipe, ["a red circle", "two blue squares above a green triangle"], 2, 96, 96, T, [1, 2])
+    for prompt, seed, r in zip(["a red circle", "two blue squares above a green triangle"], [1, 2], both):
+        tokens, logprobs, _, _ = generate_group(pipe, prompt, 2, 96, 96, T, seed)
+        assert torch.equal(r.tokens, tokens) and (r.logprobs - logprobs).abs().max() <= 1e-5
+
+
+def test_sample_groups(pipe):
+    """One decode of several prompts of different lengths (left-padded), editing beside text-to-image: each group's
+    tokens equal sampling it alone with its seed, log-probs within 1e-5, the inputs are the group's own."""
+    prompts = ["a red circle", "two blue squares above a green triangle on the left", "make it red"]
+    sources = [None, None, smooth_source(96, 96)]
+    together = grpo.sample_groups(pipe, prompts, 3, 96, 96, T, [11, 12, 13], sources, top_p=0.9)
+    assert len({r.inputs["input_ids"].shape[1] for r in together}) == 3  # three prompt lengths
+    for prompt, source, seed, r in zip(prompts, sources, [11, 12, 13], together):
+        alone = grpo.sample_group(pipe, prompt, 3, 96, 96, T, seed, source, top_p=0.9)
+        assert torch.equal(r.tokens, alone.tokens) and (r.logprobs - alone.logprobs).abs().max() <= 1e-5
+        assert torch.equal(r.inputs["input_ids"], alone.inputs["input_ids"]) and r.large_hw == alone.large_hw
+        assert r.preview_hw == alone.preview_hw and (r.source is None) == (source is None)
 
 
 def test_code_logprobs_truncation():
@@ -273,24 +305,17 @@ def test_code_logprobs_truncation():
 
 
 @pytest.mark.parametrize("top_k,top_p", [(0, 0.75), (5, 1.0), (5, 0.75)], ids=["top-p", "top-k", "both"])
-def test_truncated_sampling_exact(pipe, sharp_pipe, monkeypatch, top_k, top_p):
-    """GLM-Image's deployed sampling: generate draws from code_logprobs with the truncation (its processed scores
-    equal it, -inf outside), every sampled token lies inside, and the trainer's log-probs equal the sampler's within
-    1e-5 (pre-trained and sharpened random models, text-to-image and editing); scoring the full softmax instead
-    (the peer bug) is caught: it is far off."""
+def test_truncated_sampling_exact(pipe, sharp_pipe, top_k, top_p):
+    """GLM-Image's deployed sampling: generate with the truncation as its processor draws from code_logprobs (its
+    processed scores equal it, -inf outside), the decode loop samples inside the truncation, and the trainer's
+    log-probs equal the sampler's within 1e-5 (pre-trained and sharpened random models, text-to-image and editing);
+    scoring the full softmax instead (the peer bug) is caught: it is far off."""
     for p in (pipe, sharp_pipe):
         model = p.vision_language_encoder
-        K, captured, original = model.config.vq_config.num_embeddings, {}, model.generate
-
-        def spy(*args, _original=original, **kwargs):
-            captured["out"] = _original(*args, **kwargs, output_scores=True)
-            return captured["out"]
-
-        monkeypatch.setattr(model, "generate", spy)
+        K = model.config.vq_config.num_embeddings
         for source in (None, smooth_source(96, 96)):
             r = grpo.sample_group(p, "a red circle", 4, 96, 96, T, seed=3, source=source, top_k=top_k, top_p=top_p)
-            out = captured["out"]
-            scores, logits = torch.stack(out.scores, 1), torch.stack(out.logits, 1)
+            _, _, scores, logits = generate_group(p, "a red circle", 4, 96, 96, T, 3, source, top_k, top_p)
             want = grpo.code_logprobs(logits, T, K, top_k, top_p)
             assert torch.equal(torch.isinf(scores[..., :K]), torch.isinf(want)) and torch.isinf(scores[..., K:]).all()
             assert (torch.log_softmax(scores, -1)[..., :K] - want).nan_to_num(0.0).abs().max() < 1e-5
@@ -301,7 +326,6 @@ def test_truncated_sampling_exact(pipe, sharp_pipe, monkeypatch, top_k, top_p):
             assert (trainer - r.logprobs).abs().max() <= 1e-5
             if p is sharp_pipe:
                 assert (untruncated - r.logprobs).abs().max() > 0.05  # the peer bug: ratio != 1 at step 0
-        monkeypatch.setattr(model, "generate", original)
 
 
 def test_grpo_loss_outside_truncation():

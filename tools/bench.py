@@ -2,6 +2,8 @@
 
   python tools/bench.py                 # CPU, tiny model, under a minute on 2 cores
   python tools/bench.py --real-shapes   # published widths, reduced depth, 1024x1024, G=2, fp32 + bf16 (~17 min, 16 GB)
+  python tools/bench.py --sampler       # the decode loop vs generate: CPU (~4 min, 1 thread); with --device cuda
+                                        # the FULL published depth in bf16 on one GPU (~4 min on an H100)
 
 Prints one markdown table:
   - seconds per phase of one step (sample, decode, reward, old / ref / new log-probs, backward, optimizer step);
@@ -13,6 +15,15 @@ Prints one markdown table:
     at 64x64 and at 1024x1024 (text rendered with PIL).
 Timings are medians of a few repeats; compare rows as ratios, these machines are noisy.
 
+--sampler times grpo.sample_group (grpo.py's decode loop) against `generate` drawing from the same code_logprobs
+(tools/generate_reference.py, grpo.py's sampler before the loop) in one run, in ms per decoding step, and checks that
+both draw the same tokens. CPU: a 40-layer AR at the tiny widths (the per-layer overhead of the real depth, no compute)
+at 1024x1024 with G = 4, and the pre-trained tiny model at its 96x96 (a group of 8, and a demo step's 2 groups of 8
+in one decode), plus torch.compile's cost and gain there. GPU: GLM-Image at its full published depth with random
+bf16 weights built on the GPU (offline_model.PUBLISHED), 1024x1024, G = 4 and 16: the CUDA-graph loop beside the
+eager loop and generate (each timed on a prefix of the tokens), the floor (the weights read once per step at the
+copy bandwidth measured there), the sampler / trainer gap in bf16; and the tiny model on the GPU in float32.
+
 --real-shapes runs complete GRPO steps through grpo.py's own functions on `offline_model.real_shapes_glm_image()`
 (every published width, vocabulary and id; 2 AR layers, 1 vision / DiT / T5 layer; random weights) at 1024x1024 with
 G=2, LoRA r=16 and KL beta 0.04 (the real-model defaults), once in float32 and once as grpo.py runs on a GPU (bf16
@@ -23,6 +34,7 @@ at a time (float32 peak resident memory 15.8 GiB instead of 23.1 GiB).
 
 import argparse
 import copy
+import functools
 import statistics
 import sys
 import time
@@ -36,6 +48,7 @@ sys.path.insert(0, str(ROOT))  # grpo.py and the files it imports live in the re
 
 import grpo  # noqa: E402
 import rewards  # noqa: E402
+from tools.generate_reference import generate_group  # noqa: E402  grpo.py's sampler before its decode loop
 
 G, H, W, T, PROMPT = 4, 96, 96, 0.9, "a red square on the left"  # the pre-trained tiny model at its own size
 
@@ -227,11 +240,168 @@ def real_shapes(rows):
     real_shapes_step(pipe, policy, "bfloat16", rows)
 
 
+# ---- --sampler: the decode loop against generate -----------------------------------------------
+
+def sync(device):
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def per_step(fn, n_tokens, device, repeats=1):
+    """(median ms per decoding step over `repeats` calls of fn, the last result)."""
+    def call():
+        sync(device)
+        result = fn()
+        sync(device)
+        return result
+    seconds, result = timed(call, repeats)
+    return 1e3 * seconds / n_tokens, result
+
+
+def eager_prefix(n):
+    """grpo.repeat_step that runs only the first n steps, eagerly: the loop without CUDA graphs, timed on a prefix."""
+    def repeat(step, _n, generators):
+        for _ in range(n):
+            step()
+    return repeat
+
+
+def sampler_compare(pipe, name, device, group, height, width, prefix=0, repeats=1, emit_row=None):
+    """One row set: the decode loop vs generate on one prompt, ms per step, same tokens. `prefix` > 0 times generate
+    and the eager loop on the first `prefix` tokens only (the real model's generate takes 139 ms a step)."""
+    model = pipe.vision_language_encoder
+    r = grpo.sample_group(pipe, PROMPT, group, height, width, T, seed=0)  # warm-up (and the tokens to compare)
+    n = r.tokens.shape[1]
+    loop_ms, r = per_step(lambda: grpo.sample_group(pipe, PROMPT, group, height, width, T, seed=0), n, device, repeats)
+    m = prefix or n
+    gen_ms, (tokens, *_) = per_step(lambda: generate_group(pipe, PROMPT, group, height, width, T, 0,
+                                                           max_new_tokens=m), m, device, repeats)
+    same = (r.tokens[:, :m] == tokens).float().mean().item()
+    emit_row(f"{name}: decode loop vs generate, ms per step (N = {n}, G = {group})",
+             f"{loop_ms:.2f} vs {gen_ms:.2f}{f' (generate on the first {m} tokens)' if prefix else ''} = "
+             f"{gen_ms / loop_ms:.2f}x; {group * 1e3 / loop_ms:.0f} tokens/s; same tokens: {same:.1%}")
+    if device.startswith("cuda"):
+        original = grpo.repeat_step
+        grpo.repeat_step = eager_prefix(m)
+        try:
+            eager_ms, _ = per_step(lambda: grpo.sample_group(pipe, PROMPT, group, height, width, T, seed=0), m, device)
+        finally:
+            grpo.repeat_step = original
+        emit_row(f"{name}: the same loop eager (no CUDA graph), ms per step", f"{eager_ms:.2f} (first {m} tokens)")
+        with torch.no_grad():
+            trainer = grpo.token_logprobs(model, r.inputs, r.tokens, T)
+        gap = (trainer - r.logprobs).abs()
+        emit_row(f"{name}: sampler vs trainer, abs log-prob difference max / mean", f"{gap.max():.3g} / {gap.mean():.3g}")
+    return loop_ms
+
+
+def sampler_cpu(emit_row):
+    from offline_model import TINY, glm_image, with_depths
+    deep = grpo.only_ar_trains(glm_image(with_depths(TINY, ar=40)))
+    sampler_compare(deep, "40-layer tiny-width AR, 1024x1024", "cpu", 4, 1024, 1024, emit_row=emit_row)
+    pipe = grpo.load_glm_image("tiny")
+    sampler_compare(pipe, "tiny model, 96x96", "cpu", 8, H, W, repeats=5, emit_row=emit_row)
+    prompts = [PROMPT, "two blue squares above a green triangle"]
+    one, _ = timed(lambda: grpo.sample_groups(pipe, prompts, 8, H, W, T, [0, 1]), repeats=5)
+    two, _ = timed(lambda: [generate_group(pipe, p, 8, H, W, T, s) for s, p in enumerate(prompts)], repeats=5)
+    emit_row("tiny model: a demo step's 2 groups of 8, one decode vs 2 generates", f"{one:.3f} s vs {two:.3f} s = "
+             f"{two / one:.2f}x")
+    # torch.compile of the AR's forward, on the pre-allocated cache (fixed shapes: one compilation)
+    compiled = torch.compile(pipe.vision_language_encoder)
+    original = grpo.decode
+    grpo.decode = lambda model, *args, **kwargs: original(compiled, *args, **{**kwargs, "static": True})
+    try:
+        first, _ = timed(lambda: grpo.sample_group(pipe, PROMPT, 8, H, W, T, seed=0), repeats=1)
+        then, _ = timed(lambda: grpo.sample_group(pipe, PROMPT, 8, H, W, T, seed=0), repeats=5)
+    finally:
+        grpo.decode = original
+    eager, _ = timed(lambda: grpo.sample_group(pipe, PROMPT, 8, H, W, T, seed=0), repeats=5)
+    emit_row("tiny model: torch.compile on the CPU, first group (compiling) / then per group / eager per group",
+             f"{first:.1f} s / {then:.3f} s / {eager:.3f} s: pays off after {first / max(eager - then, 1e-9):.0f} "
+             "groups")
+
+
+def copy_bandwidth(device) -> float:
+    """Bytes per second of a device-to-device copy (read + write counted), median of 10."""
+    x = torch.empty(2**30, dtype=torch.uint8, device=device)
+    y = torch.empty_like(x)
+    y.copy_(x)
+    sync(device)
+    times = []
+    for _ in range(10):
+        start = time.perf_counter()
+        y.copy_(x)
+        sync(device)
+        times.append(time.perf_counter() - start)
+    return 2 * x.numel() / statistics.median(times)
+
+
+def sampler_gpu(emit_row):
+    from offline_model import PUBLISHED, TINY, glm_image
+    emit_row("GPU", f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
+    start = time.perf_counter()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        pipe = grpo.only_ar_trains(glm_image(PUBLISHED, device="cuda"))
+    finally:
+        torch.set_default_dtype(torch.float32)
+    emit_row("full depth, random bf16 weights: built on the GPU in", f"{time.perf_counter() - start:.1f} s")
+    lm = pipe.vision_language_encoder.model.language_model
+    step_bytes = sum(p.numel() * p.element_size() for n, p in lm.named_parameters() if "embed" not in n)
+    step_bytes += pipe.vision_language_encoder.lm_head.weight.nbytes
+    bandwidth = copy_bandwidth("cuda")
+    floor = 1e3 * step_bytes / bandwidth
+    emit_row("floor: the language model's weights read once a step", f"{step_bytes / 1e9:.2f} GB / "
+             f"{bandwidth / 1e12:.2f} TB/s (copy, measured) = {floor:.2f} ms per step")
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        head = pipe.vision_language_encoder.lm_head
+        hooks = dict(head._forward_hooks)
+        head._forward_hooks.clear()  # bf16 logits, as before grpo.float32_logits
+        attempt(lambda: sampler_compare(pipe, "full depth bf16, 1024x1024, bf16 logits", "cuda", 4, 1024, 1024,
+                                        prefix=16, emit_row=emit_row), emit_row)
+        head._forward_hooks.update(hooks)
+        for group, prefix in ((4, 128), (16, 64)):
+            ms = attempt(lambda: sampler_compare(pipe, "full depth bf16, 1024x1024", "cuda", group, 1024, 1024,
+                                                 prefix=prefix, emit_row=emit_row), emit_row)
+            if ms:
+                emit_row(f"full depth, G = {group}: a group's sampling / the floor", f"{ms * 1280 / 1e3:.1f} s / "
+                         f"{ms / floor:.2f}x the floor")
+    del pipe
+    torch.cuda.empty_cache()
+    tiny = grpo.load_glm_image("tiny", "cuda", torch.float32)
+    attempt(lambda: sampler_compare(tiny, "tiny model on the GPU, float32, 96x96", "cuda", 8, H, W, repeats=3,
+                                    emit_row=emit_row), emit_row)
+
+
+def attempt(fn, emit_row):
+    """fn(), or a row naming its error: one failing section does not lose the others (a GPU run is short)."""
+    try:
+        return fn()
+    except Exception as error:  # noqa: BLE001
+        import traceback
+        traceback.print_exc()
+        emit_row("error", f"{type(error).__name__}: {str(error).splitlines()[0][:300] if str(error) else ''}")
+
+
+def sampler(device):
+    print("| measurement | value |\n|---|---|")
+    emit([], "machine", f"{torch.get_num_threads()} CPU threads, torch {torch.__version__}")
+    row = functools.partial(emit, [])
+    sampler_gpu(row) if device == "cuda" else sampler_cpu(row)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--real-shapes", action="store_true", help="the published widths at 1024x1024 (minutes)")
+    parser.add_argument("--sampler", action="store_true", help="the decode loop against generate (minutes)")
+    parser.add_argument("--device", default="cpu", help="--sampler: cpu, or cuda (the full depth on one GPU)")
     args = parser.parse_args()
     torch.manual_seed(0)
+    if args.sampler:
+        if args.device == "cpu":
+            torch.set_num_threads(1)
+        sampler(args.device)
+        return
     if args.real_shapes:
         print("| measurement | value |\n|---|---|")
         emit([], "machine", f"{torch.get_num_threads()} CPU threads, torch {torch.__version__}")
