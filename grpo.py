@@ -108,6 +108,11 @@ class Config:
     top_p: float | None = arg(None, "nucleus sampling, scored exactly: the fewest codes with probability >= p "
                                     "(default 1.0 tiny: off; 0.75 real: GLM-Image's)")
     top_k: int = arg(0, "sample from the k most likely codes only, scored exactly (0: off)")
+    sampler_correction: str = arg("token_truncate", "importance weights pi_old / pi_sampler on the policy-gradient "
+                                  "term for the sampler/trainer gap in bf16: token_truncate | token_mask | "
+                                  "sequence_truncate | sequence_mask (TRL's modes) | none")
+    sampler_cap: float = arg(2.0, "the cap of --sampler-correction: weights above it are cut to it (truncate) or 0 "
+                                  "(mask)")
     height: int | None = arg(None, "image height (default 96 tiny, 1024 real)")
     width: int | None = arg(None, "image width (default 96 tiny, 1024 real)")
     num_inference_steps: int | None = arg(None, "DiT denoising steps (default 2 tiny, 50 real)")
@@ -197,18 +202,7 @@ def only_ar_trains(pipe):
     ar.model.visual.requires_grad_(False)  # the vision tower and VQ encoder only encode source images
     ar.model.vqmodel.requires_grad_(False)
     disable_dropout(ar)
-    if float32_logits not in ar.lm_head._forward_hooks.values():
-        ar.lm_head.register_forward_hook(float32_logits)
     return pipe
-
-
-def float32_logits(head, args: tuple, logits: torch.Tensor) -> torch.Tensor:
-    """A forward hook on the AR's lm_head: the logits computed and returned in float32, whatever the weights' dtype
-    or autocast, so that sampler and trainer both score float32 logits (MiniMax-M1's fix for the gap between them:
-    bf16 logits are rounded to 8 significant bits, 0.03 at a logit of 10, and the two round differently). In float32
-    this is the lm_head's own product."""
-    with torch.autocast(logits.device.type, enabled=False):
-        return F.linear(args[0].float(), head.weight.float())
 
 
 @contextlib.contextmanager
@@ -346,13 +340,17 @@ class Rollout(NamedTuple):
     preview_hw: tuple[int, int]  # preview grid (h', w'), generated first; (0, 0) when editing (none is generated)
     large_hw: tuple[int, int]  # large grid (H/32, W/32), generated last; the only one the DiT sees
     source: Source | None  # the image being edited, or None (text-to-image)
+    support: torch.Tensor | None = None  # (G, N, K/8) uint8: each token's codes kept by top-k / top-p, as bits (None:
+    # no truncation, all K codes); the trainer scores over this set (code_logprobs' `support`): the sampling mask kept
 
 
 def code_logprobs(logits: torch.Tensor, temperature: float, codebook_size: int, top_k: int = 0,
-                  top_p: float = 1.0) -> torch.Tensor:
+                  top_p: float = 1.0, support: torch.Tensor | None = None) -> torch.Tensor:
     """(..., V) raw AR logits -> (..., K) float32 log-probs of the sampled distribution over the codebook ids:
     softmax(logits / T), truncated to the `top_k` most likely codes (ties at the k-th kept) and to the nucleus
-    (the most likely codes down to the first whose cumulative probability reaches `top_p`), renormalised.
+    (the most likely codes down to the first whose cumulative probability reaches `top_p`), renormalised. Given a
+    (..., K) bool `support` (the set the sampler kept: code_support), softmax(logits / T) renormalised over that set
+    instead: the trainer replays the sampler's truncation rather than recomputing it from its own logits.
 
     The one definition of the policy's distribution: sample_group samples from it and the trainer scores with it,
     so pi / pi_old is exactly 1 before the first update. A code outside the truncation has log-prob -inf. A token
@@ -361,6 +359,8 @@ def code_logprobs(logits: torch.Tensor, temperature: float, codebook_size: int, 
     without gradient; grpo_loss keeps it finite (tested). ids >= K (image start/end, spare ids) are impossible.
     """
     scores = logits[..., :codebook_size].float() / temperature
+    if support is not None:
+        return torch.log_softmax(scores.masked_fill(~support, -math.inf), dim=-1)
     if 0 < top_k < codebook_size:  # as transformers' TopKLogitsWarper
         scores = scores.masked_fill(scores < scores.topk(top_k, dim=-1).values[..., -1:], -math.inf)
     if top_p < 1.0:  # as transformers' TopPLogitsWarper: drop the least likely codes while their total is <= 1 - p
@@ -369,6 +369,19 @@ def code_logprobs(logits: torch.Tensor, temperature: float, codebook_size: int, 
         drop[..., -1] = False  # the most likely code always stays
         scores = scores.masked_fill(drop.scatter(-1, order, drop), -math.inf)
     return torch.log_softmax(scores, dim=-1)
+
+
+def support_bits(kept: torch.Tensor) -> torch.Tensor:
+    """(..., K) bool -> (..., ceil(K/8)) uint8: the codes a truncation kept, 8 to a byte (2 KiB a token at K = 16384:
+    10 MiB for a group of 4 at 1024x1024)."""
+    kept = F.pad(kept, (0, -kept.shape[-1] % 8)).unflatten(-1, (-1, 8)).to(torch.uint8)  # (..., K/8, 8)
+    return (kept << torch.arange(8, device=kept.device, dtype=torch.uint8)).sum(-1, dtype=torch.uint8)
+
+
+def code_support(bits: torch.Tensor, codebook_size: int) -> torch.Tensor:
+    """support_bits' (..., ceil(K/8)) uint8 -> the (..., K) bool set again."""
+    shifts = torch.arange(8, device=bits.device, dtype=torch.uint8)
+    return ((bits[..., None] >> shifts) & 1).bool().flatten(-2)[..., :codebook_size]
 
 
 def group_inputs(processor, prompt: str, group_size: int, height: int, width: int, device,
@@ -493,7 +506,7 @@ def sample_groups(pipe, prompts: list[str], group_size: int, height: int, width:
             return torch.cat([F.pad(v, (width_p - len(ids), 0)) for v, ids in zip(x, prompt_ids)], dim
                              ).repeat_interleave(group_size, dim)
 
-        tokens, logprobs = decode(model, left_pad([ids[None] for ids in prompt_ids], 0),  # (P*G, width_p), pad id 0
+        tokens, logprobs, support = decode(model, left_pad([ids[None] for ids in prompt_ids], 0),  # (P*G, width_p), pad id 0
                                   left_pad([torch.ones_like(ids[None], dtype=torch.bool) for ids in prompt_ids], 0),
                                   left_pad(positions, 1),  # (3, P*G, width_p + N)
                                   n, temperature, top_k, top_p,
@@ -501,7 +514,8 @@ def sample_groups(pipe, prompts: list[str], group_size: int, height: int, width:
         for j, i in enumerate(mine):
             inputs, source, preview_hw, large_hw = groups[i]
             rows = slice(j * group_size, (j + 1) * group_size)
-            rollouts[i] = Rollout(tokens[rows], logprobs[rows], inputs, preview_hw, large_hw, source)
+            rollouts[i] = Rollout(tokens[rows], logprobs[rows], inputs, preview_hw, large_hw, source,
+                                  None if support is None else support[rows])
     return rollouts
 
 
@@ -515,13 +529,14 @@ def sample_group(pipe, prompt: str, group_size: int, height: int, width: int, te
 @torch.no_grad()
 def decode(model, input_ids: torch.Tensor, valid: torch.Tensor, positions: torch.Tensor, n_tokens: int,
            temperature: float, top_k: int, top_p: float, generators: list, static: bool | None = None
-           ) -> tuple[torch.Tensor, torch.Tensor]:
+           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """The AR's decode loop: prefill the prompts once, then one token a step with a KV cache.
 
     input_ids (B, P) prompts, left-padded; valid (B, P) bool, False on padding; positions (3, B, P + N) the rotary
     positions of every prompt and generated token (rope_positions); `generators`: one per group, the B rows split
     evenly between them. Returns the (B, N) sampled codes and their (B, N) float32 log-probs under code_logprobs,
-    the one distribution; no step's logits are kept. On a GPU the step is captured once as a CUDA graph and
+    the one distribution, and with top-k / top-p the (B, N, K/8) bits of the codes each draw kept (support_bits;
+    else None). No step's logits are kept. On a GPU the step is captured once as a CUDA graph and
     replayed (repeat_step), which needs fixed shapes: `static` (default: on a GPU) pre-allocates the cache for all
     P + N slots and masks all of them at every step; otherwise the cache grows and a step attends to the filled
     slots only (as generate's: 6% faster per step on a CPU).
@@ -545,6 +560,8 @@ def decode(model, input_ids: torch.Tensor, valid: torch.Tensor, positions: torch
 
     tokens = torch.zeros(B, N, dtype=torch.long, device=device)
     logprobs = torch.zeros(B, N, device=device)
+    truncated = 0 < top_k < K or top_p < 1
+    support = torch.zeros(B, N, (K + 7) // 8, dtype=torch.uint8, device=device) if truncated else None
     t = torch.zeros(1, dtype=torch.long, device=device)  # the step, kept on the device: a CUDA graph replays it
     logits = forward(input_ids, slot[:P])  # prefill: (B, V) logits of the first token
 
@@ -555,11 +572,13 @@ def decode(model, input_ids: torch.Tensor, valid: torch.Tensor, positions: torch
         token = (logp.exp() / noise[:, :K]).argmax(dim=-1, keepdim=True)  # (B, 1): torch.multinomial(probs, 1)
         tokens.index_copy_(1, t, token)
         logprobs.index_copy_(1, t, logp.gather(-1, token))
+        if truncated:  # the sampling mask, kept for the trainer
+            support.index_copy_(1, t, support_bits(logp.isfinite())[:, None])
         logits.copy_(forward(token, P + t))
         t.add_(1)
 
     repeat_step(step, N, generators)
-    return tokens, logprobs
+    return tokens, logprobs, support
 
 
 def repeat_step(step, n: int, generators: list) -> None:
@@ -584,18 +603,28 @@ def repeat_step(step, n: int, generators: list) -> None:
 # ---- 5. Log-probs of given tokens ---------------------------------------------------------------
 
 def token_logprobs(model, inputs: dict, tokens: torch.Tensor, temperature: float, top_k: int = 0,
-                   top_p: float = 1.0) -> torch.Tensor:
-    """(G, N) float32 log-probs of `tokens` given the prompt, from one teacher-forced forward.
+                   top_p: float = 1.0, support: torch.Tensor | None = None) -> torch.Tensor:
+    """(G, N) float32 log-probs of `tokens` given the prompt, from one teacher-forced forward (token_logits), under
+    code_logprobs: over the sampler's kept codes when `support` (a Rollout's (G, N, K/8) bits) is given.
 
-    Differentiable (call under torch.no_grad() for the reference). Passing explicit `position_ids`
-    is what makes this agree with sample_group: without them the model puts the image tokens on the
-    1D text ramp and the log-probs are wrong (see the tests and the notebook). The rows share one
-    prompt (a group, as sample_group makes it): the positions are built from row 0, so other prompts
-    in the same call are refused rather than scored at the wrong positions.
+    Differentiable (call under torch.no_grad() for the reference)."""
+    K = model.config.vq_config.num_embeddings
+    support = None if support is None else code_support(support, K)
+    logits = token_logits(model, inputs, tokens)  # (G, N, V)
+    return code_logprobs(logits, temperature, K, top_k, top_p, support).gather(-1, tokens[..., None]).squeeze(-1)
+
+
+def token_logits(model, inputs: dict, tokens: torch.Tensor) -> torch.Tensor:
+    """(G, N, V) raw logits that predict each of `tokens` given the prompt: one teacher-forced forward.
+
+    Passing explicit `position_ids` is what makes this agree with the sampler: without them the model puts the image
+    tokens on the 1D text ramp and the log-probs are wrong (see the tests and the notebook). The rows share one prompt
+    (a group, as sample_groups returns it): the positions are built from row 0, so other prompts in the same call are
+    refused rather than scored at the wrong positions.
     """
     G, P = inputs["input_ids"].shape
     if not (inputs["input_ids"] == inputs["input_ids"][:1]).all():
-        raise ValueError("token_logprobs scores one prompt per call (its positions come from row 0), but the rows of "
+        raise ValueError("token_logits scores one prompt per call (its positions come from row 0), but the rows of "
                          "input_ids differ: call it once per group")
     N = tokens.shape[1]
     input_ids = torch.cat([inputs["input_ids"], tokens[:, :-1]], dim=1)  # (G, P+N-1)
@@ -603,10 +632,8 @@ def token_logprobs(model, inputs: dict, tokens: torch.Tensor, temperature: float
     rows = int(inputs["images_per_sample"][0])  # grid rows of one sample (the G samples share one prompt)
     positions = rope_positions(inputs["input_ids"][0], inputs["image_grid_thw"][:rows], N,
                                model.config.image_start_token_id, model.config.image_end_token_id)
-    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions.expand(-1, G, -1),
-                   use_cache=False, logits_to_keep=N).logits  # (G, N, V): the logits that predict each token
-    K = model.config.vq_config.num_embeddings
-    return code_logprobs(logits, temperature, K, top_k, top_p).gather(-1, tokens[..., None]).squeeze(-1)
+    return model(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions.expand(-1, G, -1),
+                 use_cache=False, logits_to_keep=N).logits  # (G, N, V)
 
 
 # ---- 6. Decoding tokens to images ---------------------------------------------------------------
@@ -751,9 +778,47 @@ def group_advantages(rewards: torch.Tensor, eps: float = 1e-6, scale: str = "gro
 
 # ---- 9. Loss ------------------------------------------------------------------------------------
 
+CORRECTIONS = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask", "none")  # TRL's modes, and off
+SAMPLING_EXTREMES = ("sampling/sampling_logp_difference/max", "sampling/importance_sampling_ratio/min",
+                     "sampling/importance_sampling_ratio/max")  # sampler_correction's metrics that are extremes
+
+
+def sampler_correction(old_logprobs: torch.Tensor, sampled_logprobs: torch.Tensor, mode: str = "none",
+                       cap: float = 2.0) -> tuple[torch.Tensor, dict]:
+    """Importance weights for the gap between the sampler and the trainer (TRL's vLLM importance-sampling
+    correction): (S, T) log-probs of the sampled tokens under pi_old (the trainer's forward) and under the sampler
+    -> the weights on the policy-gradient term, (S, T) per token or (S, 1) per sequence, and the mismatch metrics.
+
+    r = pi_old / pi_sampler, per token (token_*) or its product over the sequence's tokens in the loss (sequence_*);
+    *_truncate caps r at `cap` (truncated importance sampling), *_mask gives 0 where r > cap (the token or sequence
+    leaves the gradient); "none": weights 1. In float32 sampler and trainer agree within 1e-5, so r = 1 within
+    1e-5; in bf16 the KV-cached sampler and the full-sequence trainer round differently (README: "Exact in float32,
+    corrected in bf16"). Metrics, TRL's names: sampling/sampling_logp_difference/{mean,max} (|log pi_old - log
+    pi_sampler| per token), sampling/importance_sampling_ratio/{min,mean,max} (r at the mode's level, before the
+    cap), and in the same namespace sampling/k3_kl (mean of r - 1 - log r per token: KL(pi_sampler || pi_old) on the
+    sampler's draws, verl's rollout_corr/k3_kl) and sampling/capped_frac (tokens or sequences the cap acted on).
+    """
+    both = old_logprobs.isfinite() & sampled_logprobs.isfinite()  # a token outside a truncation carries no ratio
+    log_ratio = torch.where(both, old_logprobs - sampled_logprobs, 0.0)  # (S, T)
+    level = log_ratio.sum(dim=1, keepdim=True) if mode.startswith("sequence") else log_ratio  # (S, 1) or (S, T)
+    ratio = torch.exp(level.clamp(max=20.0))  # a sequence's sum can be large: exp stays finite
+    capped = ratio > cap
+    weights = (ratio.clamp(max=cap) if mode.endswith("truncate") else ratio.masked_fill(capped, 0.0)
+               if mode.endswith("mask") else torch.ones_like(ratio))
+    token_ratio = torch.exp(log_ratio)
+    metrics = {"sampling/sampling_logp_difference/mean": log_ratio.abs().mean().item(),
+               "sampling/sampling_logp_difference/max": log_ratio.abs().max().item(),
+               "sampling/importance_sampling_ratio/min": ratio.min().item(),
+               "sampling/importance_sampling_ratio/mean": ratio.mean().item(),
+               "sampling/importance_sampling_ratio/max": ratio.max().item(),
+               "sampling/k3_kl": (token_ratio - 1 - log_ratio).mean().item(),
+               "sampling/capped_frac": capped.float().mean().item() if mode != "none" else 0.0}
+    return weights.detach(), metrics
+
+
 def grpo_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, ref_logprobs: torch.Tensor | None,
-              advantages: torch.Tensor, clip_eps: float | tuple[float, float], kl_beta: float
-              ) -> tuple[torch.Tensor, dict]:
+              advantages: torch.Tensor, clip_eps: float | tuple[float, float], kl_beta: float,
+              weights: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
     """PPO-clipped GRPO loss with a k3 KL penalty. (S, T) log-probs, (S,) advantages -> scalar loss.
 
     Per token: r = exp(logp - old), surrogate = min(r A, clip(r, 1-eps, 1+eps_high) A) (`clip_eps` is eps, or
@@ -762,7 +827,8 @@ def grpo_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, ref_logprobs: 
     loss = -(surrogate - beta KL), averaged over the tokens of a sequence, then over sequences
     (the paper's 1/|o_i|). DAPO averages over all tokens of the batch and Dr. GRPO divides by a
     constant; here every sample has exactly N tokens, so all three differ only by a constant factor.
-    `ref_logprobs` may be None when beta = 0.
+    `ref_logprobs` may be None when beta = 0. `weights`, (S, T) or (S, 1), multiply the surrogate (not the KL): the
+    importance weights pi_old / pi_sampler of sampler_correction; None: 1.
     """
     # a token the old policy could not draw (-inf: outside its top-k / nucleus by rounding) carries no information:
     # ratio 1 without gradient, instead of exp(-inf + inf) = NaN
@@ -770,7 +836,7 @@ def grpo_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, ref_logprobs: 
     adv = advantages[:, None].to(ratio.dtype)  # (S, 1)
     low, high = clip_eps if isinstance(clip_eps, tuple) else (clip_eps, clip_eps)  # (eps, eps_high): clip-higher
     unclipped, clipped = ratio * adv, ratio.clamp(1 - low, 1 + high) * adv
-    surrogate = torch.min(unclipped, clipped)
+    surrogate = torch.min(unclipped, clipped) * (1.0 if weights is None else weights)
     if ref_logprobs is None:
         kl = torch.zeros_like(ratio)
     else:
@@ -795,12 +861,12 @@ def grpo_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, ref_logprobs: 
 
 @torch.no_grad()
 def reference_logprobs(ref_model, inputs: dict, tokens: torch.Tensor, temperature: float, top_k: int = 0,
-                       top_p: float = 1.0) -> torch.Tensor:
+                       top_p: float = 1.0, support: torch.Tensor | None = None) -> torch.Tensor:
     """(G, N) log-probs under the reference: a frozen copy, or a LoRA policy with its adapter switched off."""
     if hasattr(ref_model, "disable_adapter"):
         with ref_model.disable_adapter():
-            return token_logprobs(ref_model, inputs, tokens, temperature, top_k, top_p)
-    return token_logprobs(ref_model, inputs, tokens, temperature, top_k, top_p)
+            return token_logprobs(ref_model, inputs, tokens, temperature, top_k, top_p, support)
+    return token_logprobs(ref_model, inputs, tokens, temperature, top_k, top_p, support)
 
 
 def select_rows(inputs: dict, rows: slice) -> dict:
@@ -825,23 +891,31 @@ def region_metrics(regions: dict, logp: torch.Tensor, old: torch.Tensor, ref: to
     return metrics
 
 
-def micro_batch_loss(policy, inputs: dict, tokens: torch.Tensor, sampled: torch.Tensor, adv: torch.Tensor,
-                     n_preview: int, old: torch.Tensor | None, ref: torch.Tensor | None, *, temperature: float,
-                     clip_eps: float | tuple[float, float], kl_beta: float, train_tokens: str, top_k: int,
-                     top_p: float) -> tuple[torch.Tensor, dict]:
-    """One micro-batch: the trainer's (mb, N) log-probs of the sampled tokens (the forward, with gradient) and the GRPO
-    loss over the tokens in the loss; `old` None means the old policy is the current one (mu = 1). Metrics: the
-    loss's, each region's (preview / large grid), and how the trainer's log-probs compare with the sampler's
-    `sampled` ones (`sampler_gap`: the largest difference; `outside_truncation`: sampled tokens the trainer's
-    top-k / nucleus excludes)."""
-    logp = token_logprobs(policy, inputs, tokens, temperature, top_k, top_p)  # (mb, N), with grad
+def micro_batch_loss(policy, inputs: dict, tokens: torch.Tensor, sampled: torch.Tensor, support: torch.Tensor | None,
+                     adv: torch.Tensor, n_preview: int, old: torch.Tensor | None, ref: torch.Tensor | None, *,
+                     temperature: float, clip_eps: float | tuple[float, float], kl_beta: float, train_tokens: str,
+                     top_k: int, top_p: float, correction: str = "none", cap: float = 2.0) -> tuple[torch.Tensor, dict]:
+    """One micro-batch: the trainer's (mb, N) log-probs of the sampled tokens (the forward, with gradient; over the
+    sampler's kept codes `support`, if any) and the GRPO loss over the tokens in the loss, its policy-gradient term
+    weighted by sampler_correction(pi_old, pi_sampler); `old` None means the old policy is the current one (mu = 1).
+    Metrics: the loss's, the correction's, each region's (preview / large grid), `sampler_gap` (the largest
+    |log pi_trainer - log pi_sampler|) and `outside_truncation` (sampled tokens the trainer's OWN top-k / nucleus
+    would exclude: the replayed support keeps them)."""
+    K = policy.config.vq_config.num_embeddings
+    logits = token_logits(policy, inputs, tokens)  # (mb, N, V), with grad
+    kept = None if support is None else code_support(support, K)  # (mb, N, K) bool: the sampler's truncation
+    logp = code_logprobs(logits, temperature, K, top_k, top_p, kept).gather(-1, tokens[..., None]).squeeze(-1)
     old = logp.detach() if old is None else old
     regions = {"preview": slice(0, n_preview), "large": slice(n_preview, None)}
     cols = regions["large"] if train_tokens == "large" else slice(None)
-    loss, m = grpo_loss(logp[:, cols], old[:, cols], None if ref is None else ref[:, cols], adv, clip_eps, kl_beta)
-    both = logp.isfinite() & sampled.isfinite()  # (tokens outside the trainer's truncation are counted apart)
+    weights, m_corr = sampler_correction(old[:, cols], sampled[:, cols], correction, cap)
+    loss, m = grpo_loss(logp[:, cols], old[:, cols], None if ref is None else ref[:, cols], adv, clip_eps, kl_beta,
+                        weights)
+    with torch.no_grad():
+        own = code_logprobs(logits.detach(), temperature, K, top_k, top_p).gather(-1, tokens[..., None])
+    both = logp.isfinite() & sampled.isfinite()
     m.update(loss=loss.item(), sampler_gap=(logp.detach() - sampled).where(both, 0.0).abs().max().item(),
-             outside_truncation=int((~logp.isfinite()).sum()),
+             outside_truncation=int((~own.isfinite()).sum()), **m_corr,
              **region_metrics(regions, logp.detach(), old, ref, adv, clip_eps, kl_beta))
     return loss, m
 
@@ -849,46 +923,54 @@ def micro_batch_loss(policy, inputs: dict, tokens: torch.Tensor, sampled: torch.
 def train_step(policy, optimizer, rollouts: list[Rollout], advantages: torch.Tensor, ref_model, *,
                temperature: float, clip_eps: float, kl_beta: float, micro_batch_size: int,
                max_grad_norm: float, mu: int = 1, train_tokens: str = "large", top_k: int = 0,
-               top_p: float = 1.0) -> dict:
+               top_p: float = 1.0, correction: str = "none", cap: float = 2.0) -> dict:
     """`mu` optimizer steps on P groups of rollouts with (P, G) advantages; returns metrics.
 
     Micro-batches of `micro_batch_size` sequences; each micro-batch loss is weighted by its share of
-    the P*G sequences, so the accumulated gradient equals the full-batch gradient.
+    the P*G sequences, so the accumulated gradient equals the full-batch gradient. Every log-prob (policy, old,
+    reference) is over the codes each rollout's sampler kept (Rollout.support), and the policy-gradient term is
+    weighted by sampler_correction(`correction`, `cap`) (grpo.py's default: token_truncate, 2.0).
     """
     # transformers only checkpoints in train mode; disable_dropout makes train and eval mode the same distribution
     policy.train(policy.is_activation_checkpointing)
-    # micro-batches: (AR inputs, tokens, sampler log-probs, advantages, number of preview tokens)
-    batches = [(select_rows(r.inputs, rows), r.tokens[rows], r.logprobs[rows], adv[rows],
-                r.preview_hw[0] * r.preview_hw[1])
+    # micro-batches: (AR inputs, tokens, sampler log-probs, sampler supports, advantages, number of preview tokens)
+    batches = [(select_rows(r.inputs, rows), r.tokens[rows], r.logprobs[rows],
+                None if r.support is None else r.support[rows], adv[rows], r.preview_hw[0] * r.preview_hw[1])
                for r, adv in zip(rollouts, advantages)
                for rows in (slice(i, i + micro_batch_size) for i in range(0, len(adv), micro_batch_size))]
     n_seqs = advantages.numel()
     with torch.no_grad():
         # with mu = 1 the old policy IS the current one, so old = logp.detach() below (ratio exactly 1, the clip
         # idles); with mu > 1 the old log-probs are frozen before the first update and the clip starts to act
-        olds = [token_logprobs(policy, inp, tok, temperature, top_k, top_p) for inp, tok, *_ in batches] if mu > 1 else None
-        refs = ([reference_logprobs(ref_model, inp, tok, temperature, top_k, top_p) for inp, tok, *_ in batches]
-                if kl_beta > 0 else None)
-    ratio_min, ratio_max, gap, skipped, outside = math.inf, -math.inf, 0.0, 0, 0
+        olds = ([token_logprobs(policy, inp, tok, temperature, top_k, top_p, sup) for inp, tok, _, sup, *_ in batches]
+                if mu > 1 else None)
+        refs = ([reference_logprobs(ref_model, inp, tok, temperature, top_k, top_p, sup)
+                 for inp, tok, _, sup, *_ in batches] if kl_beta > 0 else None)
+    extremes = {"ratio_min": min, "ratio_max": max, "sampler_gap": max, "outside_truncation": lambda a, b: a + b,
+                **{k: (max if k.endswith("/max") else min) for k in SAMPLING_EXTREMES}}
+    skipped = 0
     for _ in range(mu):
         optimizer.zero_grad(set_to_none=True)
         totals: dict[str, float] = {}
         weights: dict[str, float] = {}  # the share of sequences behind each metric (editing has no preview region)
+        kept: dict[str, float] = {}  # extremes over every micro-batch and every update
         finite = True
-        for k, (inputs, tokens, sampled, adv, n_preview) in enumerate(batches):
-            loss, m = micro_batch_loss(policy, inputs, tokens, sampled, adv, n_preview,
+        for k, (inputs, tokens, sampled, support, adv, n_preview) in enumerate(batches):
+            loss, m = micro_batch_loss(policy, inputs, tokens, sampled, support, adv, n_preview,
                                        None if olds is None else olds[k], None if refs is None else refs[k],
                                        temperature=temperature, clip_eps=clip_eps, kl_beta=kl_beta,
-                                       train_tokens=train_tokens, top_k=top_k, top_p=top_p)
+                                       train_tokens=train_tokens, top_k=top_k, top_p=top_p, correction=correction,
+                                       cap=cap)
             share = tokens.shape[0] / n_seqs  # micro-batch losses are means; weight them to a full-batch mean
             finite = finite and bool(torch.isfinite(loss))
             sync_gradients(policy, k == len(batches) - 1)  # FSDP + LoRA: reduce across processes after the last
             (loss * share).backward()  # even when not finite: with FSDP every process must join every backward
-            gap, outside = max(gap, m.pop("sampler_gap")), outside + m.pop("outside_truncation")
-            ratio_min, ratio_max = min(ratio_min, m.pop("ratio_min")), max(ratio_max, m.pop("ratio_max"))
             for key, value in m.items():
-                totals[key] = totals.get(key, 0.0) + value * share
-                weights[key] = weights.get(key, 0.0) + share
+                if key in extremes:
+                    kept[key] = extremes[key](kept[key], value) if key in kept else value
+                else:
+                    totals[key] = totals.get(key, 0.0) + value * share
+                    weights[key] = weights.get(key, 0.0) + share
         totals = {key: value / weights[key] for key, value in totals.items()}  # means over the sequences that have it
         params = [p for group in optimizer.param_groups for p in group["params"]]
         totals["grad_norm"] = torch.nn.utils.clip_grad_norm_(params, max_grad_norm).item()
@@ -899,8 +981,7 @@ def train_step(policy, optimizer, rollouts: list[Rollout], advantages: torch.Ten
             skipped += 1
     # extremes over all mu updates; sampler_gap is max |log pi_trainer - log pi_sampler| (0 up to float error
     # before the first update: larger means sampler and trainer disagree on the distribution)
-    return {**totals, "ratio_min": ratio_min, "ratio_max": ratio_max, "sampler_gap": gap, "skipped": skipped,
-            "outside_truncation": outside}
+    return {**totals, **kept, "skipped": skipped}
 
 
 # ---- 11. Evaluation -----------------------------------------------------------------------------
@@ -961,6 +1042,9 @@ def validate(cfg: Config) -> None:
         raise ValueError(f"--micro-batch-size {cfg.micro_batch_size} must divide --group-size {cfg.group_size}")
     if cfg.train_tokens not in ("large", "all"):
         raise ValueError(f"--train-tokens {cfg.train_tokens}: use 'large' or 'all'")
+    if cfg.sampler_correction not in CORRECTIONS or not cfg.sampler_cap >= 1:
+        raise ValueError(f"--sampler-correction {cfg.sampler_correction} --sampler-cap {cfg.sampler_cap}: use one of "
+                         f"{', '.join(CORRECTIONS)} with a cap >= 1 (a cap below 1 cuts even an exact sampler's weight)")
     if cfg.scale_rewards not in ("group", "batch", "none"):
         raise ValueError(f"--scale-rewards {cfg.scale_rewards}: use group, batch or none")
     for name, ok, rule in [("clip-eps", 0 < cfg.clip_eps < 1, "in (0, 1)"), ("kl-beta", cfg.kl_beta >= 0, ">= 0"),
@@ -1216,7 +1300,7 @@ def update(policy, optimizer, rollouts: list, advantages: torch.Tensor, ref_mode
     return train_step(policy, optimizer, rollouts, advantages, ref_model, temperature=cfg.temperature,
                       kl_beta=cfg.kl_beta, clip_eps=clip_eps, micro_batch_size=cfg.micro_batch_size,
                       max_grad_norm=cfg.max_grad_norm, mu=cfg.mu, train_tokens=cfg.train_tokens, top_k=cfg.top_k,
-                      top_p=cfg.top_p)
+                      top_p=cfg.top_p, correction=cfg.sampler_correction, cap=cfg.sampler_cap)
 
 
 def dit_grpo():

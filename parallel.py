@@ -126,8 +126,8 @@ def gather_list(items: list) -> list:
     return [x for part in parts for x in part]
 
 
-REDUCE = {"ratio_min": min, "ratio_max": max, "sampler_gap": max, "skipped": max,  # the rest: means over processes
-          "outside_truncation": sum}
+REDUCE = {"ratio_min": min, "ratio_max": max, "sampler_gap": max, "skipped": max,  # and names ending /max, /min;
+          "outside_truncation": sum}  # the rest: means over processes
 
 
 def reduce_metrics(metrics: dict) -> dict:
@@ -138,7 +138,9 @@ def reduce_metrics(metrics: dict) -> dict:
     parts = [None] * dist.get_world_size()
     dist.all_gather_object(parts, metrics)
     keys = dict.fromkeys(k for part in parts for k in part)  # a process that only edits has no preview/ metrics
-    return {k: REDUCE.get(k, lambda xs: sum(xs) / len(xs))([p[k] for p in parts if k in p]) for k in keys}
+    mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
+    rule = {k: REDUCE.get(k) or (max if k.endswith("/max") else min if k.endswith("/min") else mean) for k in keys}
+    return {k: rule[k]([p[k] for p in parts if k in p]) for k in keys}
 
 
 # ---- State: the same checkpoint format for one process and for many ------------------------------

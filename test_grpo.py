@@ -304,6 +304,86 @@ def test_code_logprobs_truncation():
         assert abs(lp(**kw).exp().sum().item() - 1) < 1e-6
 
 
+def test_support_bits():
+    """support_bits packs a (..., K) bool set 8 codes to a byte and code_support gives it back, K a multiple of 8 or
+    not; the packed set of a whole group at K = 16384 is 2 KiB a token."""
+    g = torch.Generator().manual_seed(0)
+    for K in (16, 13, 16384):
+        kept = torch.rand(2, 3, K, generator=g) < 0.3
+        bits = grpo.support_bits(kept)
+        assert bits.dtype == torch.uint8 and bits.shape == (2, 3, (K + 7) // 8)
+        assert torch.equal(grpo.code_support(bits, K), kept)
+    assert grpo.support_bits(torch.ones(1, 16384, dtype=torch.bool)).numel() == 2048
+
+
+def test_code_logprobs_support():
+    """With a replayed support, code_logprobs is softmax(logits / T) renormalised over exactly that set (the
+    truncation is not recomputed); the support of the truncation itself gives the truncated log-probs."""
+    logits = torch.tensor([[2.0, 1.0, 1.0, 0.0, -1.0, 9.0]])  # K = 5: id 5 is no code
+    support = torch.tensor([[False, True, False, True, True]])
+    got = grpo.code_logprobs(logits, 0.5, 5, top_p=0.3, support=support)[0]
+    want = torch.log_softmax(torch.tensor([1.0, 0.0, -1.0]) / 0.5, -1)
+    assert torch.isinf(got[[0, 2]]).all() and torch.allclose(got[[1, 3, 4]], want)
+    truncated = grpo.code_logprobs(logits, 0.9, 5, top_k=3, top_p=0.8)
+    assert torch.equal(grpo.code_logprobs(logits, 0.9, 5, support=truncated.isfinite()), truncated)
+
+
+def test_decode_keeps_sampling_mask(sharp_pipe):
+    """With top-k / top-p the sampler records each draw's kept codes (Rollout.support): exactly the truncation of
+    code_logprobs on generate's logits, every sampled token inside; without truncation it records nothing."""
+    model = sharp_pipe.vision_language_encoder
+    K = model.config.vq_config.num_embeddings
+    r = grpo.sample_group(sharp_pipe, "a cat", 3, 64, 96, T, seed=4, top_k=20, top_p=0.8)
+    tokens, _, _, logits = generate_group(sharp_pipe, "a cat", 3, 64, 96, T, 4, top_k=20, top_p=0.8)
+    kept = grpo.code_support(r.support, K)
+    assert torch.equal(r.tokens, tokens) and torch.equal(kept, grpo.code_logprobs(logits, T, K, 20, 0.8).isfinite())
+    assert kept.gather(-1, r.tokens[..., None]).all() and 0 < kept.sum(-1).float().mean() < 20
+    assert grpo.sample_group(sharp_pipe, "a cat", 3, 64, 96, T, seed=4).support is None
+
+
+def test_sampler_correction():
+    """Each mode against the formula by hand: r = exp(old - sampled) per token or per sequence (the sum), truncated
+    at the cap or masked to 0 above it, 1 for none; TRL's metric names, the k3 KL of the sampler from pi_old; a token
+    outside a truncation (-inf) has ratio 1."""
+    old = torch.tensor([[-1.0, -2.0, -0.5], [-1.0, -1.0, -1.0]])
+    sampled = torch.tensor([[-1.5, -1.0, -0.5], [-2.0, -1.0, -math.inf]])
+    d = torch.tensor([[0.5, -1.0, 0.0], [1.0, 0.0, 0.0]])  # old - sampled, 0 where not finite
+    cap = 1.5
+    want = {"token_truncate": d.exp().clamp(max=cap), "token_mask": torch.where(d.exp() > cap, 0.0, d.exp()),
+            "sequence_truncate": d.sum(1, keepdim=True).exp().clamp(max=cap),
+            "sequence_mask": torch.where(d.sum(1, keepdim=True).exp() > cap, 0.0, d.sum(1, keepdim=True).exp()),
+            "none": torch.ones(2, 3)}
+    for mode in grpo.CORRECTIONS:
+        weights, m = grpo.sampler_correction(old, sampled, mode, cap)
+        assert torch.allclose(weights, want[mode]), mode
+    weights, m = grpo.sampler_correction(old, sampled, "token_truncate", cap)
+    assert m["sampling/sampling_logp_difference/max"] == 1.0
+    assert m["sampling/sampling_logp_difference/mean"] == pytest.approx(2.5 / 6)
+    assert m["sampling/importance_sampling_ratio/max"] == pytest.approx(math.e)
+    assert m["sampling/importance_sampling_ratio/min"] == pytest.approx(math.exp(-1))
+    assert m["sampling/k3_kl"] == pytest.approx(((d.exp() - 1 - d).sum() / 6).item())
+    assert m["sampling/capped_frac"] == pytest.approx(2 / 6)  # e^0.5 and e^1 exceed 1.5
+    _, seq = grpo.sampler_correction(old, sampled, "sequence_mask", cap)
+    assert seq["sampling/importance_sampling_ratio/max"] == pytest.approx(math.e)  # the sequence's product
+    assert grpo.sampler_correction(old, old, "token_truncate", cap)[0].eq(1).all()  # an exact sampler: weight 1
+
+
+def test_grpo_loss_weights():
+    """Importance weights multiply the surrogate of each token (and its gradient), not the KL term."""
+    g = torch.Generator().manual_seed(1)
+    logp = (-torch.rand(2, 4, generator=g)).requires_grad_()
+    old, ref = logp.detach() - 0.05, logp.detach() + 0.1
+    adv, w = torch.tensor([1.0, -2.0]), torch.rand(2, 4, generator=g) * 2
+    loss, _ = grpo.grpo_loss(logp, old, ref, adv, 0.2, 0.1, w)
+    r = torch.exp(logp - old)
+    surrogate = torch.min(r * adv[:, None], r.clamp(0.8, 1.2) * adv[:, None])
+    d = ref - logp
+    want = (-(w * surrogate - 0.1 * (d.exp() - d - 1))).mean()
+    assert torch.allclose(loss, want)
+    unweighted, _ = grpo.grpo_loss(logp, old, ref, adv, 0.2, 0.1)
+    assert torch.allclose(grpo.grpo_loss(logp, old, ref, adv, 0.2, 0.1, torch.ones(2, 1))[0], unweighted)
+
+
 @pytest.mark.parametrize("top_k,top_p", [(0, 0.75), (5, 1.0), (5, 0.75)], ids=["top-p", "top-k", "both"])
 def test_truncated_sampling_exact(pipe, sharp_pipe, top_k, top_p):
     """GLM-Image's deployed sampling: generate with the truncation as its processor draws from code_logprobs (its
@@ -851,10 +931,10 @@ def test_micro_batch_loss(pipe):
     kw = dict(temperature=T, clip_eps=0.2, kl_beta=0.0, top_k=0, top_p=0.9)
     for tokens, cols in (("large", slice(n_preview, None)), ("all", slice(None))):
         ar.zero_grad(set_to_none=True)
-        loss, m = grpo.micro_batch_loss(ar, r.inputs, r.tokens, r.logprobs, adv, n_preview, None, None,
+        loss, m = grpo.micro_batch_loss(ar, r.inputs, r.tokens, r.logprobs, r.support, adv, n_preview, None, None,
                                         train_tokens=tokens, **kw)
         with torch.no_grad():
-            logp = grpo.token_logprobs(ar, r.inputs, r.tokens, T, 0, 0.9)
+            logp = grpo.token_logprobs(ar, r.inputs, r.tokens, T, 0, 0.9, r.support)
         want, _ = grpo.grpo_loss(logp[:, cols], logp[:, cols], None, adv, 0.2, 0.0)
         assert torch.allclose(loss, want, atol=1e-6) and m["loss"] == loss.item()
         assert m["sampler_gap"] <= 1e-5 and m["outside_truncation"] == 0 and m["ratio_min"] == m["ratio_max"] == 1.0
@@ -862,6 +942,45 @@ def test_micro_batch_loss(pipe):
         loss.backward()
         assert ar.lm_head.weight.grad is not None and ar.lm_head.weight.grad.abs().sum() > 0
     ar.zero_grad(set_to_none=True)
+
+
+def test_micro_batch_loss_correction(pipe):
+    """The corrected loss against its formula for every --sampler-correction mode, with a sampler that disagrees with
+    the trainer (its log-probs perturbed): grpo_loss of the trainer's log-probs (over the sampler's support) with the
+    weights exp(old - sampled) over the loss's tokens, per token or per sequence, truncated or masked at the cap."""
+    r = grpo.sample_group(pipe, "two blue squares", 4, 64, 64, T, seed=3, top_p=0.9)
+    sampled = r.logprobs + 0.3 * torch.randn(r.logprobs.shape, generator=torch.Generator().manual_seed(0))
+    adv, n_preview, ar = torch.tensor([1.0, -1.0, 0.5, -0.5]), r.preview_hw[0] * r.preview_hw[1], pipe.vision_language_encoder
+    with torch.no_grad():
+        logp = grpo.token_logprobs(ar, r.inputs, r.tokens, T, 0, 0.9, r.support)[:, n_preview:]
+    d = logp - sampled[:, n_preview:]
+    cap = 1.2
+    by_hand = {"none": torch.ones_like(d), "token_truncate": d.exp().clamp(max=cap),
+               "token_mask": d.exp() * (d.exp() <= cap), "sequence_truncate": d.sum(1, keepdim=True).exp().clamp(max=cap),
+               "sequence_mask": d.sum(1, keepdim=True).exp() * (d.sum(1, keepdim=True).exp() <= cap)}
+    for mode, weights in by_hand.items():
+        with torch.no_grad():
+            loss, m = grpo.micro_batch_loss(ar, r.inputs, r.tokens, sampled, r.support, adv, n_preview, None, None,
+                                            temperature=T, clip_eps=0.2, kl_beta=0.0, train_tokens="large", top_k=0,
+                                            top_p=0.9, correction=mode, cap=cap)
+        want = (-(weights * adv[:, None])).mean()  # ratio 1 at the first update: the surrogate is A
+        assert loss.item() == pytest.approx(want.item(), abs=1e-5), mode
+        assert m["sampling/sampling_logp_difference/max"] == pytest.approx(d.abs().max().item(), abs=1e-5)
+    assert 0 < by_hand["token_mask"].eq(0).float().mean() < 1  # the cap acted on some tokens, not all
+
+
+def test_main_sampler_correction(tmp_path):
+    """In float32 the correction changes nothing: the default (token_truncate) and none train to weights within 1e-6;
+    the metrics lines carry TRL's mismatch names, and no sampled token falls outside the support."""
+    runs = {}
+    for mode in ("token_truncate", "none"):
+        tiny_run(tmp_path, tmp_path / mode, "--steps", "2", "--top-p", "0.9", "--lr", "1e-3",
+                 "--sampler-correction", mode)
+        runs[mode] = grpo.read_checkpoint(tmp_path / mode / "checkpoint.pt")["weights"]
+        line = run_record(tmp_path / mode)[0]
+        assert line["sampling/sampling_logp_difference/max"] <= 1e-5 and line["outside_truncation"] == 0
+        assert abs(line["sampling/importance_sampling_ratio/mean"] - 1) < 1e-5 and line["sampling/k3_kl"] < 1e-7
+    assert max((runs["token_truncate"][k] - v).abs().max().item() for k, v in runs["none"].items()) < 1e-6
 
 
 def test_train_step_micro_batching(pipe):
@@ -1263,7 +1382,7 @@ def test_main_resume(tmp_path, monkeypatch):
 def interrupted_run(tmp_path, monkeypatch, name, where, signals=1):
     """A 4-step run that gets `signals` real SIGINTs in step 2: while sampling, or right after the update."""
     import signal
-    target = {"sample": "sample_group", "update": "train_step"}[where]
+    target = {"sample": "sample_groups", "update": "train_step"}[where]
     original = getattr(grpo, target)
 
     def with_interrupt(*args, **kwargs):

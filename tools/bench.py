@@ -35,6 +35,7 @@ at a time (float32 peak resident memory 15.8 GiB instead of 23.1 GiB).
 import argparse
 import copy
 import functools
+import math
 import statistics
 import sys
 import time
@@ -354,12 +355,6 @@ def sampler_gpu(emit_row):
     emit_row("floor: the language model's weights read once a step", f"{step_bytes / 1e9:.2f} GB / "
              f"{bandwidth / 1e12:.2f} TB/s (copy, measured) = {floor:.2f} ms per step")
     with torch.autocast("cuda", dtype=torch.bfloat16):
-        head = pipe.vision_language_encoder.lm_head
-        hooks = dict(head._forward_hooks)
-        head._forward_hooks.clear()  # bf16 logits, as before grpo.float32_logits
-        attempt(lambda: sampler_compare(pipe, "full depth bf16, 1024x1024, bf16 logits", "cuda", 4, 1024, 1024,
-                                        prefix=16, emit_row=emit_row), emit_row)
-        head._forward_hooks.update(hooks)
         for group, prefix in ((4, 128), (16, 64)):
             ms = attempt(lambda: sampler_compare(pipe, "full depth bf16, 1024x1024", "cuda", group, 1024, 1024,
                                                  prefix=prefix, emit_row=emit_row), emit_row)
@@ -390,17 +385,82 @@ def sampler(device):
     sampler_gpu(row) if device == "cuda" else sampler_cpu(row)
 
 
+# ---- --gap: the sampler / trainer gap in bf16 --------------------------------------------------
+
+def float32_logits(head, args, logits):
+    """A forward hook on the lm_head: the logits computed and returned in float32 whatever the weights' dtype or
+    autocast (MiniMax-M1's fix for the sampler / trainer gap), in the sampler and the trainer alike."""
+    with torch.autocast(logits.device.type, enabled=False):
+        return torch.nn.functional.linear(args[0].float(), head.weight.float())
+
+
+def gap_rows(pipe, name, group, size, top_p, emit_row, train_tokens="large"):
+    """Sample a group in bf16 (autocast, as grpo.py on a GPU) and score it with the trainer, once with bf16 logits
+    (grpo.py) and once with float32 logits (float32_logits): the gap per token, the sampled tokens outside the
+    trainer's OWN nucleus (what the replayed support removes), and what --sampler-correction modes would do."""
+    model = pipe.vision_language_encoder
+    K = model.config.vq_config.num_embeddings
+    device = model.device.type
+    for logits in ("bf16", "float32"):
+        hook = model.lm_head.register_forward_hook(float32_logits) if logits == "float32" else None
+        with torch.autocast(device, dtype=torch.bfloat16), torch.no_grad():
+            r = grpo.sample_group(pipe, PROMPT, group, size, size, T, seed=0, top_p=top_p)
+            raw = grpo.token_logits(model, r.inputs, r.tokens)
+            own = grpo.code_logprobs(raw, T, K, 0, top_p).gather(-1, r.tokens[..., None]).squeeze(-1)
+            kept = None if r.support is None else grpo.code_support(r.support, K)
+            replayed = grpo.code_logprobs(raw, T, K, 0, top_p, kept).gather(-1, r.tokens[..., None]).squeeze(-1)
+        cols = slice(r.preview_hw[0] * r.preview_hw[1], None) if train_tokens == "large" else slice(None)
+        _, m = grpo.sampler_correction(replayed[:, cols], r.logprobs[:, cols], "token_truncate", 2.0)
+        seq = (replayed[:, cols] - r.logprobs[:, cols]).sum(1)  # log of each sequence's ratio
+        outside = int((~own.isfinite()).sum())
+        emit_row(f"{name}, {logits} logits: gap max / mean (nats), k3 KL",
+                 f"{m['sampling/sampling_logp_difference/max']:.3g} / "
+                 f"{m['sampling/sampling_logp_difference/mean']:.3g}, {m['sampling/k3_kl']:.2g}")
+        emit_row(f"{name}, {logits} logits: sampled tokens outside the trainer's own nucleus -> with the support "
+                 "replayed", f"{outside} of {own.numel()} -> {int((~replayed.isfinite()).sum())}")
+        emit_row(f"{name}, {logits} logits: token ratios min / max; tokens > 2; sequences' log-ratio (large grid) "
+                 "min / max; sequences with ratio > 2 (sequence_mask at 2 would drop them)",
+                 f"{m['sampling/importance_sampling_ratio/min']:.3f} / {m['sampling/importance_sampling_ratio/max']:.3f}; "
+                 f"{m['sampling/capped_frac']:.2%}; {seq.min():.2f} / {seq.max():.2f}; "
+                 f"{int((seq > math.log(2)).sum())} of {len(seq)}")
+        if hook is not None:
+            hook.remove()
+
+
+def gap(device):
+    print("| measurement | value |\n|---|---|")
+    row = functools.partial(emit, [])
+    row("machine", f"{torch.get_num_threads()} CPU threads, torch {torch.__version__}" +
+        (f", {torch.cuda.get_device_name()}" if device == "cuda" else ""))
+    if device == "cuda":
+        from offline_model import PUBLISHED, glm_image
+        torch.set_default_dtype(torch.bfloat16)
+        try:
+            pipe = grpo.only_ar_trains(glm_image(PUBLISHED, device="cuda"))
+        finally:
+            torch.set_default_dtype(torch.float32)
+        attempt(lambda: gap_rows(pipe, "full depth, 1024x1024, G = 4, top-p 0.75", 4, 1024, 0.75, row), row)
+        return
+    from offline_model import real_shapes_glm_image
+    tiny = grpo.load_glm_image("tiny", dtype=torch.bfloat16)
+    gap_rows(tiny, "tiny model bf16, 96x96, G = 8, top-p 0.75", 8, 96, 0.75, row)
+    real = grpo.only_ar_trains(real_shapes_glm_image(ar=2))
+    real.vision_language_encoder.to(torch.bfloat16)
+    gap_rows(real, "published widths, 2 AR layers, bf16, 256x256, G = 2, top-p 0.75", 2, 256, 0.75, row)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--real-shapes", action="store_true", help="the published widths at 1024x1024 (minutes)")
     parser.add_argument("--sampler", action="store_true", help="the decode loop against generate (minutes)")
-    parser.add_argument("--device", default="cpu", help="--sampler: cpu, or cuda (the full depth on one GPU)")
+    parser.add_argument("--gap", action="store_true", help="the sampler / trainer gap in bf16 (minutes)")
+    parser.add_argument("--device", default="cpu", help="--sampler, --gap: cpu, or cuda (the full depth on one GPU)")
     args = parser.parse_args()
     torch.manual_seed(0)
-    if args.sampler:
+    if args.sampler or args.gap:
         if args.device == "cpu":
             torch.set_num_threads(1)
-        sampler(args.device)
+        (sampler if args.sampler else gap)(args.device)
         return
     if args.real_shapes:
         print("| measurement | value |\n|---|---|")
