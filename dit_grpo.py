@@ -244,16 +244,16 @@ def sample_and_score(pipe, policy, batch: list[dict], groups: list[int], rewards
     group; G pictures from it through the SDE sampler (decoder noise seeded by the group's number too); scores and
     z-scored advantages as for the AR. Returns the chains, images, (P, G) rewards, each reward's, advantages."""
     seeds = [cfg.seed * 1_000_003 + g for g in groups]
-    with grpo.timed(seconds, "sample"), autocast:  # 1. the AR's tokens, once per prompt
+    with grpo.timed(seconds, "sample", cfg), autocast:  # 1. the AR's tokens, once per prompt
         tokens = grpo.sample_groups(pipe, [ex["prompt"] for ex in batch], 1, cfg.height, cfg.width, cfg.temperature,
                                     seeds, None, cfg.top_k, cfg.top_p)  # every prompt in one decode
-    with grpo.timed(seconds, "decode"), grpo.decoder_on(pipe, device, cfg.offload), grpo.unsharded(policy):  # 2.
+    with grpo.timed(seconds, "decode", cfg), grpo.decoder_on(pipe, device, cfg.offload), grpo.unsharded(policy):  # 2.
         chains = [sample_chain(pipe, ex["prompt"], r.tokens.repeat(cfg.group_size, 1), r.large_hw, cfg.height,
                                cfg.width, cfg.sde_steps or cfg.num_inference_steps, cfg.guidance_scale, s,
                                cfg.sde_noise, cfg.sde_window)
                   for ex, r, s in zip(batch, tokens, seeds)]
     images = [c.images for c in chains]
-    with grpo.timed(seconds, "reward"):
+    with grpo.timed(seconds, "reward", cfg):
         reward, each, advantages = grpo.score(images, batch, rewards, cfg)  # 3.-4. as for the AR
     return chains, images, reward, each, advantages
 

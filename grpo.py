@@ -61,6 +61,7 @@ import os
 import re
 import sys
 import time
+import warnings
 from pathlib import Path
 from typing import NamedTuple
 
@@ -74,9 +75,9 @@ from parallel import (INTERRUPT, all_agree, distributed, final_weights, gather_l
                       interrupts_caught, interrupts_held, load_trainable_state, reduce_metrics, shard, start_processes,
                       stop_processes, stop_requested, sync_gradients, trainable_state, unsharded)
 from rewards import MORE_REWARDS, import_reward, needs  # ocr, shapes, module:function rewards
-from run_io import (RUN_FILES, append_metrics, atomic_write, check_out_dir, image_grid, open_run_dir,  # run files
-                    plot_curves, read_checkpoint, read_metrics, read_resume, save_checkpoint, save_image,
-                    save_pretrained_atomic, side_by_side)
+from run_io import (RUN_FILES, Reporter, append_metrics, atomic_write, check_out_dir, check_reporter,  # run files
+                    image_grid, open_run_dir, plot_curves, read_checkpoint, read_metrics, read_resume, save_checkpoint,
+                    save_image, save_pretrained_atomic, side_by_side)
 
 
 # ---- 1. Config ----------------------------------------------------------------------------------
@@ -89,7 +90,8 @@ def arg(default, help: str):
 @dataclasses.dataclass
 class Config:
     prompts: str = arg("prompts.txt", "'prompt | target.png' lines, or .jsonl: {\"prompt\", \"target\", \"source\"}")
-    model: str = arg("tiny", "hub id (zai-org/GLM-Image), local path, or 'tiny' (the pre-trained tiny_glm_image/)")
+    model: str = arg("tiny", "hub id (zai-org/GLM-Image), local path, 'tiny' (the pre-trained tiny_glm_image/), or "
+                             "'random' (the published configs, random weights: speed and memory without the download)")
     out: str = arg("runs/grpo", "output directory")
     steps: int = arg(100, "optimizer steps")
     seed: int = arg(0, "seed of the AR sampling")
@@ -138,9 +140,12 @@ class Config:
                             "evaluation and pictures keep --num-inference-steps)")
     sde_window: int = arg(0, "--train dit: SDE steps (trained) on the first N denoising steps, ODE after (0: all SDE)")
     lora_rank: int | None = arg(None, "LoRA rank on the trained model, 0: train all its weights (default 0 tiny, 16 real)")
-    gradient_checkpointing: bool = arg(False, "recompute AR activations")
+    gradient_checkpointing: bool | None = arg(None, "recompute activations in the backward (default: on for --train "
+                                                    "dit with the real model, whose update does not fit without)")
     offload: bool = arg(False, "keep DiT, VAE, T5 on CPU except to decode")
     device: str = arg("auto", "cpu | cuda | auto")
+    report_to: str = arg("none", "also send the metrics and image grids to tensorboard (<out>/tensorboard) or wandb "
+                                 "(offline, <out>/wandb): none | tensorboard | wandb")
     dtype: str = arg("auto", "float32 | bfloat16 | auto")
 
 
@@ -159,7 +164,8 @@ def config_parser(default=None) -> argparse.ArgumentParser:
     """One flag per Config field (the name with dashes), defaulting to the field's default (or to `default`)."""
     parser = argparse.ArgumentParser(description="GRPO on GLM-Image", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     for f in dataclasses.fields(Config):
-        flag, kind = "--" + f.name.replace("_", "-"), {"int | None": int, "float | None": float}.get(str(f.type), f.type)
+        kinds = {"int | None": int, "float | None": float, "bool | None": bool}  # optional: a model-dependent default
+        flag, kind = "--" + f.name.replace("_", "-"), kinds.get(str(f.type), f.type)
         value = f.default if default is None else default
         if kind is bool:
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=value, help=f.metadata["help"])
@@ -177,6 +183,7 @@ def parse_config(argv: list[str] | None = None) -> Config:
     """Command line -> Config. Flags are the field names with dashes; None fields get MODEL_DEFAULTS."""
     cfg = Config(**vars(config_parser().parse_args(argv)))
     defaults = MODEL_DEFAULTS["tiny" if cfg.model == "tiny" else "real"]
+    defaults = {**defaults, "gradient_checkpointing": cfg.model != "tiny" and cfg.train == "dit"}  # tools/memory_plan
     return dataclasses.replace(cfg, **{k: v for k, v in defaults.items() if getattr(cfg, k) is None})
 
 
@@ -187,8 +194,20 @@ TINY = Path(__file__).resolve().parent / "tiny_glm_image"  # a tiny GLM-Image pr
 
 def load_glm_image(name: str, device: str = "cpu", dtype: torch.dtype = torch.float32):
     """GlmImagePipeline.from_pretrained(name): a hub id, a local folder, or 'tiny' (the folder TINY, a few MB, which
-    draws world.py's shapes). Everything but the AR frozen."""
+    draws world.py's shapes); 'random' builds GLM-Image from its published configs with random weights on the
+    device (no download: 3-4 s for the 17B parameters in bf16 on an H100), to measure speed and memory; 'random:L'
+    with L layers in each of its parts. Everything but the AR frozen."""
     from diffusers import GlmImagePipeline
+    if name.split(":")[0] == "random":
+        from offline_model import PUBLISHED, glm_image, with_depths
+        layers = int(name[len("random:"):]) if ":" in name else None
+        default = torch.get_default_dtype()
+        torch.set_default_dtype(dtype)
+        try:
+            configs = with_depths(PUBLISHED, layers, layers, layers, layers) if layers else PUBLISHED
+            return only_ar_trains(glm_image(configs, device=device))
+        finally:
+            torch.set_default_dtype(default)
     pipe = GlmImagePipeline.from_pretrained(TINY if name == "tiny" else name, dtype=dtype)
     return only_ar_trains(pipe.to(device))
 
@@ -238,8 +257,9 @@ def apply_lora(policy, rank: int, seed: int = 0):
     from peft import LoraConfig, get_peft_model  # optional dependency, only for --lora-rank > 0
     config = LoraConfig(r=rank, lora_alpha=rank, lora_dropout=0.0,
                         target_modules=r".*language_model\.layers\.\d+\.(self_attn\.(q|k|v|o)_proj|mlp\.(gate_up|down)_proj)")
-    with torch.random.fork_rng(devices=[]):
+    with torch.random.fork_rng(devices=[]), warnings.catch_warnings():
         torch.manual_seed(seed)
+        warnings.filterwarnings("ignore", "`is_gradient_checkpointing` is deprecated", FutureWarning)  # peft asks
         return get_peft_model(policy, config)
 
 
@@ -746,7 +766,7 @@ def group_rewards(images: list[torch.Tensor], examples: list[dict], rewards: dic
 
     Row p scores group p against example p only: a reward never meets another prompt's samples.
     """
-    each = {name: torch.stack([fn(group, example).float().reshape(-1)
+    each = {name: torch.stack([fn(group, example).float().reshape(-1).to(group.device)  # a reward may answer on the CPU
                                for group, example in zip(images, examples, strict=True)])
             for name, (fn, _) in rewards.items()}
     total = sum(w * each[name] for name, (_, w) in rewards.items())
@@ -833,7 +853,7 @@ def grpo_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, ref_logprobs: 
     # a token the old policy could not draw (-inf: outside its top-k / nucleus by rounding) carries no information:
     # ratio 1 without gradient, instead of exp(-inf + inf) = NaN
     ratio = torch.exp(torch.where(old_logprobs.isneginf(), 0.0, logprobs - old_logprobs))  # (S, T)
-    adv = advantages[:, None].to(ratio.dtype)  # (S, 1)
+    adv = advantages[:, None].to(ratio)  # (S, 1), on the log-probs' device
     low, high = clip_eps if isinstance(clip_eps, tuple) else (clip_eps, clip_eps)  # (eps, eps_high): clip-higher
     unclipped, clipped = ratio * adv, ratio.clamp(1 - low, 1 + high) * adv
     surrogate = torch.min(unclipped, clipped) * (1.0 if weights is None else weights)
@@ -1152,12 +1172,12 @@ def prepare(argv: list[str] | None) -> tuple[Config, list[dict], dict, tuple | N
         if cfg.resume:
             saved, start, saved_world = read_resume(out)  # config.json; step and processes from checkpoint.pt
             given = given_flags(argv)
-            refused = sorted(given - {"resume", "steps", "device"})  # a run goes on as it was; only these may change
+            refused = sorted(given - {"resume", "steps", "device", "report_to"})  # a run goes on as it was; only these may change
             if refused:
                 raise ValueError(f"--resume continues {out} with its saved settings, so it cannot take "
                                  f"{', '.join('--' + f.replace('_', '-') for f in refused)}: drop them (or start a new "
                                  "run with another --out)")
-            keep = {f: getattr(cfg, f) for f in ("steps", "device") if f in given}
+            keep = {f: getattr(cfg, f) for f in ("steps", "device", "report_to") if f in given}
             try:
                 cfg = dataclasses.replace(Config(**saved), **keep, resume=cfg.resume, out=str(out))
             except TypeError:
@@ -1173,6 +1193,7 @@ def prepare(argv: list[str] | None) -> tuple[Config, list[dict], dict, tuple | N
                 raise ValueError(f"--steps {cfg.steps} is below the {start} steps {out} has done; --steps is the "
                                  f"total, so pass more than {start}")
         validate(cfg)
+        check_reporter(cfg.report_to)
         check_out_dir(out)
         rewards = parse_rewards(cfg.reward)
         examples = load_examples(read_prompts(cfg.prompts), rewards, cfg.height, cfg.width)
@@ -1226,25 +1247,30 @@ def main(argv: list[str] | None = None) -> dict:
     cfg, examples, rewards, evals, out, start = prepare(argv)  # every input checked, nothing written yet
     quiet_libraries()  # after the checks: --help and bad input never wait for diffusers to import
     rank, world, device = start_processes(cfg.device)  # torchrun: one process per GPU; else rank 0 of 1
-    dtype = compute_settings(device, cfg.dtype)  # bf16 on GPUs, float32 and one thread on the CPU
-    pipe = load_or_fail(cfg.model, device, dtype)
-    policy, ref_model, optimizer = setup_training(pipe, cfg, dtype, world)
-    if cfg.resume:
-        load_trainable_state(policy, optimizer, read_checkpoint(out / "checkpoint.pt"))
+    dtype = compute_settings(device, cfg.dtype, cfg.model)  # the real model in bf16 on GPUs; one thread on the CPU
+    with timed({}, "load", cfg):
+        pipe = load_or_fail(cfg.model, device, dtype)
+    with timed({}, "setup", cfg):
+        policy, ref_model, optimizer = setup_training(pipe, cfg, dtype, world)
+        if cfg.resume:
+            load_trainable_state(policy, optimizer, read_checkpoint(out / "checkpoint.pt"))
     evaluated = {h["step"] for h in read_metrics(out) if h.get("eval")} if cfg.resume else set()  # kept on resume
     history = open_run_dir(out, cfg, start) if rank == 0 else []  # the training metrics before `start`, else []
     examples = [{k: v.to(device) if torch.is_tensor(v) else v for k, v in e.items()} for e in examples]
+    if evals:  # their targets and sources too (an SSIM eval on a GPU met CPU targets before: a crash)
+        evals = ([{k: v.to(device) if torch.is_tensor(v) else v for k, v in e.items()} for e in evals[0]], evals[1])
     autocast = torch.autocast(device.split(":")[0], dtype=torch.bfloat16, enabled=dtype == torch.bfloat16)
     shown = examples[:cfg.before_after]  # sampled with fixed seeds now and after training: what changed, by eye
     if shown and start == 0:
         show(out / "images" / "before.png", pipe, policy, shown, rewards, cfg, autocast, device, rank, world,
              "before training")
     skipped, done = sum(h["skipped"] for h in history), start  # done: steps whose update is applied and logged
+    reporter = Reporter(cfg.report_to if rank == 0 else "none", out, dataclasses.asdict(cfg))  # TensorBoard / W&B
     progress = tqdm(range(start, cfg.steps), desc="grpo", initial=start, total=cfg.steps, disable=rank != 0)
     try:
         with interrupts_caught():  # Ctrl-C and SIGTERM: see parallel.on_interrupt
             if evals and eval_due(start, cfg) and start not in evaluated:  # held-out prompts, before any update
-                run_evaluation(out, start, pipe, policy, evals, cfg, autocast, device, rank, world)
+                run_evaluation(out, start, pipe, policy, evals, cfg, autocast, device, rank, world, reporter)
             for step in progress:
                 # groups are numbered over all processes; the number picks the prompt and seeds the sampling
                 groups = [(step * world + rank) * cfg.prompts_per_step + j for j in range(cfg.prompts_per_step)]
@@ -1253,17 +1279,17 @@ def main(argv: list[str] | None = None) -> dict:
                     sample_and_score if cfg.train == "ar" else dit_grpo().sample_and_score)(
                     pipe, policy, batch, groups, rewards, cfg, autocast, device, seconds)
                 with interrupts_held():  # an update and its log line land together (or not at all)
-                    with timed(seconds, "train"), autocast:  # 5. the clipped policy-gradient update
+                    with timed(seconds, "train", cfg), autocast:  # 5. the clipped policy-gradient update
                         metrics = update(policy, optimizer, rollouts, advantages, ref_model, cfg)
                     record = step_record(step, groups, len(examples), reward, each, advantages, rollouts, metrics,
                                          seconds)
                     skipped, done = skipped + record["skipped"], step + 1
                     history.append(record)
                     if rank == 0:
-                        log_step(out, progress, record, skipped, history, cfg.kl_beta)
-                save_step_outputs(out, step, cfg, batch, images, reward, policy, optimizer, rank, world)
+                        log_step(out, progress, record, skipped, history, cfg.kl_beta, reporter)
+                save_step_outputs(out, step, cfg, batch, images, reward, policy, optimizer, rank, world, reporter)
                 if evals and eval_due(step + 1, cfg):  # the policy after step + 1 updates
-                    run_evaluation(out, step + 1, pipe, policy, evals, cfg, autocast, device, rank, world)
+                    run_evaluation(out, step + 1, pipe, policy, evals, cfg, autocast, device, rank, world, reporter)
                 if stop_requested():  # with many processes, an interrupt in any of them stops all after this step
                     raise KeyboardInterrupt
     except KeyboardInterrupt:
@@ -1271,6 +1297,8 @@ def main(argv: list[str] | None = None) -> dict:
     except OSError as error:  # a full disk, a vanished directory: the last checkpoint stays good
         fail(f"cannot write {error.filename or out} ({error.strerror or error}); make room, then continue with "
              f"--resume {out}", code=1)
+    finally:
+        reporter.close()
     finish(out, policy, optimizer, cfg, rank, world)  # the last checkpoint, final/ and curves.png
     after = show(out / "images" / "after.png", pipe, policy, shown, rewards, cfg, autocast, device, rank, world,
                  f"after {cfg.steps} steps") if shown else None
@@ -1279,13 +1307,15 @@ def main(argv: list[str] | None = None) -> dict:
     return summary
 
 
-def compute_settings(device: str, dtype: str) -> torch.dtype:
-    """The dtype for --dtype on `device` (auto: bf16 on a GPU, float32 on the CPU). On the CPU one thread unless
+def compute_settings(device: str, dtype: str, model: str = "tiny") -> torch.dtype:
+    """The dtype for --dtype on `device` (auto: float32 for the tiny model everywhere, which draws worse in bf16 (0.836
+    before training instead of 0.906 on an H100); for the real model bf16 on a GPU, float32 on the CPU). On the CPU
+    one thread unless
     OMP_NUM_THREADS says otherwise: on 2 cores the tiny demo ran 1.2x faster with 2 threads but used 1.5x the CPU,
     and more threads than free cores stalled a busy machine 10-60x."""
     if device == "cpu" and "OMP_NUM_THREADS" not in os.environ:
         torch.set_num_threads(1)
-    return {"auto": torch.bfloat16 if device.startswith("cuda") else torch.float32,
+    return {"auto": torch.bfloat16 if device.startswith("cuda") and model != "tiny" else torch.float32,
             "float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
 
 
@@ -1313,6 +1343,8 @@ def load_or_fail(model: str, device: str, dtype: torch.dtype):
     """load_glm_image, or one line naming why not (offline hub, wrong path, ...) and exit 2, no traceback."""
     try:
         return load_glm_image(model, device, dtype)
+    except torch.OutOfMemoryError:
+        raise  # timed's one line
     except Exception as error:
         cause = (str(error).strip().splitlines() or [""])[0][:200]
         hint = "tools/train_tiny.py rebuilds it" if model == "tiny" else "offline? use --model tiny or a local path"
@@ -1324,15 +1356,15 @@ def sample_and_score(pipe, policy, batch: list[dict], groups: list[int], rewards
     """Steps 1-4 of a GRPO step for this process's P groups: sample G token grids per prompt (seeded by the group's
     number), decode them with the frozen DiT, score them, and z-score the rewards within each group. Returns the
     rollouts, the images, the (P, G) rewards (and each reward's), and the (P, G) advantages."""
-    with timed(seconds, "sample"), autocast, unsharded(policy):  # 1. G token grids per prompt
+    with timed(seconds, "sample", cfg), autocast, unsharded(policy):  # 1. G token grids per prompt
         rollouts = sample_groups(pipe, [ex["prompt"] for ex in batch], cfg.group_size, cfg.height, cfg.width,
                                  cfg.temperature, [cfg.seed * 1_000_003 + g for g in groups],
                                  [ex.get("source") for ex in batch], cfg.top_k, cfg.top_p)  # all groups, one decode
-    with timed(seconds, "decode"), decoder_on(pipe, device, cfg.offload):  # 2. images, frozen DiT
+    with timed(seconds, "decode", cfg), decoder_on(pipe, device, cfg.offload):  # 2. images, frozen DiT
         images = [decode_images(pipe, ex["prompt"], r.tokens, r.large_hw, cfg.height, cfg.width,
                                 cfg.num_inference_steps, cfg.decode_seed, cfg.guidance_scale, r.source)
                   for ex, r in zip(batch, rollouts)]
-    with timed(seconds, "reward"):
+    with timed(seconds, "reward", cfg):
         reward, each, advantages = score(images, batch, rewards, cfg)  # 3.-4.
     return rollouts, images, reward, each, advantages
 
@@ -1356,23 +1388,41 @@ def quiet_libraries() -> None:
     transformers.utils.logging.disable_progress_bar()  # save_pretrained's "Writing model shards" bar
 
 
-PHASES = {"sample": "sampling (the decode loop)", "decode": "decoding (DiT + VAE)", "reward": "scoring the images",
-          "train": "the update (train_step)", "show": "sampling the before / after grids",
-          "eval": "evaluating --eval-prompts"}
+PHASES = {"load": "loading the model onto the device", "setup": "setting up training (LoRA, the KL reference, "
+          "the optimizer, a checkpoint)", "sample": "sampling (the decode loop)", "decode": "decoding (DiT + VAE)",
+          "reward": "scoring the images", "train": "the update (train_step)", "show": "sampling the before / after "
+          "grids", "eval": "evaluating --eval-prompts"}
+
+
+def memory_levers(phase: str, cfg: Config) -> list[str]:
+    """The settings that would lower the memory of `phase`, among those this run does not use already."""
+    full, trains = cfg.lora_rank == 0, phase in ("setup", "train")
+    levers = [("--lora-rank 16", full and trains),
+              ("--kl-beta 0 (no reference copy)", full and cfg.kl_beta > 0 and phase == "setup"),
+              ("--micro-batch-size 1", cfg.micro_batch_size > 1 and phase == "train"),
+              ("--gradient-checkpointing", not cfg.gradient_checkpointing and phase == "train"),
+              ("--offload", not cfg.offload and phase in ("setup", "sample", "train")),
+              ("a smaller --group-size", cfg.group_size > 2 and phase in ("sample", "decode", "train", "show")),
+              ("fewer --prompts-per-step", cfg.prompts_per_step > 1 and phase == "sample"),
+              ("fewer --eval-samples", cfg.eval_samples > 1 and phase == "eval"),
+              ("a smaller --height / --width", phase in ("decode", "show", "eval")),
+              ("more GPUs (torchrun shards the trained model)", trains),
+              ("a GPU with more memory", True)]
+    return [lever for lever, applies in levers if applies]
 
 
 @contextlib.contextmanager
-def timed(seconds: dict, phase: str):
+def timed(seconds: dict, phase: str, cfg: Config):
     """seconds[phase] = the wall-clock time the block took. Running out of (GPU) memory in it stops the run like bad
-    input: one line naming the phase and the levers, exit 2; the step is not saved, so the last checkpoint stays."""
+    input: one line naming the phase and the levers this run does not use yet, exit 2; the step is not saved, so the
+    last checkpoint stays."""
     start = time.perf_counter()
     try:
         yield
     except torch.OutOfMemoryError:
         rank = int(os.environ.get("RANK", 0))
         tqdm.write(f"grpo.py: error: out of memory while {PHASES.get(phase, phase)}{f' (process {rank})' if rank else ''}; "
-                   "the last checkpoint is kept. To fit: --lora-rank 16, --micro-batch-size 1, --gradient-checkpointing, "
-                   "--offload, a smaller --group-size, or more GPUs (torchrun shards the AR)", file=sys.stderr)
+                   f"the last checkpoint is kept. To fit: {', '.join(memory_levers(phase, cfg))}", file=sys.stderr)
         raise SystemExit(2) from None
     seconds[phase] = time.perf_counter() - start
 
@@ -1392,10 +1442,13 @@ def step_record(step: int, groups: list[int], n_examples: int, reward: torch.Ten
             **{f"sec_{phase}": value for phase, value in seconds.items()}}
 
 
-def log_step(out: Path, progress, record: dict, skipped: int, history: list[dict], kl_beta: float) -> None:
-    """The step's line in metrics.jsonl, the progress bar, and a warning for a skipped update (rank 0). The bar shows
-    the step's reward, its mean over the last 20 steps (steps differ by prompt) and, when there is a KL term, the KL."""
+def log_step(out: Path, progress, record: dict, skipped: int, history: list[dict], kl_beta: float,
+             reporter: Reporter) -> None:
+    """The step's line in metrics.jsonl (and --report-to), the progress bar, and a warning for a skipped update (rank
+    0). The bar shows the step's reward, its mean over the last 20 steps (steps differ by prompt) and, when there is a
+    KL term, the KL."""
     append_metrics(out, {**record, "skipped_total": skipped})
+    reporter.log(record)
     recent = np.mean([h["reward_mean"] for h in history[-20:]])
     progress.set_postfix(reward=f"{record['reward_mean']:.3f}", reward_avg20=f"{recent:.3f}",
                          **({"kl": f"{record['kl']:.4f}"} if kl_beta > 0 else {}))
@@ -1405,11 +1458,13 @@ def log_step(out: Path, progress, record: dict, skipped: int, history: list[dict
 
 
 def save_step_outputs(out: Path, step: int, cfg: Config, batch: list[dict], images: list[torch.Tensor],
-                      reward: torch.Tensor, policy, optimizer, rank: int, world: int) -> None:
-    """Every --image-every steps an image grid (rank 0), every --save-every steps a checkpoint (all processes)."""
+                      reward: torch.Tensor, policy, optimizer, rank: int, world: int, reporter: Reporter) -> None:
+    """Every --image-every steps an image grid (rank 0; and to --report-to), every --save-every steps a checkpoint (all
+    processes)."""
     if rank == 0 and cfg.image_every and (step % cfg.image_every == 0 or step + 1 == cfg.steps):
-        save_grid(out / "images" / f"step_{step:05d}.png", batch, images, reward,
-                  [f"step {step}: {ex['prompt']}" for ex in batch])
+        path = out / "images" / f"step_{step:05d}.png"
+        save_grid(path, batch, images, reward, [f"step {step}: {ex['prompt']}" for ex in batch])
+        reporter.image("samples", path, step)
     if cfg.save_every and (step + 1) % cfg.save_every == 0:
         save_run(out, policy, optimizer, step + 1, cfg, rank, world)
 
@@ -1446,7 +1501,7 @@ def show(path: Path, pipe, policy, examples: list[dict], rewards: dict, cfg: Con
          world: int, when: str) -> float:
     """G samples of each example with fixed seeds (`evaluate`), into an image grid at `path` (rank 0); after training
     also images/before_after.png beside the grid from before. Returns the mean reward."""
-    with timed({}, "show"), autocast, unsharded(policy), decoder_on(pipe, device, cfg.offload):
+    with timed({}, "show", cfg), autocast, unsharded(policy), decoder_on(pipe, device, cfg.offload):
         images, reward, _ = evaluate(pipe, examples, rewards, cfg.group_size, SHOW_SEED, cfg, rank, world,
                                      keep_images=len(examples))
     if rank == 0:
@@ -1465,20 +1520,22 @@ def eval_due(step: int, cfg: Config) -> bool:
 
 
 def run_evaluation(out: Path, step: int, pipe, policy, evals: tuple, cfg: Config, autocast, device: str, rank: int,
-                   world: int) -> None:
+                   world: int, reporter: Reporter) -> None:
     """Evaluate the policy after `step` updates on the eval set: a line in metrics.jsonl ("eval": true), an image grid
     of the first EVAL_GRID prompts (images/eval_<step>.png: the same prompts and seeds every time, so one prompt can be
     followed through training) and a line on the terminal (rank 0). Every process takes part."""
     examples, rewards = evals
     seconds = {}
-    with timed(seconds, "eval"), autocast, unsharded(policy), decoder_on(pipe, device, cfg.offload):
+    with timed(seconds, "eval", cfg), autocast, unsharded(policy), decoder_on(pipe, device, cfg.offload):
         images, total, each = evaluate(pipe, examples, rewards, cfg.eval_samples, EVAL_SEED, cfg, rank, world,
                                        keep_images=EVAL_GRID)
     record = eval_record(step, examples, total, each, seconds["eval"])
     if rank == 0:
         append_metrics(out, record)
+        reporter.log(record)
         save_grid(out / "images" / f"eval_{step:05d}.png", examples[:EVAL_GRID], images, total[:EVAL_GRID],
                   [f"eval, step {step}: {ex['prompt']}" for ex in examples[:EVAL_GRID]])
+        reporter.image("eval", out / "images" / f"eval_{step:05d}.png", step)
         means = ", ".join(f"{key[5:]} {value:.4f}" for key, value in record.items() if key.count("/") == 1)
         tqdm.write(f"eval at step {step} ({len(examples)} prompts x {cfg.eval_samples}): {means} "
                    f"({seconds['eval']:.1f} s)")

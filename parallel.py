@@ -53,17 +53,20 @@ def shard(model, dtype: torch.dtype) -> None:
     final norm) the root; a DiT (--train dit): every transformer block one unit, the rest the root. With bf16 the
     weights are gathered in bf16 and gradients averaged in float32. A frozen model (the KL reference of full
     fine-tuning) also reshards its root after each forward: no backward follows."""
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     ar = unwrapped(model)  # with LoRA the inner AR: sharding the PeftModel would leave generate() half-gathered
     policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+    # the mesh on the model's device: FSDP's default is CUDA whenever one is visible, even for --device cpu (gloo)
+    mesh = init_device_mesh(next(ar.parameters()).device.type, (dist.get_world_size(),))
     if hasattr(ar, "transformer_blocks"):  # --train dit: the DiT, one unit per transformer block, the rest the root
         units = list(ar.transformer_blocks)
     else:
         units = [*ar.model.language_model.layers, ar.model.visual, ar.model.vqmodel]
     for unit in units:
-        fully_shard(unit, mp_policy=policy)
+        fully_shard(unit, mesh=mesh, mp_policy=policy)
     frozen = not any(p.requires_grad for p in ar.parameters())
-    fully_shard(ar, mp_policy=policy, reshard_after_forward=True if frozen else None)
+    fully_shard(ar, mesh=mesh, mp_policy=policy, reshard_after_forward=True if frozen else None)
 
 
 def fsdp_units(model) -> list:

@@ -7,6 +7,7 @@ never leaves a half-written file in place of a good one.
 
 import contextlib
 import dataclasses
+import importlib.util
 import json
 import os
 import shutil
@@ -254,3 +255,61 @@ def save_pretrained_atomic(model, path: Path, state_dict: dict | None = None) ->
         os.replace(path, old)
     os.replace(tmp, path)
     shutil.rmtree(old, ignore_errors=True)
+
+
+# ---- Live dashboards: --report-to tensorboard | wandb --------------------------------------------
+
+REPORTERS = ("none", "tensorboard", "wandb")
+
+
+def check_reporter(kind: str) -> None:
+    """Raise ValueError for an unknown --report-to, or one whose package is not installed (imported only when used)."""
+    if kind not in REPORTERS:
+        raise ValueError(f"--report-to {kind}: use {', '.join(REPORTERS)}")
+    if kind != "none" and importlib.util.find_spec(kind) is None:
+        raise ValueError(f"--report-to {kind} needs the {kind} package, which is not installed: pip install {kind} "
+                         "(or leave --report-to at none)")
+
+
+class Reporter:
+    """The run's metrics lines (their numbers) and image grids, also sent to TensorBoard (event files in
+    <out>/tensorboard: `tensorboard --logdir <out>`) or to Weights & Biases in offline mode (<out>/wandb; `wandb sync`
+    uploads it later). kind "none" does nothing; metrics.jsonl and the PNG grids are written either way."""
+
+    def __init__(self, kind: str, out: Path, config: dict):
+        self.kind, self.writer = kind, None
+        if kind == "tensorboard":
+            from torch.utils.tensorboard import SummaryWriter
+            self.writer = SummaryWriter(log_dir=str(out / "tensorboard"))
+            self.writer.add_text("config", "    " + json.dumps(config, indent=1).replace("\n", "\n    "))
+        elif kind == "wandb":
+            import wandb
+            self.writer = wandb.init(mode="offline", dir=str(out), config=config, project="grpo-glm-image")
+
+    def log(self, record: dict) -> None:
+        """A metrics line: every number in it at its "step" (eval lines under their eval/ names)."""
+        numbers = {k: v for k, v in record.items()
+                   if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "step"}
+        if self.kind == "tensorboard":
+            for key, value in numbers.items():
+                self.writer.add_scalar(key, value, record["step"])
+        elif self.kind == "wandb":
+            self.writer.log(numbers, step=record["step"])
+
+    def image(self, name: str, path: Path, step: int) -> None:
+        """An image grid written at `path` (a PNG), under `name`."""
+        if self.kind == "none" or not Path(path).exists():
+            return
+        with Image.open(path) as image:
+            pixels = np.asarray(image.convert("RGB"))
+        if self.kind == "tensorboard":
+            self.writer.add_image(name, pixels, step, dataformats="HWC")
+        else:
+            import wandb
+            self.writer.log({name: wandb.Image(pixels)}, step=step)
+
+    def close(self) -> None:
+        if self.kind == "tensorboard":
+            self.writer.close()
+        elif self.kind == "wandb":
+            self.writer.finish()

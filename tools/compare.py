@@ -63,7 +63,7 @@ def compare(path: Path, eval_prompts: str | None = None, eval_samples: int | Non
     evals = grpo.load_evals(cfg, grpo.parse_rewards(cfg.reward))
     grpo.quiet_libraries()
     _, _, device = start_processes(cfg.device)  # one process: grpo.py's device choice, nothing started
-    dtype = grpo.compute_settings(device, cfg.dtype)  # as grpo.py: the same threads give the same sums and samples
+    dtype = grpo.compute_settings(device, cfg.dtype, cfg.model)  # as grpo.py: the same threads give the same sums and samples
     pipe = grpo.load_glm_image(cfg.model, device, dtype)
     policy, _, optimizer = grpo.setup_training(pipe, dataclasses.replace(cfg, kl_beta=0.0), dtype, world=1)
     autocast = torch.autocast(device, dtype=torch.bfloat16, enabled=dtype == torch.bfloat16)

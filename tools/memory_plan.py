@@ -66,9 +66,9 @@ Assumptions (all byte counts are in the FORMULAS section)
     + a weight-gradient transient with full FT), the end of a later micro-batch's backward (gradient transients).
   - Logits: lm_head on the last N positions only (logits_to_keep=N); kept are the final norm's tensors and the fp32
     log-softmax over the K codebook ids (N x K x 4), two more of those in the backward (logits_bytes).
-  - Sampling: KV cache G x L x layers x 2 x kv_heads x head_dim x 2 bytes (2 KV heads: small; x 2 with fp32 weights)
-    and the raw fp32 logits generate(output_logits=True) returns, stacked and turned into log-probs
-    (2 x G x N x V x 4 + 2 x G x N x K x 4 bytes).
+  - Sampling (grpo.decode): a KV cache of G x (P + N) slots x layers x kv_heads x head_dim for keys and values (bf16;
+    keys fp32 with fp32 weights), the prefill's transients, the token / log-prob / support buffers and one step's
+    work over the vocabulary (sampler_bytes); no step's logits are kept.
   - Decoding (no grad): DiT ~12 hidden-widths per token alive inside a block (x, norm, q/k/v, normed/roped q/k,
     attention out, FF 4h + GELU 4h), batch G, 4096 image tokens + glyph tokens, CFG passes one after the other; VAE
     decode of the G images in one call in bf16: ~3 feature maps of the largest level alive at once (input, GroupNorm
@@ -116,8 +116,8 @@ PUBLISHED_INFERENCE_PEAK_GB = {1: 37.82, 4: 52.09}  # github.com/zai-org/GLM-Ima
 # recomputed layer's transient per token beside its saved tensors; autocast_layer: autocast's bf16 copies per layer;
 # logits: what lies outside the layers (0-layer model), kept + backward; step_*: the 2-layer step's peak beside the
 # weights and .grad (first / a later micro-batch, without / with checkpointing); step_scaled: the L = 611 peak
-# scaled to L = 1379 (vs step_tokens, measured there); kv: KV cache bytes per position, layer and sequence;
-# logit_bytes: generate's per-step logits per entry; sampler_post: the peak of sample_group's post-processing.
+# scaled to L = 1379 (vs step_tokens, measured there); kv: KV cache bytes per position, layer and sequence (grpo.decode's
+# fixed-shape cache); sampler_post: grpo.decode's peak beside its cache (measured 2026-11-24, after the decode loop).
 MEASURED = {'when': '2026-11-22',
  'seconds': 401,
  'machine': '2-core CPU, torch 2.13.0+cpu, transformers 5.23.0, peft 0.21.2',
@@ -135,9 +135,8 @@ MEASURED = {'when': '2026-11-22',
                'step_ckpt_later': 2217873416.0,
                'step_scaled': 1065322848.0,
                'step_tokens': 1065322848.0,
-               'kv': 2048.0,
-               'logit_bytes': 4.0,
-               'sampler_post': 1347464320.0},
+               'kv': 1536.0,
+               'sampler_post': 968921112.0},
  'full_bf16': {'act': 250000.0,
                'act_hooks': 250000.0,
                'act_short': 250000.0,
@@ -153,8 +152,7 @@ MEASURED = {'when': '2026-11-22',
                'step_scaled': 964109920.0,
                'step_tokens': 964109920.0,
                'kv': 1024.0,
-               'logit_bytes': 4.0,
-               'sampler_post': 1347464320.0},
+               'sampler_post': 121328664.0},
  'lora': {'act': 233808.0,
           'act_hooks': 233808.0,
           'act_short': 233808.0,
@@ -169,6 +167,26 @@ MEASURED = {'when': '2026-11-22',
           'step_ckpt_later': 508629612.0,
           'step_scaled': 896858848.0,
           'step_tokens': 896858848.0}}
+
+# Measured on one GPU: torch.cuda.max_memory_allocated of each phase of grpo.main (reset per phase), GiB, GLM-Image at
+# its full published depth with random bf16 weights built on the GPU (grpo.py --model random; tools/bench_gpu.py), the
+# real-model defaults: 1024x1024, G = 4, LoRA r = 16 on the AR, micro-batch 1, guidance 1.5, 50 DiT steps. "generate":
+# before grpo.py's own decode loop (../shared/GLM_IMAGE_NOTES.md, "On a GPU").
+GPU_MEASURED = {
+    "when": "2026-11-24", "machine": "one H100 80GB HBM3, torch 2.11.0+cu130, transformers 5.24.0, diffusers 0.42.1",
+    "lora": {"sample": 36.9, "decode": 52.2, "train": 45.9, "sampler": "generate"},
+    "lora_ckpt": {"train": 34.7},
+    "lora_offload": {"sample": 22.8, "decode": 52.2, "train": 31.9},
+    "dit_lora": {"train_oom_above": 74.4, "sde_steps": 10, "sde_window": 2},
+}
+VAE_MAPS_FORMULA = 3  # vae_decode_bytes' count of the largest level's maps alive at once (input, GroupNorm, SiLU)
+VAE_MAPS = VAE_MAPS_FORMULA  # calibrated on GPU_MEASURED by `calibrate` (about 4.6: cuDNN workspaces, more maps)
+
+# What `python tools/memory_plan.py --measure-dit` printed last: the DiT's saved tensors per token, per transformer block
+# and per DiT call, in hidden-widths (bytes / 4096), at its published widths (1 block, random bf16 weights, LoRA r = 16
+# as dit_grpo.apply_lora, autocast bf16; saved-tensor hooks, the slope between 256 and 1024 image tokens; weights out).
+MEASURED_DIT = {"when": "2026-11-24", "machine": "2-core CPU, torch 2.13.0+cpu, diffusers 0.42.1, peft 0.21.2",
+                "kept": 42.39, "ckpt": 4.0}
 
 
 # ---- 2. Build on meta, count parameters -------------------------------------------------------------------------
@@ -380,19 +398,21 @@ def train_bytes(mode: str, checkpointing: bool, L: int, N: int, micro_batch: int
 
 
 def kv_cache_bytes(G: int, L: int, mode: str = "lora", layers: int | None = None) -> float:
-    """G sequences x L cached positions (prompt + generated - 1) x layers x (k + v) x kv_dim. bf16; fp32 when the
-    weights are fp32 (full_fp32): the rotary cos/sin follow the fp32 residual stream and promote k, and the cache stores
-    v in k's dtype (measured)."""
+    """G sequences x L cache slots (prompt + generated) x layers x kv_dim, keys and values: bf16, keys fp32 when the
+    weights are fp32 (full_fp32: the rotary cos/sin follow the fp32 residual stream and promote k; the static cache
+    keeps each in its own dtype, measured)."""
     s = shapes()
-    return G * L * (s["layers"] if layers is None else layers) * 2 * s["kv_dim"] * residual_bytes(mode)
+    return G * L * (s["layers"] if layers is None else layers) * s["kv_dim"] * (2 + residual_bytes(mode))
 
 
-def sampler_logits_bytes(G: int, N: int) -> float:
-    """generate(output_logits=True)'s fp32 per-step logits (G x V x 4 each) and their torch.stack, then code_logprobs'
-    /T copy and log-softmax over the K codebook ids (measured at N = 1280: the peak of sample_group's
-    post-processing)."""
+def sampler_bytes(G: int, N: int, P: int = 100, top_p: bool = True) -> float:
+    """grpo.decode's peak beside the KV cache: the prefill's transients (one layer's forward for the G x P prompt
+    tokens), the (G, N) tokens and log-probs, with top-p / top-k the (G, N, K/8) support bits, and one step's fp32 work
+    over the vocabulary (logits, probabilities, the exponential draws, the top-p sort: ~12 x G x V x 4 bytes). No
+    step's logits are kept (generate kept all N of them: 1.25 GiB at G = 4, N = 1280)."""
     s = shapes()
-    return 2 * G * N * s["V"] * 4 + 2 * G * N * s["K"] * 4
+    prefill = G * P * (8 * s["i"] + 10 * s["h"]) * 2  # one layer's forward transients for every prompt token (measured)
+    return prefill + G * N * (8 + 4 + (s["K"] // 8 if top_p else 0)) + 12 * G * s["V"] * 4
 
 
 def dit_activation_bytes(G: int, height: int, width: int, glyph_tokens: int) -> float:
@@ -402,17 +422,19 @@ def dit_activation_bytes(G: int, height: int, width: int, glyph_tokens: int) -> 
     return G * tokens * hidden * 2 * 12  # ~12 hidden-widths alive inside a block, one CFG pass at a time
 
 
-def vae_decode_bytes(G: int, height: int, width: int) -> float:
-    """Largest moment of the decoder: ~3 maps (input, GroupNorm out, SiLU out) at the biggest channels x pixels."""
+def vae_decode_bytes(G: int, height: int, width: int, maps: float | None = None) -> float:
+    """Largest moment of the decoder: `maps` maps at the biggest channels x pixels (default VAE_MAPS: the formula's 3,
+    input, GroupNorm out, SiLU out, calibrated on a GPU by `calibrate`)."""
+    maps = VAE_MAPS if maps is None else maps
     chans = list(reversed(VAE_CONFIG["block_out_channels"]))
     n = len(chans)
     worst = 0
     for b in range(n):  # up block b runs at 1/2^(n-1-b) of the output resolution, input channels chans[b-1]
         pixels = (height >> (n - 1 - b)) * (width >> (n - 1 - b))
         c_in = chans[max(b - 1, 0)]
-        worst = max(worst, 3 * c_in * pixels)
+        worst = max(worst, maps * c_in * pixels)
         if b < n - 1:  # the upsampler: nearest x2 output + conv output at 4x the pixels, input alive
-            worst = max(worst, (2 * 4 + 1) * chans[b] * pixels)
+            worst = max(worst, (2 * 4 + 1) * maps / 3 * chans[b] * pixels)
     return G * worst * 2
 
 
@@ -433,7 +455,7 @@ def plan_rows(counts: dict, G: int, P: int, height: int, width: int, micro_batch
     decoding = max(dit_activation_bytes(G, height, width, glyph_tokens), vae_decode_bytes(G, height, width))
     accumulating = G > micro_batch  # gradients of later micro-batches are added to .grad
     common = dict(N=N, L=L, ar_bf16=ar_bf16, decoder_weights=decoder_weights, decoding=decoding,
-                  sampling={m: kv_cache_bytes(G, L, m) + sampler_logits_bytes(G, N) for m in ACT_MODES})
+                  sampling={m: kv_cache_bytes(G, L + 1, m) + sampler_bytes(G, N) for m in ACT_MODES})
 
     settings = []
     trainable = counts["AR trainable (full FT, as grpo.py)"]
@@ -499,7 +521,7 @@ def fsdp_rows(counts: dict, world: int, G: int, P: int, height: int, width: int,
             act = train_bytes(mode, ckpt, L, N, micro_batch, accumulating=G > micro_batch,
                               embedding_trains=not lora)
             phases = {"sample": shards + decoder_weights + gathered * 2 + kv_cache_bytes(G, L, "lora")
-                      + sampler_logits_bytes(G, N),
+                      + sampler_bytes(G, N),
                       "decode": shards + decoder_weights + decoding,
                       "train": shards + decoder_weights + root * 2 + 2 * layer * 2 + act["peak"] + grads_in_flight}
             phase = max(phases, key=phases.get)
@@ -744,34 +766,29 @@ def measure_step(model, length: tuple, passes: int = 1, backward: bool = True, s
     return out
 
 
-def measure_sampling(model, length: tuple, G: int) -> dict:
-    """grpo.sample_group's work on hand-made inputs (G copies of one prompt): generate with its arguments (KV cache,
-    output_logits, codes only, exactly N steps) under autocast(bf16), arithmetic skipped and not recorded; then
-    recorded: torch.stack of the per-step logits, code_logprobs and the gather. Returns the KV cache's bytes per
-    position, layer and sequence (sum of the DynamicCache's key and value storages), the bytes of one step's logits
-    per sequence and vocabulary entry, and the peak of the post-processing (the logits list included)."""
-    from grpo import code_logprobs
+def measure_sampling(model, length: tuple, G: int, top_p: float = 0.75) -> dict:
+    """grpo.py's decode loop (grpo.decode with the fixed-shape cache a GPU uses) on hand-made inputs (G copies of one
+    prompt) under autocast(bf16), arithmetic skipped: the KV cache's bytes per position, layer and sequence (its
+    (G, kv_heads, P + N, head_dim) storages) and the loop's peak beside the cache (its token, log-prob and support
+    buffers, one step's logits, draws and top-p sort)."""
+    import grpo
     inputs, _ = ar_inputs(model, *length, G=G)
-    P, (_, large_h, large_w), (_, prev_h, prev_w) = inputs["input_ids"].shape[1], *inputs["image_grid_thw"][:2].tolist()
+    ids = inputs["input_ids"]
+    P, (_, large_h, large_w), (_, prev_h, prev_w) = ids.shape[1], *inputs["image_grid_thw"][:2].tolist()
     N = large_h * large_w + prev_h * prev_w
-    K, V = model.config.vq_config.num_embeddings, model.config.text_config.vision_vocab_size
-    live = LiveStorages(dict(N=N), [*model.parameters(), *model.buffers(), *inputs.values()])
-    live.track = False
+    positions = grpo.rope_positions(ids[0], inputs["image_grid_thw"][:2], N + 1, model.config.image_start_token_id,
+                                    model.config.image_end_token_id).expand(-1, G, -1)
+    live = LiveStorages(dict(L=P + N), [*model.parameters(), *model.buffers(), *inputs.values(), positions])
     model.eval()
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16), live:
-        out = model.generate(**inputs, do_sample=True, temperature=0.9, top_k=0, top_p=1.0, repetition_penalty=1.0,
-                             max_new_tokens=N, suppress_tokens=list(range(K, V)), output_logits=True,
-                             return_dict_in_generate=True)
-        live.track = True
-        tokens = out.sequences[:, P:]
-        logprobs = code_logprobs(torch.stack(out.logits, dim=1), 0.9, K).gather(-1, tokens[..., None]).squeeze(-1)
-    del logprobs
-    cache = out.past_key_values
-    positions = cache.layers[0].keys.shape[2]
-    kv = sum(layer.keys.untyped_storage().nbytes() + layer.values.untyped_storage().nbytes() for layer in cache.layers)
-    step = sum(t.nbytes for t in out.logits)
-    return dict(L=positions, N=N, G=G, kv_per_position_layer=kv / (G * positions * len(cache.layers)),
-                logit_bytes=out.logits[0].nbytes / (G * V), post_peak=step + live.peak()[0])
+        grpo.decode(model, ids, torch.ones_like(ids, dtype=torch.bool), positions, N, 0.9, 0, top_p,
+                    [torch.Generator().manual_seed(0)], static=True)
+    kv_heads = model.config.text_config.num_key_value_heads
+    cache = [e for e in live.entries  # keys and values (G, kv_heads, P + N, d), alive to the end (not per-step casts)
+             if len(e[5]) == 4 and e[5][1:3] == (kv_heads, P + N) and e[1] is None]
+    layers = model.config.text_config.num_hidden_layers
+    kv = sum(e[2] for e in cache)
+    return dict(L=P + N, N=N, G=G, kv_per_position_layer=kv / (G * (P + N) * layers), post_peak=live.peak()[0] - kv)
 
 
 def check_skip_arithmetic(modes=ACT_MODES) -> int:
@@ -852,7 +869,7 @@ def measure(log=print) -> dict:
             step_scaled=runs[mode, 2, False, "short"]["passes"][0]["tokens scaled"],
             step_tokens=runs[mode, 2, False, "plan"]["passes"][0]["tokens"]["peak"])
     for mode, r in sampling.items():
-        m[mode].update(kv=r["kv_per_position_layer"], logit_bytes=r["logit_bytes"], sampler_post=r["post_peak"])
+        m[mode].update(kv=r["kv_per_position_layer"], sampler_post=r["post_peak"])
     return m
 
 
@@ -906,7 +923,7 @@ def section_peaks(rows: list[dict], c: dict, args) -> list[str]:
                    "peak, DiT/VAE/T5 offloaded", "fits 80 GB (resident / offloaded)"],
                   ["---", "---", "---:", "---:", "---:", "---:", "---:", "---"], lines),
             f"Phase terms: DiT + VAE + T5 weights {c['decoder_weights'] / GiB:.1f}; sampling (KV cache {kv} with "
-            f"bf16 / fp32 weights + fp32 sampler logits {sampler_logits_bytes(G, c['N']) / GiB:.2f}); decoding max(DiT "
+            f"bf16 / fp32 weights + the decode loop's buffers {sampler_bytes(G, c['N']) / GiB:.2f}); decoding max(DiT "
             f"{dit_act / GiB:.1f}, VAE decode of {G} images {vae_act / GiB:.1f}); AR activations per token per layer: "
             + ", ".join(f"{m} {act_bytes_per_token_layer(m) / 1024:.0f} KiB" for m in ACT_MODES) + "."]
 
@@ -938,8 +955,9 @@ def section_assumptions() -> list[str]:
         f"Logits only for the last N positions (logits_to_keep): kept are the final norm's fp32 input (and with full "
         f"FT its output), log_softmax's fp32 output over the {s['K']} codebook ids (N x {s['K']} x 4), and in the "
         f"backward two more such tensors; the N x {s['V']} bf16 logits are freed after the forward.",
-        "Sampling: KV cache G x L x layers x 2 x kv_heads x head_dim x 2 bytes (2 KV heads: small; 4 bytes with fp32 "
-        "weights) + the fp32 logits generate(output_logits=True) returns, stacked and turned into log-probs.",
+        "Sampling (grpo.decode): a KV cache of G x (P + N) slots x layers x kv_heads x head_dim, keys and values in "
+        "bf16 (keys fp32 with fp32 weights), the prefill's transients, the token / log-prob / support buffers and "
+        "one step's fp32 work over the vocabulary; no step's logits are kept.",
         "Decoding (no grad, sequential phases): DiT ~12 hidden-widths per token inside a block, batch G, CFG passes "
         "one after the other; VAE decode of the G images in one call: ~3 maps of the largest level (512 channels at "
         "full resolution) alive at once.",
@@ -990,8 +1008,8 @@ def measured_rows(m: dict) -> list[list[str]]:
     rows.append(row("KV cache per position, layer and sequence (LoRA samples as full_bf16)", "B",
                     [(kv_cache_bytes(1, 1, md, layers=1), m.get(md, {}).get("kv")) for md in modes[:2]]
                     + [(None, None)]))
-    rows.append(row(f"sampler logits at G = {G}, N = {N}: stack + code_logprobs beside the per-step list", "MiB",
-                    [(sampler_logits_bytes(G, N), m.get(md, {}).get("sampler_post")) for md in modes[:2]]
+    rows.append(row(f"the decode loop's peak beside its KV cache at G = {G}, N = {N}, top-p", "MiB",
+                    [(sampler_bytes(G, N), m.get(md, {}).get("sampler_post")) for md in modes[:2]]
                     + [(None, None)]))
     return rows
 
@@ -1014,8 +1032,8 @@ def section_measured(m: dict, fresh: bool) -> list[str]:
         "allocated, less kernel-internal workspaces (`LiveStorages`); parameter gradients are left out (a persistent "
         "term). Matrix products and the attention kernel return zeros of their exact shapes instead of computing "
         "(byte-identical to real arithmetic on a narrow copy, checked by `--measure`). Per-layer terms are 2 layers "
-        "minus 1 layer; what lies outside the layers is the 0-layer model. KV cache and sampler logits: `generate` "
-        "with `sample_group`'s arguments (G = 4, N = 1280); the DynamicCache's key and value storages. Cells: "
+        "minus 1 layer; what lies outside the layers is the 0-layer model. KV cache and the decode loop: `grpo.decode` "
+        "with the fixed-shape cache a GPU uses (G = 4, N = 1280, top-p 0.75; measured 2026-11-24). Cells: "
         "full_fp32 / full_bf16 / lora.",
         table(["term", "formula", "measured", "measured / formula"], ["---", "---:", "---:", "---:"],
               measured_rows(m)),
@@ -1031,7 +1049,7 @@ def section_measured(m: dict, fresh: bool) -> list[str]:
         "(first: 1923 both).",
         "Measured here (CPU, real widths): the AR's activations per layer with and without checkpointing, a layer's "
         "workspace, autocast's weight copies, the logits and log-softmax tensors, the gradient transients of a later "
-        "micro-batch, the KV cache and the sampler's logits. Still estimates: the DiT and VAE activations (the "
+        "micro-batch, the KV cache and the decode loop's buffers. Still estimates: the DiT and VAE activations (the "
         "decoding phase, which sets the peak for LoRA with checkpointing), the CUDA context, allocator rounding and "
         "fragmentation, cuBLAS / cuDNN / flash-attention workspaces, the choice of attention kernel on the GPU (the "
         "CPU flash kernel keeps q, k, v, out and the log-sum-exp, as CUDA's flash kernel does), the embedding's "
@@ -1139,8 +1157,8 @@ def section_fsdp(counts: dict, args) -> list[str]:
 
 # ---- --train dit: GRPO on the DiT (dit_grpo.py) -----------------------------------------------------
 
-DIT_KEPT_PER_TOKEN_BLOCK = 34  # x hidden bytes: a transformer block's saved tensors per token in bf16 with flash
-#                                attention and no dropout (Korthikanti et al. 2022, "34 s b h"); not measured for the DiT
+DIT_KEPT_FORMULA = 34  # x hidden bytes: a transformer block's saved tensors per token in bf16 (Korthikanti et al. 2022,
+#                        "34 s b h"); MEASURED_DIT["kept"] replaces it (42.4: LoRA's adapters keep their own inputs)
 
 
 def dit_lora_params(r: int, config: dict | None = None) -> int:
@@ -1159,13 +1177,14 @@ def dit_train_activation_bytes(micro_batch: int, calls: int, height: int, width:
                                checkpointing: bool) -> float:
     """What one backward piece of dit_grpo.train_step keeps: `micro_batch` samples x ONE denoising step (it
     back-propagates step by step) x `calls` DiT calls (2 with classifier-free guidance). Without checkpointing every
-    block's saved tensors; with it, each block's input (bf16) plus one block recomputed."""
+    block's saved tensors; with it, what checkpointing keeps of each block (its inputs) plus one block recomputed.
+    Both per token from MEASURED_DIT."""
     p, vae_scale = DIT_CONFIG["patch_size"], 2 ** (len(VAE_CONFIG["block_out_channels"]) - 1)
     tokens = (height // vae_scale // p) * (width // vae_scale // p) + glyph_tokens
     hidden = DIT_CONFIG["num_attention_heads"] * DIT_CONFIG["attention_head_dim"]
-    block = tokens * DIT_KEPT_PER_TOKEN_BLOCK * hidden
+    block = tokens * MEASURED_DIT["kept"] * hidden
     layers = DIT_CONFIG["num_layers"]
-    kept = layers * tokens * hidden * 2 + block if checkpointing else layers * block
+    kept = layers * tokens * hidden * MEASURED_DIT["ckpt"] + block if checkpointing else layers * block
     return micro_batch * calls * kept
 
 
@@ -1192,7 +1211,7 @@ def dit_rows(counts: dict, G: int, height: int, width: int, micro_batch: int, gl
             in_flight = 0 if world == 1 else (dit - DIT_CONFIG["num_layers"] * block) * 2 + 2 * block * 2
             for ckpt in (False, True):
                 act = dit_train_activation_bytes(micro_batch, 2, height, width, glyph_tokens, ckpt)
-                sampling = kv_cache_bytes(1, 100 + N - 1, "lora") + sampler_logits_bytes(1, N)
+                sampling = kv_cache_bytes(1, 100 + N - 1, "lora") + sampler_bytes(1, N)
                 phases = {"sample": frozen + state + sampling,
                           "decode": frozen + state + gathered + decoding,
                           "train": frozen + state + in_flight + act + (n * 4 if not full and world > 1 else 0)}
@@ -1216,10 +1235,115 @@ def section_dit(counts: dict, args) -> list[str]:
     text = (f"`grpo.py --train dit` (dit_grpo.py) on the real DiT ({counts['DiT'] / 1e9:.2f}B), G={G} chains per "
             f"prompt, micro-batch {args.micro_batch}, guidance 1.5 (two DiT calls a step), one denoising step's graph "
             "at a time (train_step back-propagates step by step, so the window and --sde-steps change time, not "
-            "memory). ESTIMATES, none measured: the DiT's kept activations use the standard count of 34 hidden-widths "
-            "per token and block in bf16 (Korthikanti et al. 2022), not a measurement of this DiT; the AR, VAE and T5 "
-            f"stay resident and replicated ({frozen / GiB:.1f} GiB).")
+            f"memory). The DiT's kept activations per token and block are measured at its widths on the CPU "
+            f"(MEASURED_DIT, {MEASURED_DIT['when']}: {MEASURED_DIT['kept']} hidden-widths, {MEASURED_DIT['ckpt']} with "
+            "checkpointing), the decoding term calibrated on a GPU (see Measured on a GPU); the AR, VAE and T5 stay "
+            f"resident and replicated ({frozen / GiB:.1f} GiB). grpo.py turns checkpointing on by default for --train "
+            "dit on the real model: without it the update does not fit one GPU.")
     return ["### GRPO on the DiT (--train dit)", text, body]
+
+
+def decode_resident(counts: dict) -> float:
+    """Bytes on the GPU while the LoRA r=16 run of GPU_MEASURED decodes, besides the activations: the bf16 AR, DiT,
+    VAE and T5, and the adapters' fp32 weights, gradients and AdamW moments."""
+    return (counts["AR total"] + counts["DiT"] + counts["VAE"] + counts["T5 glyph encoder"]) * 2 + lora_params(16) * 16
+
+
+def calibrate(counts: dict) -> None:
+    """VAE_MAPS from the decoding peak GPU_MEASURED holds (G = 4 at 1024x1024): the maps of the VAE's largest level
+    that its activations above the weights amount to."""
+    global VAE_MAPS
+    above = GPU_MEASURED["lora"]["decode"] * GiB - decode_resident(counts)
+    VAE_MAPS = above / vae_decode_bytes(4, 1024, 1024, maps=1)
+
+
+def measure_dit(log=print) -> dict:
+    """MEASURED_DIT: one transformer block of the DiT at its published widths (random bf16 weights, LoRA r = 16 as
+    dit_grpo.apply_lora), dit_grpo.velocity with guidance 1.5 (two calls) under autocast(bf16) at 256x256 and 512x512,
+    without and with gradient checkpointing: the bytes autograd saves (saved-tensor hooks, distinct storages, the
+    weights excluded), per token (the slope between the two sizes, so that what does not grow with the tokens drops
+    out), per call, in hidden-widths. About a minute on 2 CPU cores."""
+    import dit_grpo
+    import grpo
+    from offline_model import glm_image, with_depths
+    started = time.time()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        pipe = grpo.only_ar_trains(glm_image(with_depths(PUBLISHED, ar=1, vision=1, dit=1, t5=1)))
+    finally:
+        torch.set_default_dtype(torch.float32)
+    policy = dit_grpo.apply_lora(pipe.transformer, 16)
+    weights = {p.untyped_storage()._cdata for p in pipe.transformer.parameters()}
+    hidden = DIT_CONFIG["num_attention_heads"] * DIT_CONFIG["attention_head_dim"]
+
+    def saved(size: int) -> tuple[int, int]:
+        seen = {}
+
+        def pack(t):
+            if t.untyped_storage()._cdata not in weights:
+                seen[t.untyped_storage()._cdata] = t.untyped_storage().nbytes()
+            return t
+
+        with torch.no_grad():
+            embeds, negative = pipe.encode_prompt("a red circle", do_classifier_free_guidance=True, device="cpu",
+                                                  dtype=torch.bfloat16)
+        tokens = torch.randint(0, AR_CONFIG["vq_config"]["num_embeddings"], (1, 256 + (size // 32) ** 2))
+        cond = dict(embeds=embeds, negative=negative, prior=grpo.prior_ids(tokens, (size // 32, size // 32)),
+                    guidance_scale=1.5, height=size, width=size)
+        x = torch.randn(1, DIT_CONFIG["in_channels"], size // 8, size // 8)
+        with torch.autocast("cpu", dtype=torch.bfloat16), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            dit_grpo.velocity(policy, x, torch.tensor(500.0), cond)
+        return sum(seen.values()), (size // 16) ** 2 + embeds.shape[1]
+
+    out = dict(when=time.strftime("%Y-%m-%d"), machine=f"{os.cpu_count()}-core CPU, torch {torch.__version__}, "
+               f"diffusers {__import__('diffusers').__version__}, peft {__import__('peft').__version__}")
+    for key, ckpt in (("kept", False), ("ckpt", True)):
+        if ckpt:
+            pipe.transformer.enable_gradient_checkpointing()
+        pipe.transformer.train(ckpt)  # diffusers checkpoints in train mode only
+        (small, n_small), (large, n_large) = saved(256), saved(512)
+        out[key] = round((large - small) / (n_large - n_small) / 2 / hidden, 2)  # 2 calls: guidance
+        log(f"  DiT block, checkpointing {ckpt}: {out[key]} hidden-widths per token and call ({time.time() - started:.0f} s)")
+    return out
+
+
+def section_gpu(counts: dict, args) -> list[str]:
+    """The plan's phases beside GPU_MEASURED, and the decoding term's calibration."""
+    g = GPU_MEASURED
+    rows, _ = plan_rows(counts, 4, args.prompt_tokens, 1024, 1024, 1, ranks=(16,), glyph_tokens=args.glyph_tokens)
+    lora = {ck: next(r for r in rows if r["name"] == "LoRA r=16" and r["ckpt"] == ck) for ck in (False, True)}
+    dit = {ck: next(r for r in dit_rows(counts, 4, 1024, 1024, 1, args.glyph_tokens, worlds=(1,))
+                    if r["name"] == "LoRA r=16" and r["ckpt"] == ck) for ck in (False, True)}
+    table_rows = []
+    for name, planned, measured in [
+            (f"LoRA r=16, sample ({g['lora'].get('sampler', 'decode loop')})", lora[False]["peaks"][False][2]["sample"],
+             g["lora"]["sample"]),
+            ("LoRA r=16, decode (4 images)", lora[False]["peaks"][False][2]["decode"], g["lora"]["decode"]),
+            ("LoRA r=16, train", lora[False]["peaks"][False][2]["train"], g["lora"]["train"]),
+            ("LoRA r=16 + checkpointing, train", lora[True]["peaks"][False][2]["train"], g["lora_ckpt"]["train"]),
+            ("LoRA r=16 + --offload, sample", lora[False]["peaks"][True][2]["sample"], g["lora_offload"]["sample"]),
+            ("LoRA r=16 + --offload, train", lora[False]["peaks"][True][2]["train"], g["lora_offload"]["train"]),
+            ("--train dit, LoRA r=16, train", dit[False]["phases"]["train"], g["dit_lora"].get("train")),
+            ("--train dit, LoRA r=16 + checkpointing, train", dit[True]["phases"]["train"],
+             g["dit_lora"].get("train_ckpt"))]:
+        measured_text = (f"{measured:.1f}" if measured else f"out of memory above {g['dit_lora']['train_oom_above']}"
+                         if "dit" in name and "checkpointing" not in name else "not measured")
+        ratio = f"{measured * GiB / planned:.2f}" if measured else "-"
+        table_rows.append([name, f"{planned / GiB:.1f}", measured_text, ratio])
+    above = g["lora"]["decode"] * GiB - decode_resident(counts)
+    text = (f"Measured on {g['machine']} ({g['when']}): torch.cuda.max_memory_allocated per phase of grpo.main (reset "
+            "per phase; tools/bench_gpu.py), GLM-Image at its full depth with random bf16 weights (`--model random`), "
+            "the real defaults (1024x1024, G = 4, micro-batch 1, guidance 1.5). The decoding term is calibrated on it: "
+            f"{above / GiB:.1f} GiB above the weights where the formula's {VAE_MAPS_FORMULA} maps of the VAE's largest "
+            f"level give {vae_decode_bytes(4, 1024, 1024, VAE_MAPS_FORMULA) / GiB:.1f} (ratio "
+            f"{VAE_MAPS / VAE_MAPS_FORMULA:.2f}; the upstream README's growth per image, "
+            f"{(PUBLISHED_INFERENCE_PEAK_GB[4] - PUBLISHED_INFERENCE_PEAK_GB[1]) / 3 * 1e9 / GiB:.2f} GiB, agrees with "
+            f"{above / 4 / GiB:.2f}): every plan above uses {VAE_MAPS:.2f} maps. The DiT's update uses MEASURED_DIT "
+            f"({MEASURED_DIT['kept']} hidden-widths per token, block and call kept; {MEASURED_DIT['ckpt']} with "
+            f"checkpointing; the formula's {DIT_KEPT_FORMULA} was {MEASURED_DIT['kept'] / DIT_KEPT_FORMULA:.2f}x low).")
+    return ["### Measured on a GPU vs the plan", text,
+            table(["phase", "plan (GiB)", "measured (GiB)", "measured / plan"], ["---", "---:", "---:", "---:"],
+                  table_rows)]
 
 
 def section_sources() -> list[str]:
@@ -1241,6 +1365,8 @@ def parse_args(argv=None):
     parser.add_argument("--width", type=int, default=1024)
     parser.add_argument("--micro-batch", type=int, default=1, help="sequences per forward/backward")
     parser.add_argument("--glyph-tokens", type=int, default=64, help="glyph (quoted-text) tokens seen by the DiT")
+    parser.add_argument("--measure-dit", action="store_true",
+                        help="re-measure the DiT's saved activations (MEASURED_DIT) at its published widths (CPU, a minute)")
     parser.add_argument("--measure", action="store_true",
                         help="re-measure the AR's terms at the real widths (CPU, 4-10 minutes, ~8 GB of memory) "
                              "instead of showing MEASURED, and print the new MEASURED")
@@ -1252,8 +1378,13 @@ def main(argv=None) -> str:
     warnings.filterwarnings("ignore")
     with contextlib.redirect_stderr(io.StringIO()):
         counts = count_components()
+    calibrate(counts)
     rows, c = plan_rows(counts, args.group_size, args.prompt_tokens, args.height, args.width, args.micro_batch,
                         glyph_tokens=args.glyph_tokens)
+    if args.measure_dit:
+        with contextlib.redirect_stderr(io.StringIO()):
+            print("MEASURED_DIT = " + pprint.pformat(measure_dit(log=lambda line: print(line, flush=True))))
+        return ""
     measured = MEASURED
     if args.measure:
         stderr = sys.stderr  # the progress lines; the libraries' warnings are silenced
@@ -1262,7 +1393,7 @@ def main(argv=None) -> str:
     sections = [section_title(args.height, args.width, args.group_size), section_parameters(counts),
                 section_peaks(rows, c, args), section_assumptions(), section_measured(measured, args.measure),
                 section_checks(counts, args), section_verdict(counts, rows, c, args), section_fsdp(counts, args),
-                section_dit(counts, args), section_sources()]
+                section_dit(counts, args), section_gpu(counts, args), section_sources()]
     text = "\n\n".join(block for section in sections for block in section)
     print(text)
     if args.measure:
