@@ -17,12 +17,15 @@ Where this departs from the paper:
   - The "sequence" is a visual-token grid, not text: a small preview grid (~16x16) then the large grid
     (H/32 x W/32). Only the large grid reaches the DiT, so by default the loss covers only those tokens
     (`--train-tokens large`); the preview tokens still condition them.
-  - Sampling is restricted to the VQ codebook ids and never stops early, so every sample has exactly N
-    tokens; sampler and trainer share one definition of the distribution (`code_logprobs`: softmax(logits / T)
-    over the codebook, truncated by --top-k / --top-p as deployed: GLM-Image samples with top-p 0.75), which
-    is what makes pi / pi_old exactly 1 on the first update. Peers that sample with top-p but score the full
-    softmax break that ratio; here a token outside the trainer's truncation has probability 0 (ratio 0, no
-    gradient) and is counted (`outside_truncation`).
+  - Sampling (grpo.py's own decode loop, a CUDA graph per step on a GPU) is restricted to the VQ codebook ids and
+    never stops early, so every sample has exactly N tokens; sampler and trainer share one definition of the
+    distribution (`code_logprobs`: softmax(logits / T) over the codebook, truncated by --top-k / --top-p as
+    deployed: GLM-Image samples with top-p 0.75), which is what makes pi / pi_old exactly 1 on the first update.
+    Peers that sample with top-p but score the full softmax break that ratio; here the trainer scores over the very
+    codes the sampler's truncation kept (`Rollout.support`), so no sampled token falls outside.
+  - In bf16 the KV-cached sampler and the full-sequence trainer round differently (up to 0.12 nats a token at full
+    depth): pi_old is the trainer's forward, and the policy-gradient term is weighted by pi_old / pi_sampler,
+    truncated at 2 per token (`--sampler-correction`, TRL's importance-sampling correction; 1 in float32).
   - The AR uses 3D rotary positions. A teacher-forced forward must be given the positions that
     generation used (`rope_positions`); the default forward gets them wrong for every image token.
   - The DiT and VAE are frozen and run with the same latent noise for every sample of a group, so
@@ -47,6 +50,7 @@ Commands:
   python grpo.py --prompts examples/shapes.txt --reward shapes --eval-prompts examples/shapes_heldout.jsonl  # held out
   python grpo.py --prompts examples/edits.jsonl                 # editing: a source image in the prompt
   python grpo.py --prompts my_prompts.txt --model zai-org/GLM-Image                  # the real model (GPU, bf16)
+  python grpo.py --prompts my_prompts.txt --model random --steps 1  # its published configs, random weights: speed
   torchrun --nproc-per-node 8 grpo.py --prompts my_prompts.txt --model zai-org/GLM-Image  # 8 GPUs, FSDP2
   python -m pytest -q                                           # tests, CPU, ~8 minutes
 """

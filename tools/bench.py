@@ -83,7 +83,7 @@ def phases(pipe, policy, rows):
     ref = copy.deepcopy(policy).requires_grad_(False)
     opt = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=1e-3)
     t, r = timed(lambda: grpo.sample_group(pipe, PROMPT, G, H, W, T, seed=0))
-    rows.append(("phase: sample (G=4, one generate)", f"{t:.3f} s"))
+    rows.append(("phase: sample (G=4, one decode)", f"{t:.3f} s"))
     t, images = timed(lambda: grpo.decode_images(pipe, PROMPT, r.tokens, r.large_hw, H, W, 2, seed=0))
     rows.append(("phase: decode (DiT + VAE, whole group)", f"{t:.3f} s"))
     t, (rewards, _) = timed(lambda: grpo.group_rewards([images], [{"target": target}], {"ssim": (grpo.ssim_reward, 1.0)}))
@@ -195,7 +195,7 @@ def real_shapes_step(pipe, policy, precision: str, rows, height=1024, width=1024
     n_prev, n_large = r.preview_hw[0] * r.preview_hw[1], r.large_hw[0] * r.large_hw[1]
     emit(rows, f"{precision}: token layout", f"{n_prev} preview ({r.preview_hw[0]}x{r.preview_hw[1]}) + {n_large} "
          f"large ({r.large_hw[0]}x{r.large_hw[1]}) = {r.tokens.shape[1]} tokens per sample")
-    emit(rows, f"{precision}: sample (G={group}, one generate)", f"{t1 - t0:.1f} s")
+    emit(rows, f"{precision}: sample (G={group}, one decode)", f"{t1 - t0:.1f} s")
     images = grpo.decode_images(pipe, PROMPT, r.tokens, r.large_hw, height, width, 2, seed=0)
     t2 = time.perf_counter()
     emit(rows, f"{precision}: decode (DiT 2 steps + VAE in float32, {group} images, the VAE one at a time)",
