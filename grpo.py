@@ -75,7 +75,7 @@ import torch.nn.functional as F
 from PIL import Image
 from tqdm.auto import tqdm
 
-from parallel import (INTERRUPT, all_agree, distributed, final_weights, gather_list, gather_rows,  # many GPUs
+from parallel import (INTERRUPT, all_agree, distributed, extreme, final_weights, gather_list, gather_rows,  # many GPUs
                       interrupts_caught, interrupts_held, load_trainable_state, reduce_metrics, shard, start_processes,
                       stop_processes, stop_requested, sync_gradients, trainable_state, unsharded)
 from rewards import MORE_REWARDS, import_reward, needs  # ocr, shapes, module:function rewards
@@ -530,11 +530,11 @@ def sample_groups(pipe, prompts: list[str], group_size: int, height: int, width:
             return torch.cat([F.pad(v, (width_p - len(ids), 0)) for v, ids in zip(x, prompt_ids)], dim
                              ).repeat_interleave(group_size, dim)
 
-        tokens, logprobs, support = decode(model, left_pad([ids[None] for ids in prompt_ids], 0),  # (P*G, width_p), pad id 0
-                                  left_pad([torch.ones_like(ids[None], dtype=torch.bool) for ids in prompt_ids], 0),
-                                  left_pad(positions, 1),  # (3, P*G, width_p + N)
-                                  n, temperature, top_k, top_p,
-                                  [torch.Generator(model.device).manual_seed(seeds[i]) for i in mine])
+        tokens, logprobs, support = decode(
+            model, left_pad([ids[None] for ids in prompt_ids], 0),  # (P*G, width_p), pad id 0
+            left_pad([torch.ones_like(ids[None], dtype=torch.bool) for ids in prompt_ids], 0),  # False on the padding
+            left_pad(positions, 1),  # (3, P*G, width_p + N)
+            n, temperature, top_k, top_p, [torch.Generator(model.device).manual_seed(seeds[i]) for i in mine])
         for j, i in enumerate(mine):
             inputs, source, preview_hw, large_hw = groups[i]
             rows = slice(j * group_size, (j + 1) * group_size)
@@ -617,8 +617,9 @@ def repeat_step(step, n: int, generators: list) -> None:
     graph = torch.cuda.CUDAGraph()
     for generator in generators:  # the draws of a replay advance each group's generator, as eager steps do
         graph.register_generator_state(generator)
-    autocast = torch.is_autocast_enabled("cuda")  # autocast's cast cache cannot live in a graph
-    with torch.cuda.graph(graph), torch.autocast("cuda", torch.get_autocast_dtype("cuda"), autocast, cache_enabled=False):
+    autocast = torch.autocast("cuda", torch.get_autocast_dtype("cuda"), torch.is_autocast_enabled("cuda"),
+                              cache_enabled=False)  # as the caller's autocast, without its cast cache (not graph-safe)
+    with torch.cuda.graph(graph), autocast:
         step()
     for _ in range(n - 1):
         graph.replay()
@@ -803,8 +804,6 @@ def group_advantages(rewards: torch.Tensor, eps: float = 1e-6, scale: str = "gro
 # ---- 9. Loss ------------------------------------------------------------------------------------
 
 CORRECTIONS = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask", "none")  # TRL's modes, and off
-SAMPLING_EXTREMES = ("sampling/sampling_logp_difference/max", "sampling/importance_sampling_ratio/min",
-                     "sampling/importance_sampling_ratio/max")  # sampler_correction's metrics that are extremes
 
 
 def sampler_correction(old_logprobs: torch.Tensor, sampled_logprobs: torch.Tensor, mode: str = "none",
@@ -970,15 +969,10 @@ def train_step(policy, optimizer, rollouts: list[Rollout], advantages: torch.Ten
                 if mu > 1 else None)
         refs = ([reference_logprobs(ref_model, inp, tok, temperature, top_k, top_p, sup)
                  for inp, tok, _, sup, *_ in batches] if kl_beta > 0 else None)
-    extremes = {"ratio_min": min, "ratio_max": max, "sampler_gap": max, "outside_truncation": lambda a, b: a + b,
-                **{k: (max if k.endswith("/max") else min) for k in SAMPLING_EXTREMES}}
-    skipped = 0
+    skipped, parts = 0, []  # parts: every micro-batch's metrics and share of the sequences, over all mu updates
     for _ in range(mu):
         optimizer.zero_grad(set_to_none=True)
-        totals: dict[str, float] = {}
-        weights: dict[str, float] = {}  # the share of sequences behind each metric (editing has no preview region)
-        kept: dict[str, float] = {}  # extremes over every micro-batch and every update
-        finite = True
+        update_parts, finite = [], True
         for k, (inputs, tokens, sampled, support, adv, n_preview) in enumerate(batches):
             loss, m = micro_batch_loss(policy, inputs, tokens, sampled, support, adv, n_preview,
                                        None if olds is None else olds[k], None if refs is None else refs[k],
@@ -989,13 +983,8 @@ def train_step(policy, optimizer, rollouts: list[Rollout], advantages: torch.Ten
             finite = finite and bool(torch.isfinite(loss))
             sync_gradients(policy, k == len(batches) - 1)  # FSDP + LoRA: reduce across processes after the last
             (loss * share).backward()  # even when not finite: with FSDP every process must join every backward
-            for key, value in m.items():
-                if key in extremes:
-                    kept[key] = extremes[key](kept[key], value) if key in kept else value
-                else:
-                    totals[key] = totals.get(key, 0.0) + value * share
-                    weights[key] = weights.get(key, 0.0) + share
-        totals = {key: value / weights[key] for key, value in totals.items()}  # means over the sequences that have it
+            update_parts.append((m, share))
+        totals, parts = merge_metrics(update_parts), parts + update_parts  # the means: this update's
         params = [p for group in optimizer.param_groups for p in group["params"]]
         totals["grad_norm"] = torch.nn.utils.clip_grad_norm_(params, max_grad_norm).item()
         if all_agree(finite) and math.isfinite(totals["grad_norm"]):  # every process steps, or none
@@ -1005,7 +994,16 @@ def train_step(policy, optimizer, rollouts: list[Rollout], advantages: torch.Ten
             skipped += 1
     # extremes over all mu updates; sampler_gap is max |log pi_trainer - log pi_sampler| (0 up to float error
     # before the first update: larger means sampler and trainer disagree on the distribution)
-    return {**totals, **kept, "skipped": skipped}
+    return {**totals, **{k: v for k, v in merge_metrics(parts).items() if extreme(k)}, "skipped": skipped}
+
+
+def merge_metrics(parts: list[tuple[dict, float]]) -> dict:
+    """Micro-batches' metrics with their shares of the sequences -> one dict: extremes and counts by their rule
+    (parallel.extreme: min, max, sum), the rest the mean over the sequences that have the metric (an editing group has
+    no preview region)."""
+    keys = dict.fromkeys(k for m, _ in parts for k in m)
+    return {k: extreme(k)([m[k] for m, _ in parts if k in m]) if extreme(k) else
+            sum(m[k] * s for m, s in parts if k in m) / sum(s for m, s in parts if k in m) for k in keys}
 
 
 # ---- 11. Evaluation -----------------------------------------------------------------------------
@@ -1067,8 +1065,8 @@ def validate(cfg: Config) -> None:
     if cfg.train_tokens not in ("large", "all"):
         raise ValueError(f"--train-tokens {cfg.train_tokens}: use 'large' or 'all'")
     if cfg.sampler_correction not in CORRECTIONS or not cfg.sampler_cap >= 1:
-        raise ValueError(f"--sampler-correction {cfg.sampler_correction} --sampler-cap {cfg.sampler_cap}: use one of "
-                         f"{', '.join(CORRECTIONS)} with a cap >= 1 (a cap below 1 cuts even an exact sampler's weight)")
+        raise ValueError(f"--sampler-correction {cfg.sampler_correction} --sampler-cap {cfg.sampler_cap}: use one "
+                         f"of {', '.join(CORRECTIONS)} with a cap >= 1 (below 1 it cuts even an exact sampler's weight)")
     if cfg.scale_rewards not in ("group", "batch", "none"):
         raise ValueError(f"--scale-rewards {cfg.scale_rewards}: use group, batch or none")
     for name, ok, rule in [("clip-eps", 0 < cfg.clip_eps < 1, "in (0, 1)"), ("kl-beta", cfg.kl_beta >= 0, ">= 0"),
@@ -1176,7 +1174,7 @@ def prepare(argv: list[str] | None) -> tuple[Config, list[dict], dict, tuple | N
         if cfg.resume:
             saved, start, saved_world = read_resume(out)  # config.json; step and processes from checkpoint.pt
             given = given_flags(argv)
-            refused = sorted(given - {"resume", "steps", "device", "report_to"})  # a run goes on as it was; only these may change
+            refused = sorted(given - {"resume", "steps", "device", "report_to"})  # a run goes on as it was, but these
             if refused:
                 raise ValueError(f"--resume continues {out} with its saved settings, so it cannot take "
                                  f"{', '.join('--' + f.replace('_', '-') for f in refused)}: drop them (or start a new "
@@ -1260,9 +1258,7 @@ def main(argv: list[str] | None = None) -> dict:
             load_trainable_state(policy, optimizer, read_checkpoint(out / "checkpoint.pt"))
     evaluated = {h["step"] for h in read_metrics(out) if h.get("eval")} if cfg.resume else set()  # kept on resume
     history = open_run_dir(out, cfg, start) if rank == 0 else []  # the training metrics before `start`, else []
-    examples = [{k: v.to(device) if torch.is_tensor(v) else v for k, v in e.items()} for e in examples]
-    if evals:  # their targets and sources too (an SSIM eval on a GPU met CPU targets before: a crash)
-        evals = ([{k: v.to(device) if torch.is_tensor(v) else v for k, v in e.items()} for e in evals[0]], evals[1])
+    examples, evals = on_device(examples, device), evals and (on_device(evals[0], device), evals[1])
     autocast = torch.autocast(device.split(":")[0], dtype=torch.bfloat16, enabled=dtype == torch.bfloat16)
     shown = examples[:cfg.before_after]  # sampled with fixed seeds now and after training: what changed, by eye
     if shown and start == 0:
@@ -1309,6 +1305,11 @@ def main(argv: list[str] | None = None) -> dict:
     summary = summarize(out, history, len(examples), skipped, rank, after)
     stop_processes()  # torchrun: leave the process group cleanly
     return summary
+
+
+def on_device(examples: list[dict], device: str) -> list[dict]:
+    """The examples with their images (targets, sources) on `device`, where the rewards meet the samples."""
+    return [{k: v.to(device) if torch.is_tensor(v) else v for k, v in e.items()} for e in examples]
 
 
 def compute_settings(device: str, dtype: str, model: str = "tiny") -> torch.dtype:

@@ -142,8 +142,13 @@ def reduce_metrics(metrics: dict) -> dict:
     dist.all_gather_object(parts, metrics)
     keys = dict.fromkeys(k for part in parts for k in part)  # a process that only edits has no preview/ metrics
     mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
-    rule = {k: REDUCE.get(k) or (max if k.endswith("/max") else min if k.endswith("/min") else mean) for k in keys}
-    return {k: rule[k]([p[k] for p in parts if k in p]) for k in keys}
+    return {k: (extreme(k) or mean)([p[k] for p in parts if k in p]) for k in keys}
+
+
+def extreme(key: str):
+    """How a metric that is an extreme or a count combines over processes or micro-batches (min, max, sum), or None
+    for a mean."""
+    return REDUCE.get(key) or (max if key.endswith("/max") else min if key.endswith("/min") else None)
 
 
 # ---- State: the same checkpoint format for one process and for many ------------------------------
