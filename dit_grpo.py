@@ -1,10 +1,10 @@
 """GRPO for GLM-Image's decoder: the DiT's denoising chain as a policy (Flow-GRPO), beside grpo.py's AR.
 
-`python grpo.py --train dit ...` uses it (grpo.py imports it only then): one AR sample per prompt, shared by the group,
-G pictures from the SDE sampler, the same rewards and group_advantages, and `train_step` below (grpo_loss with each
-denoising step as a token). Text-to-image, one process or torchrun (FSDP2 over the DiT's blocks: parallel.shard);
-not yet: editing, PPO epochs (--mu > 1). The README's demo: `--reward shapes,size=0.3` (the DiT alone decides how
-large objects are painted).
+`python dit_grpo.py --prompts prompts.txt ...` (grpo.py's flags; `main` last): one AR sample per prompt, shared by the
+group, G pictures from the SDE sampler, the same rewards and advantages (grpo.score), and `train_step` below (grpo_loss
+with each denoising step as a token). It imports grpo.py and run.py, neither imports it. Text-to-image, one process
+or torchrun (FSDP2 over the DiT's blocks: parallel.shard); not yet: editing, PPO epochs (--mu > 1). The README's demo:
+`--reward shapes,size=0.3` (the DiT alone decides how large objects are painted).
 
 The DiT is sampled by integrating a flow-matching ODE, x_{t+1} = x_t + (sigma_{t+1} - sigma_t) v, with the velocity
 v = DiT(x_t, t) guided as the pipeline guides it. A deterministic chain has no log-probs, so Flow-GRPO (Liu et al.
@@ -33,13 +33,16 @@ trainer recomputes the same steps with `velocity` (the pipeline's two transforme
 
 import contextlib
 import math
+import sys
 from typing import NamedTuple
 
 import torch
 from diffusers import FlowMatchEulerDiscreteScheduler
 from diffusers.schedulers.scheduling_flow_match_euler_discrete import FlowMatchEulerDiscreteSchedulerOutput
 
-import grpo  # grpo.py imports this file only inside functions, so no import cycle
+import grpo  # the AR's sampler, the decoder, rewards, the loss and the set-up: shared with the AR's GRPO
+import run  # the run's plumbing, as grpo.py's
+from parallel import all_agree, interrupts_held, sync_gradients, unsharded
 
 
 def sde_step(x: torch.Tensor, v: torch.Tensor, sigma: torch.Tensor, sigma_next: torch.Tensor,
@@ -206,7 +209,7 @@ def train_step(policy, optimizer, chains: list[Chain], advantages: torch.Tensor,
             loss = loss + kl_beta * kl.mean()
         share = logp.shape[0] / n / S  # the loss is a mean over samples and steps: each piece adds its share
         finite = finite and bool(torch.isfinite(loss))
-        grpo.sync_gradients(policy, k == len(pieces) - 1)  # FSDP + LoRA: reduce across processes after the last
+        sync_gradients(policy, k == len(pieces) - 1)  # FSDP + LoRA: reduce across processes after the last
         (loss * share).backward()  # one step's graph at a time: memory of one step, whatever the window
         gap = max(gap, (logp.detach()[:, 0] - chain.logprobs[rows][:, i]).abs().max().item())
         ratio_min, ratio_max = min(ratio_min, m["ratio_min"]), max(ratio_max, m["ratio_max"])
@@ -216,7 +219,7 @@ def train_step(policy, optimizer, chains: list[Chain], advantages: torch.Tensor,
     params = [p for group in optimizer.param_groups for p in group["params"]]
     totals["grad_norm"] = torch.nn.utils.clip_grad_norm_(params, max_grad_norm).item()
     skipped = 0
-    if grpo.all_agree(finite) and math.isfinite(totals["grad_norm"]):  # every process steps, or none
+    if all_agree(finite) and math.isfinite(totals["grad_norm"]):  # every process steps, or none
         optimizer.step()
     else:  # a NaN / inf never reaches the weights
         optimizer.zero_grad(set_to_none=True)
@@ -238,24 +241,11 @@ def apply_lora(transformer, rank: int, seed: int = 0):
         return get_peft_model(transformer, config)
 
 
-def sample_and_score(pipe, policy, batch: list[dict], groups: list[int], rewards: dict, cfg, autocast, device: str,
-                     seconds: dict) -> tuple:
-    """grpo.sample_and_score for --train dit: per prompt ONE AR sample (seeded by the group's number), shared by the
-    group; G pictures from it through the SDE sampler (decoder noise seeded by the group's number too); scores and
-    z-scored advantages as for the AR. Returns the chains, images, (P, G) rewards, each reward's, advantages."""
-    seeds = [cfg.seed * 1_000_003 + g for g in groups]
-    with grpo.timed(seconds, "sample", cfg), autocast:  # 1. the AR's tokens, once per prompt
-        tokens = grpo.sample_groups(pipe, [ex["prompt"] for ex in batch], 1, cfg.height, cfg.width, cfg.temperature,
-                                    seeds, None, cfg.top_k, cfg.top_p)  # every prompt in one decode
-    with grpo.timed(seconds, "decode", cfg), grpo.decoder_on(pipe, device, cfg.offload), grpo.unsharded(policy):  # 2.
-        chains = [sample_chain(pipe, ex["prompt"], r.tokens.repeat(cfg.group_size, 1), r.large_hw, cfg.height,
-                               cfg.width, cfg.sde_steps or cfg.num_inference_steps, cfg.guidance_scale, s,
-                               cfg.sde_noise, cfg.sde_window)
-                  for ex, r, s in zip(batch, tokens, seeds)]
-    images = [c.images for c in chains]
-    with grpo.timed(seconds, "reward", cfg):
-        reward, each, advantages = grpo.score(images, batch, rewards, cfg)  # 3.-4. as for the AR
-    return chains, images, reward, each, advantages
+def setup_training(pipe, cfg, dtype: torch.dtype, world: int):
+    """grpo.setup_training with the DiT as the policy (LoRA: `apply_lora`); the AR frozen, as it only samples the
+    tokens the DiT paints from. Returns the policy, the KL reference (or None) and the optimizer."""
+    pipe.vision_language_encoder.requires_grad_(False)
+    return grpo.setup_training(pipe, cfg, dtype, world, pipe.transformer.requires_grad_(True), apply_lora)
 
 
 def window(chain_steps: int, sde_window: int) -> list[int]:
@@ -263,3 +253,54 @@ def window(chain_steps: int, sde_window: int) -> list[int]:
     takes ODE steps after them, so the group's rewards differ only by what the trained steps drew (and the initial
     noise). Fewer steps cost proportionally less in the update (Flow-GRPO-Fast trains a window of the chain too)."""
     return list(range(min(sde_window, chain_steps) if sde_window else chain_steps))
+
+
+def main(argv: list[str] | None = None) -> dict:
+    """grpo.py's main with the DiT as the policy: the same checks, set-up, logging and checkpoints (run.py)."""
+    argv = sys.argv[1:] if argv is None else argv
+    r = run.prepare(grpo.parse_config(["--train", "dit", *argv]), argv, grpo.REWARDS, train="dit")
+    cfg, rewards = r.cfg, r.rewards
+    run.start(r)
+    with run.timed({}, "load", cfg), run.loading(cfg.model):
+        pipe = grpo.load_glm_image(cfg.model, r.device, r.dtype)
+    with run.timed({}, "setup", cfg):
+        policy, ref_model, optimizer = setup_training(pipe, cfg, r.dtype, r.world)
+        run.open_run(r, policy, optimizer)
+
+    def evaluate_policy(examples: list[dict], rewards: dict, n_samples: int, seed: int, keep_images: int):
+        with r.autocast, unsharded(policy), grpo.decoder_on(pipe, r.device, cfg.offload):  # the pipeline's ODE
+            return grpo.evaluate(pipe, examples, rewards, n_samples, seed, cfg, r.rank, r.world, keep_images)
+    r.evaluate = evaluate_policy
+
+    with run.training(r):
+        for step, groups, batch, seconds in run.steps(r):
+            seeds = [cfg.seed * 1_000_003 + g for g in groups]  # the AR's sample and the decoder's noise
+            with run.timed(seconds, "sample", cfg), r.autocast:  # 1. ONE token grid per prompt, shared by the group
+                tokens = grpo.sample_groups(pipe, [ex["prompt"] for ex in batch], 1, cfg.height, cfg.width,
+                                            cfg.temperature, seeds, None, cfg.top_k, cfg.top_p)
+            with run.timed(seconds, "decode", cfg), grpo.decoder_on(pipe, r.device, cfg.offload), unsharded(policy):
+                chains = [sample_chain(pipe, ex["prompt"], t.tokens.repeat(cfg.group_size, 1), t.large_hw, cfg.height,
+                                       cfg.width, cfg.sde_steps or cfg.num_inference_steps, cfg.guidance_scale, s,
+                                       cfg.sde_noise, cfg.sde_window)  # 2. G pictures by the SDE sampler
+                          for ex, t, s in zip(batch, tokens, seeds)]
+            with run.timed(seconds, "reward", cfg):  # 3.-4. as for the AR
+                reward, each, advantages = grpo.score([c.images for c in chains], batch, rewards, cfg.scale_rewards)
+            with interrupts_held():
+                with run.timed(seconds, "train", cfg), r.autocast:  # 5. the update, each trained step a token
+                    metrics = train_step(policy, optimizer, chains, advantages, ref_model, noise_level=cfg.sde_noise,
+                                         steps=window(len(chains[0].timesteps), cfg.sde_window),
+                                         clip_eps=(cfg.clip_eps, cfg.clip_eps_high or cfg.clip_eps),
+                                         kl_beta=cfg.kl_beta, micro_batch_size=cfg.micro_batch_size,
+                                         max_grad_norm=cfg.max_grad_norm)
+                run.log_step(r, step, groups, reward, each, advantages, [c.latents[:, -1] for c in chains], metrics,
+                             seconds)
+            run.after_step(r, step, batch, [c.images for c in chains], reward)
+    return run.finish(r)
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except KeyboardInterrupt:  # Ctrl-C while loading or checking (the training loop handles its own): no traceback
+        print("dit_grpo.py: interrupted", file=sys.stderr)
+        raise SystemExit(130) from None

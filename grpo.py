@@ -33,15 +33,17 @@ Where this departs from the paper:
   - Advantages use the population std of the group (`--scale-rewards batch`: of the step's whole batch; `none`:
     Dr. GRPO's centring only), and a group with no spread gets zero advantage. The clip range may be asymmetric
     (`--clip-eps-high`, DAPO's clip-higher).
-  - `--train dit` trains the DiT instead, on its denoising chain (Flow-GRPO's SDE step; dit_grpo.py): the AR's
-    tokens are sampled once per prompt and the group differs by decoder noise alone.
+  - `python dit_grpo.py` trains the DiT instead, on its denoising chain (Flow-GRPO's SDE step): the AR's tokens
+    are sampled once per prompt and the group differs by decoder noise alone.
   - Editing: the source image is encoded once per group and its codes written into the prompt, so sampler
     and trainer see the same tokens; the AR then writes the large grid only (no preview grid).
 
 Many GPUs the nanoGPT way: under torchrun each process takes whole groups of its own (the algorithm never
 sees the world size), FSDP2 shards the trained model (`parallel.shard`), rank 0 writes. Helpers live beside this file:
-offline_model.py (GLM-Image built in code), parallel.py (torch.distributed), run_io.py (files, curves.png), rewards.py
-(more rewards), world.py (the tiny model's world of shapes); tools/compare.py puts a run beside its base model.
+run.py (the run's plumbing that `main` calls: input checks, logging, checkpoints, evaluation output; it never imports
+this file), offline_model.py (GLM-Image built in code), parallel.py (torch.distributed), run_io.py (files,
+curves.png), rewards.py (more rewards), world.py (the tiny model's world of shapes); tools/compare.py puts a run beside
+its base model.
 
 Commands:
   pip install -r requirements.txt
@@ -49,22 +51,18 @@ Commands:
   python grpo.py --prompts examples/shapes.txt --reward shapes  # draw what the caption asks (a rule-based reward)
   python grpo.py --prompts examples/shapes.txt --reward shapes --eval-prompts examples/shapes_heldout.jsonl  # held out
   python grpo.py --prompts examples/edits.jsonl                 # editing: a source image in the prompt
+  python dit_grpo.py --prompts examples/shapes.txt --reward shapes,size=0.3  # GRPO on the DiT instead (Flow-GRPO)
   python grpo.py --prompts my_prompts.txt --model zai-org/GLM-Image                  # the real model (GPU, bf16)
   python grpo.py --prompts my_prompts.txt --model random --steps 1  # its published configs, random weights: speed
   torchrun --nproc-per-node 8 grpo.py --prompts my_prompts.txt --model zai-org/GLM-Image  # 8 GPUs, FSDP2
   python -m pytest -q                                           # tests, CPU, 8-14 minutes
 """
 
-import argparse
 import contextlib
 import copy
 import dataclasses
-import json
 import math
-import os
-import re
 import sys
-import time
 import warnings
 from pathlib import Path
 from typing import NamedTuple
@@ -73,22 +71,21 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from PIL import Image
-from tqdm.auto import tqdm
 
-from parallel import (INTERRUPT, all_agree, distributed, extreme, final_weights, gather_list, gather_rows,  # many GPUs
-                      interrupts_caught, interrupts_held, load_trainable_state, reduce_metrics, shard, start_processes,
-                      stop_processes, stop_requested, sync_gradients, trainable_state, unsharded)
-from rewards import MORE_REWARDS, import_reward, needs  # ocr, shapes, module:function rewards
-from run_io import (RUN_FILES, Reporter, append_metrics, atomic_write, check_out_dir, check_reporter,  # run files
-                    image_grid, open_run_dir, plot_curves, read_checkpoint, read_metrics, read_resume, save_checkpoint,
-                    save_image, save_pretrained_atomic, side_by_side)
+import run  # the run's plumbing: checks, files, logging, checkpoints, evaluation output (main uses it, nothing above)
+from parallel import (all_agree, distributed, extreme, gather_list, gather_rows, interrupts_held, shard,  # many GPUs
+                      sync_gradients, unsharded)
+from rewards import MORE_REWARDS, needs  # ocr, shapes
 
 
 # ---- 1. Config ----------------------------------------------------------------------------------
 
-def arg(default, help: str):
-    """A config field whose one-line doc becomes its --help."""
-    return dataclasses.field(default=default, metadata={"help": help})
+def arg(default, help: str, choices: tuple = ()):
+    """A config field whose one-line doc becomes its --help (and, if given, the values it may take)."""
+    return dataclasses.field(default=default, metadata={"help": help, "choices": choices})
+
+
+CORRECTIONS = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask", "none")  # TRL's modes, and off
 
 
 @dataclasses.dataclass
@@ -116,7 +113,7 @@ class Config:
     top_k: int = arg(0, "sample from the k most likely codes only, scored exactly (0: off)")
     sampler_correction: str = arg("token_truncate", "importance weights pi_old / pi_sampler on the policy-gradient "
                                   "term for the sampler/trainer gap in bf16: token_truncate | token_mask | "
-                                  "sequence_truncate | sequence_mask (TRL's modes) | none")
+                                  "sequence_truncate | sequence_mask (TRL's modes) | none", CORRECTIONS)
     sampler_cap: float = arg(2.0, "the cap of --sampler-correction: weights above it are cut to it (truncate) or 0 "
                                   "(mask)")
     height: int | None = arg(None, "image height (default 96 tiny, 1024 real)")
@@ -137,12 +134,12 @@ class Config:
     save_every: int = arg(50, "save a checkpoint every N steps (0: only at the end)")
     resume: str = arg("", "run directory to continue (--steps is the total)")
     overwrite: bool = arg(False, "replace the run in --out")
-    train: str = arg("ar", "what GRPO trains: ar (the AR's visual tokens) or dit (the DiT's denoising chain, "
-                           "Flow-GRPO: dit_grpo.py; text-to-image)")
-    sde_noise: float = arg(0.7, "--train dit: noise level of the SDE step (Flow-GRPO's a)")
-    sde_steps: int = arg(0, "--train dit: denoising steps of the training chains (0: --num-inference-steps; "
+    train: str = arg("ar", "what GRPO trains: ar (the AR's visual tokens: grpo.py) or dit (the DiT's denoising chain, "
+                           "Flow-GRPO; text-to-image: python dit_grpo.py)")
+    sde_noise: float = arg(0.7, "dit_grpo.py: noise level of the SDE step (Flow-GRPO's a)")
+    sde_steps: int = arg(0, "dit_grpo.py: denoising steps of the training chains (0: --num-inference-steps; "
                             "evaluation and pictures keep --num-inference-steps)")
-    sde_window: int = arg(0, "--train dit: SDE steps (trained) on the first N denoising steps, ODE after (0: all SDE)")
+    sde_window: int = arg(0, "dit_grpo.py: SDE steps (trained) on the first N denoising steps, ODE after (0: all SDE)")
     lora_rank: int | None = arg(None, "LoRA rank on the trained model, 0: train all its weights (default 0 tiny, 16 real)")
     gradient_checkpointing: bool | None = arg(None, "recompute activations in the backward (default: on for --train "
                                                     "dit with the real model, whose update does not fit without)")
@@ -155,37 +152,16 @@ class Config:
 
 MODEL_DEFAULTS = {  # filled in where the command line left a field at None
     "tiny": dict(lr=1e-4, kl_beta=0.0, height=96, width=96, num_inference_steps=2, guidance_scale=1.0, top_p=1.0,
-                 group_size=8, prompts_per_step=2,
-                 micro_batch_size=4, lora_rank=0, before_after=4),
+                 group_size=8, prompts_per_step=2, micro_batch_size=4, lora_rank=0, before_after=4),
     # LoRA r=16 with micro-batches of 1 fits one 80 GB GPU (about 46 GiB estimated, see tools/memory_plan.py)
     "real": dict(lr=1e-5, kl_beta=0.04, height=1024, width=1024, num_inference_steps=50, guidance_scale=1.5, top_p=0.75,
-                 group_size=4,
-                 prompts_per_step=1, micro_batch_size=1, lora_rank=16, before_after=0),
+                 group_size=4, prompts_per_step=1, micro_batch_size=1, lora_rank=16, before_after=0),
 }
-
-
-def config_parser(default=None) -> argparse.ArgumentParser:
-    """One flag per Config field (the name with dashes), defaulting to the field's default (or to `default`)."""
-    parser = argparse.ArgumentParser(description="GRPO on GLM-Image", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    for f in dataclasses.fields(Config):
-        kinds = {"int | None": int, "float | None": float, "bool | None": bool}  # optional: a model-dependent default
-        flag, kind = "--" + f.name.replace("_", "-"), kinds.get(str(f.type), f.type)
-        value = f.default if default is None else default
-        if kind is bool:
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=value, help=f.metadata["help"])
-        else:
-            parser.add_argument(flag, type=kind, default=value, help=f.metadata["help"])
-    return parser
-
-
-def given_flags(argv: list[str] | None = None) -> set[str]:
-    """The Config fields the command line sets itself (not left at their defaults)."""
-    return set(vars(config_parser(default=argparse.SUPPRESS).parse_args(argv)))
 
 
 def parse_config(argv: list[str] | None = None) -> Config:
     """Command line -> Config. Flags are the field names with dashes; None fields get MODEL_DEFAULTS."""
-    cfg = Config(**vars(config_parser().parse_args(argv)))
+    cfg = Config(**vars(run.config_parser(Config).parse_args(argv)))
     defaults = MODEL_DEFAULTS["tiny" if cfg.model == "tiny" else "real"]
     defaults = {**defaults, "gradient_checkpointing": cfg.model != "tiny" and cfg.train == "dit"}  # tools/memory_plan
     return dataclasses.replace(cfg, **{k: v for k, v in defaults.items() if getattr(cfg, k) is None})
@@ -277,79 +253,35 @@ def reference_model(policy, kl_beta: float):
     return copy.deepcopy(policy).requires_grad_(False).eval()
 
 
-# ---- 3. Prompts, targets and source images ------------------------------------------------------
-
-def read_prompts(path: str, flag: str = "--prompts") -> list[dict]:
-    """A prompts file -> examples: dicts with "prompt", "target" and "source" (image paths or None), "text" (the
-    text the image should show, or None), "where" (file:line, for messages) and any other fields of a .jsonl line.
-
-    Text file: 'prompt | target.png' per line (split at the last '|'), or a prompt alone (no target).
-    .jsonl: one object per line, {"prompt": "make it night", "target": "night.png", "source": "day.png"}; "target"
-    and "source" (an image to edit) are optional. Paths are relative to the prompts file. "text" is the .jsonl
-    field, else the text in quotes in the prompt (GLM-Image's convention: its glyph encoder renders quoted text).
-    Blank lines and '#' comments are skipped. Raises ValueError naming the file and line (and `flag`).
-    """
-    path = Path(path)
-    try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except (OSError, UnicodeDecodeError) as error:
-        reason = "not UTF-8 text" if isinstance(error, UnicodeDecodeError) else error.strerror or str(error)
-        raise ValueError(f"cannot read {flag} {path} ({reason}); give a text file of 'prompt | target.png' lines "
-                         "or a .jsonl file")
-    examples = []
-    for number, line in enumerate(lines, start=1):
-        line, where = line.strip(), f"{path}:{number}"
-        if not line or line.startswith("#"):
-            continue
-        fields = read_jsonl_line(line, where) if path.suffix == ".jsonl" else read_text_line(line, where)
-        quoted = " ".join(a or b for a, b in re.findall(r'"([^"]+)"|“([^”]+)”', fields["prompt"]))
-        paths = {key: path.parent / fields[key] if fields.get(key) else None for key in ("target", "source")}
-        examples.append({**fields, "text": fields.get("text") or quoted or None, "where": where, **paths})
-    if not examples:
-        raise ValueError(f"{path} has no examples; add lines of the form 'prompt | target.png'")
-    return examples
+def setup_training(pipe, cfg, dtype: torch.dtype, world: int, policy=None, lora=None):
+    """The trained model `policy` (default the AR; dit_grpo.py: the DiT, with its own `lora`, default apply_lora) with
+    LoRA or in float32, the frozen parts offloaded (--offload), the KL reference, FSDP2 over `world` processes, and
+    AdamW. Returns the policy (a PeftModel with LoRA), the reference (or None) and the optimizer."""
+    policy = pipe.vision_language_encoder if policy is None else policy
+    if cfg.lora_rank:  # adapters in float32 (peft's default), base weights frozen
+        policy = (lora or apply_lora)(policy, cfg.lora_rank, cfg.seed)
+    elif dtype != torch.float32:
+        policy.float()  # trainable weights stay float32: AdamW updates to bf16 weights round away (RMSNorm freezes)
+    if cfg.gradient_checkpointing:  # recompute activations in the backward: transformers' AR, or diffusers' DiT
+        if hasattr(policy, "activation_checkpointing_enable"):
+            policy.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            policy.enable_gradient_checkpointing()
+    if cfg.offload:
+        for module in (pipe.text_encoder, pipe.transformer, pipe.vae):
+            module.to("cpu")
+    ref_model = reference_model(policy, cfg.kl_beta)  # taken before a checkpoint is loaded: the initial weights
+    if ref_model is not None and ref_model is not policy:
+        ref_model.to(dtype)  # frozen: bf16 storage is enough (the trainable policy itself stays float32)
+    if world > 1:  # FSDP2: each process keeps 1/world of the weights, gradients and AdamW state
+        for model in {id(m): m for m in (policy, ref_model) if m is not None}.values():
+            shard(model, dtype)
+    optimizer = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=cfg.lr,
+                                  weight_decay=cfg.weight_decay)
+    return policy, ref_model, optimizer
 
 
-def read_text_line(line: str, where: str) -> dict:
-    """'prompt | target.png' or a prompt alone -> {"prompt", "target"}."""
-    prompt, bar, target = (part.strip() for part in line.rpartition("|"))
-    if bar and not (prompt and target):
-        raise ValueError(f"{where}: expected 'prompt | target.png' or a prompt alone, got '{line}'")
-    return {"prompt": prompt, "target": target} if bar else {"prompt": line}
-
-
-def read_jsonl_line(line: str, where: str) -> dict:
-    """One JSON object with a "prompt" string and optional "target", "source", "text" strings -> that dict."""
-    example = '{"prompt": "make it night", "target": "night.png", "source": "day.png"}'
-    try:
-        fields = json.loads(line)
-    except json.JSONDecodeError as error:
-        raise ValueError(f"{where}: not JSON ({error.msg}); write one object per line, e.g. {example}") from None
-    if not isinstance(fields, dict) or not isinstance(fields.get("prompt"), str) or not fields["prompt"].strip():
-        raise ValueError(f'{where}: needs a "prompt" string, e.g. {example}')
-    for key in ("target", "source", "text"):
-        if fields.get(key) is not None and not (isinstance(fields[key], str) and fields[key].strip()):
-            raise ValueError(f'{where}: "{key}" must be a non-empty string, e.g. {example}')
-    return {**fields, "prompt": fields["prompt"].strip()}
-
-
-def load_image(path: str | Path, height: int, width: int, role: str = "target") -> torch.Tensor:
-    """PNG/JPEG -> (3, H, W) float32 in [0, 1], resized (bicubic) if its size differs.
-    Raises ValueError for a missing or unreadable image."""
-    if not Path(path).is_file():
-        raise ValueError(f"{role} {path} does not exist; fix its path in the prompts file")
-    try:
-        with Image.open(path) as image:
-            image = image.convert("RGB")
-            if image.size != (width, height):
-                image = image.resize((width, height), Image.BICUBIC)
-            pixels = np.asarray(image, dtype=np.float32) / 255.0  # (H, W, 3)
-    except OSError as error:
-        raise ValueError(f"{role} {path} is not a readable image ({error}); replace it or fix the prompts file")
-    return torch.from_numpy(pixels).permute(2, 0, 1).contiguous()  # (3, H, W)
-
-
-# ---- 4. Group sampling --------------------------------------------------------------------------
+# ---- 3. Group sampling --------------------------------------------------------------------------
 
 class Source(NamedTuple):
     image: Image.Image  # the image being edited, as the DiT's VAE sees it
@@ -625,7 +557,7 @@ def repeat_step(step, n: int, generators: list) -> None:
         graph.replay()
 
 
-# ---- 5. Log-probs of given tokens ---------------------------------------------------------------
+# ---- 4. Log-probs of given tokens ---------------------------------------------------------------
 
 def token_logprobs(model, inputs: dict, tokens: torch.Tensor, temperature: float, top_k: int = 0,
                    top_p: float = 1.0, support: torch.Tensor | None = None) -> torch.Tensor:
@@ -661,7 +593,7 @@ def token_logits(model, inputs: dict, tokens: torch.Tensor) -> torch.Tensor:
                  use_cache=False, logits_to_keep=N).logits  # (G, N, V)
 
 
-# ---- 6. Decoding tokens to images ---------------------------------------------------------------
+# ---- 5. Decoding tokens to images ---------------------------------------------------------------
 
 def prior_ids(tokens: torch.Tensor, large_hw: tuple[int, int]) -> torch.Tensor:
     """(G, N) AR tokens -> (G, 4hw) the DiT's prior ids: the large grid (the last h*w tokens; the preview never
@@ -704,7 +636,7 @@ def decode_images(pipe, prompt: str, tokens: torch.Tensor, large_hw: tuple[int, 
     return images.float().clamp(0, 1)  # (G, 3, H, W)
 
 
-# ---- 7. Rewards ---------------------------------------------------------------------------------
+# ---- 6. Rewards ---------------------------------------------------------------------------------
 # A reward is any function fn(images, example) -> (G,) float tensor, higher is better: images (G, 3, H, W) float32 in
 # [0, 1], example the dict of one prompts line (read_prompts) with "target" loaded as a (3, H, W) tensor (or None).
 # `@needs(...)` names the example fields a reward cannot do without, so a missing one stops the run before it starts.
@@ -743,26 +675,6 @@ def ssim_reward(images: torch.Tensor, example: dict) -> torch.Tensor:
 REWARDS = {"ssim": ssim_reward, "mse": mse_reward, **MORE_REWARDS}  # MORE_REWARDS: ocr, shapes (rewards.py)
 
 
-def parse_rewards(spec: str, flag: str = "--reward") -> dict[str, tuple]:
-    """'ssim=1,ocr=0.5,mypkg.rewards:clip=1' -> {name: (fn, weight)} (a name alone weighs 1): built-in names (REWARDS) or import paths
-    module:function (found like `python -m` finds modules: installed, or in the current directory). Every reward
-    listed is computed and logged; weight 0 only keeps it out of the sum. Raises ValueError naming the problem."""
-    rewards = {}
-    for part in spec.split(","):
-        name, _, value = (x.strip() for x in part.rpartition("=")) if "=" in part else (part.strip(), "", "")
-        try:
-            weight = float(value) if "=" in part else 1.0  # a name alone weighs 1
-        except ValueError:
-            raise ValueError(f"reward weight '{part}' is not name=number; write e.g. {flag} ssim=1,mse=0") from None
-        if not weight >= 0:
-            raise ValueError(f"reward weight '{part}' is negative; weights must be >= 0")
-        rewards[name] = (import_reward(name) if ":" in name else REWARDS.get(name), weight)
-        if rewards[name][0] is None:
-            raise ValueError(f"unknown reward '{name}' in {flag} '{spec}'; use {', '.join(REWARDS)} or an import "
-                             "path module:function")
-    if sum(w for _, w in rewards.values()) <= 0:
-        raise ValueError(f"{flag} '{spec}' gives every reward weight 0; give at least one a positive weight")
-    return rewards
 
 
 def group_rewards(images: list[torch.Tensor], examples: list[dict], rewards: dict[str, tuple]
@@ -778,7 +690,7 @@ def group_rewards(images: list[torch.Tensor], examples: list[dict], rewards: dic
     return total, each
 
 
-# ---- 8. Advantages ------------------------------------------------------------------------------
+# ---- 7. Advantages ------------------------------------------------------------------------------
 
 def group_advantages(rewards: torch.Tensor, eps: float = 1e-6, scale: str = "group",
                      batch: torch.Tensor | None = None) -> torch.Tensor:
@@ -801,10 +713,16 @@ def group_advantages(rewards: torch.Tensor, eps: float = 1e-6, scale: str = "gro
     return torch.where(spread, (rewards - mean) / std.clamp_min(torch.finfo(std.dtype).tiny), torch.zeros_like(rewards))
 
 
-# ---- 9. Loss ------------------------------------------------------------------------------------
+def score(images: list[torch.Tensor], batch: list[dict], rewards: dict, scale: str = "group") -> tuple:
+    """Steps 3-4 for P groups of (G, 3, H, W) images and their P examples: the (P, G) rewards (and each reward's) and
+    the (P, G) advantages, z-scored within each group (`scale` as group_advantages; "batch": by the std of every
+    process's rewards)."""
+    reward, each = group_rewards(images, batch, rewards)  # 3. score them: (P, G)
+    advantages = group_advantages(reward, scale=scale, batch=gather_rows(reward) if scale == "batch" else None)  # 4.
+    return reward, each, advantages
 
-CORRECTIONS = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask", "none")  # TRL's modes, and off
 
+# ---- 8. Loss ------------------------------------------------------------------------------------
 
 def sampler_correction(old_logprobs: torch.Tensor, sampled_logprobs: torch.Tensor, mode: str = "none",
                        cap: float = 2.0) -> tuple[torch.Tensor, dict]:
@@ -880,7 +798,7 @@ def grpo_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, ref_logprobs: 
     return loss, metrics
 
 
-# ---- 10. Update ---------------------------------------------------------------------------------
+# ---- 9. Update ---------------------------------------------------------------------------------
 
 @torch.no_grad()
 def reference_logprobs(ref_model, inputs: dict, tokens: torch.Tensor, temperature: float, top_k: int = 0,
@@ -1006,7 +924,7 @@ def merge_metrics(parts: list[tuple[dict, float]]) -> dict:
             sum(m[k] * s for m, s in parts if k in m) / sum(s for m, s in parts if k in m) for k in keys}
 
 
-# ---- 11. Evaluation -----------------------------------------------------------------------------
+# ---- 10. Evaluation -----------------------------------------------------------------------------
 # Rewards on prompts the run never trains on, with seeds fixed per prompt, so that two evaluations differ only by the
 # weights: what tells learning apart from overfitting the training prompts or gaming the reward.
 
@@ -1038,559 +956,47 @@ def evaluate(pipe, examples: list[dict], rewards: dict, n_samples: int, seed: in
     return [im.float() / 255 for _, im in sorted(kept, key=lambda pair: pair[0])], total, each
 
 
-def eval_record(step: int, examples: list[dict], total: torch.Tensor, each: dict, seconds: float) -> dict:
-    """The metrics line of an evaluation: each reward's mean over prompts and samples ("eval/reward" is the weighted
-    total of --reward), and per category for the examples whose .jsonl line has a "category"."""
-    scores = {"reward": total, **each}
-    record = {"step": step, "eval": True, **{f"eval/{name}": v.mean().item() for name, v in scores.items()}}
-    categories = [str(ex["category"]) if "category" in ex else None for ex in examples]
-    for category in sorted(set(categories) - {None}):
-        rows = [i for i, c in enumerate(categories) if c == category]
-        record.update({f"eval/{name}/{category}": v[rows].mean().item() for name, v in scores.items()})
-    return {**record, "sec_eval": seconds}
-
-
-# ---- 12. Main -----------------------------------------------------------------------------------
-
-def validate(cfg: Config) -> None:
-    """Raise ValueError with a one-line fix for a configuration that cannot run."""
-    for name in ("height", "width"):
-        value = getattr(cfg, name)
-        if value <= 0 or value % 32:
-            raise ValueError(f"--{name} {value} is not a positive multiple of 32 (GLM-Image tokens are 32x32 pixels)")
-    if cfg.group_size < 2:
-        raise ValueError(f"--group-size {cfg.group_size}: GRPO compares samples within a group; use 2 or more")
-    if cfg.micro_batch_size < 1 or cfg.group_size % cfg.micro_batch_size:
-        raise ValueError(f"--micro-batch-size {cfg.micro_batch_size} must divide --group-size {cfg.group_size}")
-    if cfg.train_tokens not in ("large", "all"):
-        raise ValueError(f"--train-tokens {cfg.train_tokens}: use 'large' or 'all'")
-    if cfg.sampler_correction not in CORRECTIONS or not cfg.sampler_cap >= 1:
-        raise ValueError(f"--sampler-correction {cfg.sampler_correction} --sampler-cap {cfg.sampler_cap}: use one "
-                         f"of {', '.join(CORRECTIONS)} with a cap >= 1 (below 1 it cuts even an exact sampler's weight)")
-    if cfg.scale_rewards not in ("group", "batch", "none"):
-        raise ValueError(f"--scale-rewards {cfg.scale_rewards}: use group, batch or none")
-    for name, ok, rule in [("clip-eps", 0 < cfg.clip_eps < 1, "in (0, 1)"), ("kl-beta", cfg.kl_beta >= 0, ">= 0"),
-                           ("clip-eps-high", cfg.clip_eps_high is None or cfg.clip_eps_high > 0, "> 0"),
-                           ("lr", 0 < cfg.lr < 1, "in (0, 1)"), ("temperature", cfg.temperature > 0, "> 0"),
-                           ("max-grad-norm", cfg.max_grad_norm > 0, "> 0"), ("lora-rank", cfg.lora_rank >= 0, ">= 0"),
-                           ("top-p", 0 < cfg.top_p <= 1, "in (0, 1]"), ("top-k", cfg.top_k >= 0, ">= 0")]:
-        if not ok:
-            raise ValueError(f"--{name} {getattr(cfg, name.replace('-', '_'))} is out of range; it must be {rule}")
-    for name in ("steps", "mu", "prompts_per_step", "num_inference_steps", "eval_samples"):
-        if getattr(cfg, name) < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
-    if cfg.train not in ("ar", "dit"):
-        raise ValueError(f"--train {cfg.train}: use ar (the AR) or dit (the DiT's denoising chain)")
-    if cfg.train == "dit" and not (cfg.sde_noise > 0 and cfg.sde_window >= 0 and cfg.sde_steps >= 0):
-        raise ValueError(f"--sde-noise {cfg.sde_noise} / --sde-window {cfg.sde_window} / --sde-steps "
-                         f"{cfg.sde_steps}: the noise must be > 0 (the log-probs of a deterministic step do not "
-                         "exist), the window and steps >= 0")
-    if cfg.train == "dit" and cfg.mu != 1:
-        raise ValueError(f"--mu {cfg.mu}: --train dit makes one update per batch of chains for now; drop --mu")
-    if cfg.eval_every < 0:
-        raise ValueError(f"--eval-every {cfg.eval_every} must be >= 0 (0: evaluate only at step 0 and at the end)")
-    if cfg.eval_reward and not cfg.eval_prompts:
-        raise ValueError("--eval-reward is measured on --eval-prompts; give an --eval-prompts file too")
-    if cfg.dtype not in ("auto", "float32", "bfloat16") or cfg.device not in ("auto", "cpu", "cuda"):
-        raise ValueError(f"--dtype {cfg.dtype} / --device {cfg.device}: use auto|float32|bfloat16 / auto|cpu|cuda")
-    if cfg.device == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"--device cuda, but torch {torch.__version__} sees no CUDA GPU here; use --device cpu (or "
-                         "auto), or install a CUDA build of torch on a machine with a GPU")
-
-
-def fail(message: str, code: int = 2) -> None:
-    """One line on stderr (from the first process only, under torchrun), no traceback, exit `code` (2: bad input).
-    The other processes wait a moment before they exit, so that torchrun does not stop the first one before it has
-    said why (seen once: no line at all)."""
-    if int(os.environ.get("RANK", 0)) == 0:
-        print(f"grpo.py: error: {message}", file=sys.stderr)
-    else:
-        time.sleep(3)
-    raise SystemExit(code)
-
-
-def load_examples(examples: list[dict], rewards: dict, height: int, width: int) -> list[dict]:
-    """Check that every reward has what it needs in every example, then read the images: "target" and "source"
-    become (3, H, W) float32 tensors in [0, 1] (resized with a one-line note if their size differs)."""
-    loaded = []
-    for example in examples:
-        for name, (fn, _) in rewards.items():
-            for field in getattr(fn, "needs", ()):
-                if example.get(field) is None:
-                    raise ValueError(f"{example['where']}: reward '{name}' needs a {field} and this example has none; "
-                                     f"add one, or leave '{name}' out of --reward")
-            problem = (getattr(fn, "check", None) or (lambda _: None))(example)
-            if problem:
-                raise ValueError(f"{example['where']}: reward '{name}': {problem}")
-        for role in ("target", "source"):
-            if example[role] is not None:
-                with contextlib.suppress(OSError), Image.open(example[role]) as image:  # the header only
-                    if image.size != (width, height):
-                        print(f"note: {role} {example[role]} is {image.size[0]}x{image.size[1]}, resized to "
-                              f"{width}x{height}", file=sys.stderr)
-        try:
-            images = {role: load_image(example[role], height, width, role)
-                      for role in ("target", "source") if example[role] is not None}
-        except ValueError as error:
-            raise ValueError(f"{example['where']}: {error}") from None  # name the prompts line
-        loaded.append({**example, **images})
-    return loaded
-
-
-def check_rewards(rewards: dict, example: dict, height: int, width: int) -> None:
-    """Call every reward once on two gray images, so a missing package or a wrong return shape stops the run now."""
-    for name, (fn, _) in rewards.items():
-        try:
-            value = fn(torch.full((2, 3, height, width), 0.5), example)
-        except ImportError as error:  # an optional package (e.g. EasyOCR for ocr): the message says what to install
-            raise ValueError(f"reward '{name}': {error}") from None
-        except Exception as error:
-            raise ValueError(f"reward '{name}' failed on two gray test images: {type(error).__name__}: "
-                             f"{str(error).strip().splitlines()[0] if str(error).strip() else ''}") from None
-        if not (torch.is_tensor(value) and value.shape == (2,)):
-            raise ValueError(f"reward '{name}' must return a (G,) tensor, one value per image; for 2 images it "
-                             f"returned {tuple(value.shape) if torch.is_tensor(value) else type(value).__name__}")
-
-
-def load_evals(cfg: Config, rewards: dict) -> tuple[list[dict], dict] | None:
-    """The --eval-prompts examples and what is measured on them: the rewards of --reward (weighted as in training) and
-    those of --eval-reward (weight 0: measured, never optimised). None without --eval-prompts. Raises ValueError."""
-    if not cfg.eval_prompts:
-        return None
-    measured = parse_rewards(cfg.eval_reward, "--eval-reward") if cfg.eval_reward else {}
-    eval_rewards = {**rewards, **{name: (fn, 0.0) for name, (fn, _) in measured.items() if name not in rewards}}
-    examples = load_examples(read_prompts(cfg.eval_prompts, "--eval-prompts"), eval_rewards, cfg.height, cfg.width)
-    check_rewards(measured, examples[0], cfg.height, cfg.width)
-    return examples, eval_rewards
-
-
-def prepare(argv: list[str] | None) -> tuple[Config, list[dict], dict, tuple | None, Path, int]:
-    """Parse and check everything before anything is written: config, prompts, images, rewards, --out or --resume.
-    Returns the config, the examples with their images, the rewards, the eval set (load_evals), the run directory
-    and the first step."""
-    cfg = parse_config(argv)
-    out, start = Path(cfg.resume or cfg.out), 0
-    try:
-        if cfg.resume:
-            saved, start, saved_world = read_resume(out)  # config.json; step and processes from checkpoint.pt
-            given = given_flags(argv)
-            refused = sorted(given - {"resume", "steps", "device", "report_to"})  # a run goes on as it was, but these
-            if refused:
-                raise ValueError(f"--resume continues {out} with its saved settings, so it cannot take "
-                                 f"{', '.join('--' + f.replace('_', '-') for f in refused)}: drop them (or start a new "
-                                 "run with another --out)")
-            keep = {f: getattr(cfg, f) for f in ("steps", "device", "report_to") if f in given}
-            try:
-                cfg = dataclasses.replace(Config(**saved), **keep, resume=cfg.resume, out=str(out))
-            except TypeError:
-                raise ValueError(f"{out / 'config.json'} is not a grpo.py config (its fields differ); restore it from "
-                                 "the checkpoint's copy (torch.load(checkpoint.pt)['config'])") from None
-            total, world = cfg.prompts_per_step * saved_world, int(os.environ.get("WORLD_SIZE", 1))
-            if total % world:  # the same groups per step on another number of processes, or refuse
-                raise ValueError(f"{out} trains {total} groups per step; {world} processes cannot share them evenly: "
-                                 f"resume on a number of processes that divides {total}")
-            cfg = dataclasses.replace(cfg, prompts_per_step=total // world)
-            read_metrics(out)
-            if cfg.steps < start:
-                raise ValueError(f"--steps {cfg.steps} is below the {start} steps {out} has done; --steps is the "
-                                 f"total, so pass more than {start}")
-        validate(cfg)
-        check_reporter(cfg.report_to)
-        check_out_dir(out)
-        rewards = parse_rewards(cfg.reward)
-        examples = load_examples(read_prompts(cfg.prompts), rewards, cfg.height, cfg.width)
-        check_rewards(rewards, examples[0], cfg.height, cfg.width)
-        if cfg.train == "dit" and any(e["source"] is not None for e in examples):
-            raise ValueError(f"--train dit is text-to-image only for now, and {cfg.prompts} has source images; train "
-                             "the AR on edits (--train ar)")
-        evals = load_evals(cfg, rewards)
-        if not cfg.resume and not cfg.overwrite and any((out / name).exists() for name in RUN_FILES):
-            raise ValueError(f"--out {out} holds another run; pass --resume {out} to continue it, --overwrite to "
-                             "replace it, or another --out")
-    except ValueError as error:
-        fail(str(error))
-    if cfg.resume and cfg.steps == start:
-        print(f"{out} has done all {start} steps of --steps {cfg.steps}: nothing to do (pass a larger --steps to "
-              "train on)")
-        raise SystemExit(0)
-    return cfg, examples, rewards, evals, out, start
-
-
-def setup_training(pipe, cfg: Config, dtype: torch.dtype, world: int):
-    """The policy (the AR, maybe with LoRA, sharded over `world` processes; with --train dit the DiT), the KL
-    reference and the optimizer."""
-    policy = pipe.vision_language_encoder if cfg.train == "ar" else pipe.transformer.requires_grad_(True)
-    if cfg.train == "dit":
-        pipe.vision_language_encoder.requires_grad_(False)
-    if cfg.lora_rank:  # adapters in float32 (peft's default), base weights frozen
-        policy = (apply_lora if cfg.train == "ar" else dit_grpo().apply_lora)(policy, cfg.lora_rank, cfg.seed)
-    elif dtype != torch.float32:
-        policy.float()  # trainable weights stay float32: AdamW updates to bf16 weights round away (RMSNorm freezes)
-    if cfg.gradient_checkpointing:  # the DiT (diffusers) names it differently from the AR (transformers)
-        if cfg.train == "dit":
-            policy.enable_gradient_checkpointing()
-        else:
-            policy.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-    if cfg.offload:
-        for module in (pipe.text_encoder, pipe.transformer, pipe.vae):
-            module.to("cpu")
-    ref_model = reference_model(policy, cfg.kl_beta)  # taken before a checkpoint is loaded: the initial weights
-    if ref_model is not None and ref_model is not policy:
-        ref_model.to(dtype)  # frozen: bf16 storage is enough (the trainable policy itself stays float32)
-    if world > 1:  # FSDP2: each process keeps 1/world of the weights, gradients and AdamW state
-        for model in {id(m): m for m in (policy, ref_model) if m is not None}.values():
-            shard(model, dtype)
-    optimizer = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=cfg.lr,
-                                  weight_decay=cfg.weight_decay)
-    return policy, ref_model, optimizer
-
+# ---- 11. Main -----------------------------------------------------------------------------------
 
 def main(argv: list[str] | None = None) -> dict:
-    cfg, examples, rewards, evals, out, start = prepare(argv)  # every input checked, nothing written yet
-    quiet_libraries()  # after the checks: --help and bad input never wait for diffusers to import
-    rank, world, device = start_processes(cfg.device)  # torchrun: one process per GPU; else rank 0 of 1
-    dtype = compute_settings(device, cfg.dtype, cfg.model)  # the real model in bf16 on GPUs; one thread on the CPU
-    with timed({}, "load", cfg):
-        pipe = load_or_fail(cfg.model, device, dtype)
-    with timed({}, "setup", cfg):
-        policy, ref_model, optimizer = setup_training(pipe, cfg, dtype, world)
-        if cfg.resume:
-            load_trainable_state(policy, optimizer, read_checkpoint(out / "checkpoint.pt"))
-    evaluated = {h["step"] for h in read_metrics(out) if h.get("eval")} if cfg.resume else set()  # kept on resume
-    history = open_run_dir(out, cfg, start) if rank == 0 else []  # the training metrics before `start`, else []
-    examples, evals = on_device(examples, device), evals and (on_device(evals[0], device), evals[1])
-    autocast = torch.autocast(device.split(":")[0], dtype=torch.bfloat16, enabled=dtype == torch.bfloat16)
-    shown = examples[:cfg.before_after]  # sampled with fixed seeds now and after training: what changed, by eye
-    if shown and start == 0:
-        show(out / "images" / "before.png", pipe, policy, shown, rewards, cfg, autocast, device, rank, world,
-             "before training")
-    skipped, done = sum(h["skipped"] for h in history), start  # done: steps whose update is applied and logged
-    reporter = Reporter(cfg.report_to if rank == 0 else "none", out, dataclasses.asdict(cfg))  # TensorBoard / W&B
-    progress = tqdm(range(start, cfg.steps), desc="grpo", initial=start, total=cfg.steps, disable=rank != 0)
-    try:
-        with interrupts_caught():  # Ctrl-C and SIGTERM: see parallel.on_interrupt
-            if evals and eval_due(start, cfg) and start not in evaluated:  # held-out prompts, before any update
-                run_evaluation(out, start, pipe, policy, evals, cfg, autocast, device, rank, world, reporter)
-            for step in progress:
-                # groups are numbered over all processes; the number picks the prompt and seeds the sampling
-                groups = [(step * world + rank) * cfg.prompts_per_step + j for j in range(cfg.prompts_per_step)]
-                batch, seconds = [examples[g % len(examples)] for g in groups], {}
-                rollouts, images, reward, each, advantages = (  # 1.-4. sample, decode, score
-                    sample_and_score if cfg.train == "ar" else dit_grpo().sample_and_score)(
-                    pipe, policy, batch, groups, rewards, cfg, autocast, device, seconds)
-                with interrupts_held():  # an update and its log line land together (or not at all)
-                    with timed(seconds, "train", cfg), autocast:  # 5. the clipped policy-gradient update
-                        metrics = update(policy, optimizer, rollouts, advantages, ref_model, cfg)
-                    record = step_record(step, groups, len(examples), reward, each, advantages, rollouts, metrics,
-                                         seconds)
-                    skipped, done = skipped + record["skipped"], step + 1
-                    history.append(record)
-                    if rank == 0:
-                        log_step(out, progress, record, skipped, history, cfg.kl_beta, reporter)
-                save_step_outputs(out, step, cfg, batch, images, reward, policy, optimizer, rank, world, reporter)
-                if evals and eval_due(step + 1, cfg):  # the policy after step + 1 updates
-                    run_evaluation(out, step + 1, pipe, policy, evals, cfg, autocast, device, rank, world, reporter)
-                if stop_requested():  # with many processes, an interrupt in any of them stops all after this step
-                    raise KeyboardInterrupt
-    except KeyboardInterrupt:
-        interrupted(out, policy, optimizer, done, cfg, rank, world, progress)
-    except OSError as error:  # a full disk, a vanished directory: the last checkpoint stays good
-        fail(f"cannot write {error.filename or out} ({error.strerror or error}); make room, then continue with "
-             f"--resume {out}", code=1)
-    finally:
-        reporter.close()
-    finish(out, policy, optimizer, cfg, rank, world)  # the last checkpoint, final/ and curves.png
-    after = show(out / "images" / "after.png", pipe, policy, shown, rewards, cfg, autocast, device, rank, world,
-                 f"after {cfg.steps} steps") if shown else None
-    summary = summarize(out, history, len(examples), skipped, rank, after)
-    stop_processes()  # torchrun: leave the process group cleanly
-    return summary
+    r = run.prepare(parse_config(argv), argv, REWARDS)  # every input checked, nothing written yet
+    cfg, rewards = r.cfg, r.rewards
+    run.start(r)  # torchrun: one process per GPU (else rank 0 of 1), the device and dtype
+    with run.timed({}, "load", cfg), run.loading(cfg.model):
+        pipe = load_glm_image(cfg.model, r.device, r.dtype)
+    with run.timed({}, "setup", cfg):
+        policy, ref_model, optimizer = setup_training(pipe, cfg, r.dtype, r.world)  # the AR trains
+        run.open_run(r, policy, optimizer)  # --resume: the checkpoint; the run directory; examples on the device
 
+    def evaluate_policy(examples: list[dict], rewards: dict, n_samples: int, seed: int, keep_images: int):
+        with r.autocast, unsharded(policy), decoder_on(pipe, r.device, cfg.offload):  # 10. fixed seeds, no update
+            return evaluate(pipe, examples, rewards, n_samples, seed, cfg, r.rank, r.world, keep_images)
+    r.evaluate = evaluate_policy  # the before / after grids and --eval-prompts
 
-def on_device(examples: list[dict], device: str) -> list[dict]:
-    """The examples with their images (targets, sources) on `device`, where the rewards meet the samples."""
-    return [{k: v.to(device) if torch.is_tensor(v) else v for k, v in e.items()} for e in examples]
-
-
-def compute_settings(device: str, dtype: str, model: str = "tiny") -> torch.dtype:
-    """The dtype for --dtype on `device` (auto: float32 for the tiny model everywhere, which draws worse in bf16 (0.836
-    before training instead of 0.906 on an H100); for the real model bf16 on a GPU, float32 on the CPU). On the CPU
-    one thread unless
-    OMP_NUM_THREADS says otherwise: on 2 cores the tiny demo ran 1.2x faster with 2 threads but used 1.5x the CPU,
-    and more threads than free cores stalled a busy machine 10-60x."""
-    if device == "cpu" and "OMP_NUM_THREADS" not in os.environ:
-        torch.set_num_threads(1)
-    return {"auto": torch.bfloat16 if device.startswith("cuda") and model != "tiny" else torch.float32,
-            "float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
-
-
-def update(policy, optimizer, rollouts: list, advantages: torch.Tensor, ref_model, cfg: Config) -> dict:
-    """Step 5 with the config's settings: train_step on the AR, or with --train dit dit_grpo.train_step on the DiT."""
-    clip_eps = (cfg.clip_eps, cfg.clip_eps_high or cfg.clip_eps)
-    if cfg.train == "dit":
-        steps = dit_grpo().window(len(rollouts[0].timesteps), cfg.sde_window)  # the chains' own length
-        return dit_grpo().train_step(policy, optimizer, rollouts, advantages, ref_model, noise_level=cfg.sde_noise,
-                                     steps=steps, clip_eps=clip_eps, kl_beta=cfg.kl_beta,
-                                     micro_batch_size=cfg.micro_batch_size, max_grad_norm=cfg.max_grad_norm)
-    return train_step(policy, optimizer, rollouts, advantages, ref_model, temperature=cfg.temperature,
-                      kl_beta=cfg.kl_beta, clip_eps=clip_eps, micro_batch_size=cfg.micro_batch_size,
-                      max_grad_norm=cfg.max_grad_norm, mu=cfg.mu, train_tokens=cfg.train_tokens, top_k=cfg.top_k,
-                      top_p=cfg.top_p, correction=cfg.sampler_correction, cap=cfg.sampler_cap)
-
-
-def dit_grpo():
-    """dit_grpo.py (--train dit), imported when first needed: it imports diffusers, which --help need not wait for."""
-    import dit_grpo as module
-    return module
-
-
-def load_or_fail(model: str, device: str, dtype: torch.dtype):
-    """load_glm_image, or one line naming why not (offline hub, wrong path, ...) and exit 2, no traceback."""
-    try:
-        return load_glm_image(model, device, dtype)
-    except torch.OutOfMemoryError:
-        raise  # timed's one line
-    except Exception as error:
-        cause = (str(error).strip().splitlines() or [""])[0][:200]
-        hint = "tools/train_tiny.py rebuilds it" if model == "tiny" else "offline? use --model tiny or a local path"
-        fail(f"cannot load --model {model} ({type(error).__name__}: {cause}); {hint}")
-
-
-def sample_and_score(pipe, policy, batch: list[dict], groups: list[int], rewards: dict, cfg: Config, autocast,
-                     device: str, seconds: dict) -> tuple:
-    """Steps 1-4 of a GRPO step for this process's P groups: sample G token grids per prompt (seeded by the group's
-    number), decode them with the frozen DiT, score them, and z-score the rewards within each group. Returns the
-    rollouts, the images, the (P, G) rewards (and each reward's), and the (P, G) advantages."""
-    with timed(seconds, "sample", cfg), autocast, unsharded(policy):  # 1. G token grids per prompt
-        rollouts = sample_groups(pipe, [ex["prompt"] for ex in batch], cfg.group_size, cfg.height, cfg.width,
-                                 cfg.temperature, [cfg.seed * 1_000_003 + g for g in groups],
-                                 [ex.get("source") for ex in batch], cfg.top_k, cfg.top_p)  # all groups, one decode
-    with timed(seconds, "decode", cfg), decoder_on(pipe, device, cfg.offload):  # 2. images, frozen DiT
-        images = [decode_images(pipe, ex["prompt"], r.tokens, r.large_hw, cfg.height, cfg.width,
-                                cfg.num_inference_steps, cfg.decode_seed, cfg.guidance_scale, r.source)
-                  for ex, r in zip(batch, rollouts)]
-    with timed(seconds, "reward", cfg):
-        reward, each, advantages = score(images, batch, rewards, cfg)  # 3.-4.
-    return rollouts, images, reward, each, advantages
-
-
-def score(images: list[torch.Tensor], batch: list[dict], rewards: dict, cfg: Config) -> tuple:
-    """Steps 3-4 for P groups of images (the AR's or, with --train dit, the DiT's): (P, G) rewards and each reward's,
-    and the (P, G) advantages, z-scored within each group (--scale-rewards batch: by the std of every process's)."""
-    reward, each = group_rewards(images, batch, rewards)  # 3. score them: (P, G)
-    advantages = group_advantages(reward, scale=cfg.scale_rewards,  # 4. z-score within each group
-                                  batch=gather_rows(reward) if cfg.scale_rewards == "batch" else None)
-    return reward, each, advantages
-
-
-def quiet_libraries() -> None:
-    """Keep the terminal for our progress bar and one-line errors."""
-    import diffusers
-    import transformers
-    diffusers.logging.set_verbosity_error()
-    diffusers.utils.logging.disable_progress_bar()  # from_pretrained's "Loading pipeline components" bar
-    transformers.logging.set_verbosity_error()
-    transformers.utils.logging.disable_progress_bar()  # save_pretrained's "Writing model shards" bar
-
-
-PHASES = {"load": "loading the model onto the device", "setup": "setting up training (LoRA, the KL reference, "
-          "the optimizer, a checkpoint)", "sample": "sampling (the decode loop)", "decode": "decoding (DiT + VAE)",
-          "reward": "scoring the images", "train": "the update (train_step)", "show": "sampling the before / after "
-          "grids", "eval": "evaluating --eval-prompts"}
-
-
-def memory_levers(phase: str, cfg: Config) -> list[str]:
-    """The settings that would lower the memory of `phase`, among those this run does not use already."""
-    full, trains = cfg.lora_rank == 0, phase in ("setup", "train")
-    levers = [("--lora-rank 16", full and trains),
-              ("--kl-beta 0 (no reference copy)", full and cfg.kl_beta > 0 and phase == "setup"),
-              ("--micro-batch-size 1", cfg.micro_batch_size > 1 and phase == "train"),
-              ("--gradient-checkpointing", not cfg.gradient_checkpointing and phase == "train"),
-              ("--offload", not cfg.offload and phase in ("setup", "sample", "train")),
-              ("a smaller --group-size", cfg.group_size > 2 and phase in ("sample", "decode", "train", "show")),
-              ("fewer --prompts-per-step", cfg.prompts_per_step > 1 and phase == "sample"),
-              ("fewer --eval-samples", cfg.eval_samples > 1 and phase == "eval"),
-              ("a smaller --height / --width", phase in ("decode", "show", "eval")),
-              ("more GPUs (torchrun shards the trained model)", trains),
-              ("a GPU with more memory", True)]
-    return [lever for lever, applies in levers if applies]
-
-
-@contextlib.contextmanager
-def timed(seconds: dict, phase: str, cfg: Config):
-    """seconds[phase] = the wall-clock time the block took. Running out of (GPU) memory in it stops the run like bad
-    input: one line naming the phase and the levers this run does not use yet, exit 2; the step is not saved, so the
-    last checkpoint stays."""
-    start = time.perf_counter()
-    try:
-        yield
-    except torch.OutOfMemoryError:
-        rank = int(os.environ.get("RANK", 0))
-        tqdm.write(f"grpo.py: error: out of memory while {PHASES.get(phase, phase)}{f' (process {rank})' if rank else ''}; "
-                   f"the last checkpoint is kept. To fit: {', '.join(memory_levers(phase, cfg))}", file=sys.stderr)
-        raise SystemExit(2) from None
-    seconds[phase] = time.perf_counter() - start
-
-
-def step_record(step: int, groups: list[int], n_examples: int, reward: torch.Tensor, each: dict,
-                advantages: torch.Tensor, rollouts: list[Rollout], metrics: dict, seconds: dict) -> dict:
-    """The metrics line of one step: reward statistics over the groups of every process, the update's metrics,
-    and the seconds of each phase (this process)."""
-    reward, advantages, groups = gather_rows(reward), gather_rows(advantages), gather_list(groups)
-    samples = [r.tokens if hasattr(r, "tokens") else r.latents[:, -1].flatten(1) for r in rollouts]  # dit: latents
-    distinct = gather_rows(torch.tensor([[len({tuple(t) for t in s.tolist()})] for s in samples]))
-    return {"step": step, "prompts": [g % n_examples for g in groups], "reward_mean": reward.mean().item(),
-            "reward_std": reward.std(dim=-1, unbiased=False).mean().item(),  # within groups
-            **{f"reward/{name}": gather_rows(value).mean().item() for name, value in each.items()},
-            "zero_std_groups": int((advantages == 0).all(dim=-1).sum()),  # groups that carry no signal
-            "distinct_samples": distinct.float().mean().item(), **reduce_metrics(metrics),
-            **{f"sec_{phase}": value for phase, value in seconds.items()}}
-
-
-def log_step(out: Path, progress, record: dict, skipped: int, history: list[dict], kl_beta: float,
-             reporter: Reporter) -> None:
-    """The step's line in metrics.jsonl (and --report-to), the progress bar, and a warning for a skipped update (rank
-    0). The bar shows the step's reward, its mean over the last 20 steps (steps differ by prompt) and, when there is a
-    KL term, the KL."""
-    append_metrics(out, {**record, "skipped_total": skipped})
-    reporter.log(record)
-    recent = np.mean([h["reward_mean"] for h in history[-20:]])
-    progress.set_postfix(reward=f"{record['reward_mean']:.3f}", reward_avg20=f"{recent:.3f}",
-                         **({"kl": f"{record['kl']:.4f}"} if kl_beta > 0 else {}))
-    if record["skipped"]:
-        progress.write(f"warning: step {record['step']}: non-finite loss or gradient, update skipped "
-                       f"({skipped} so far)", file=sys.stderr)
-
-
-def save_step_outputs(out: Path, step: int, cfg: Config, batch: list[dict], images: list[torch.Tensor],
-                      reward: torch.Tensor, policy, optimizer, rank: int, world: int, reporter: Reporter) -> None:
-    """Every --image-every steps an image grid (rank 0; and to --report-to), every --save-every steps a checkpoint (all
-    processes)."""
-    if rank == 0 and cfg.image_every and (step % cfg.image_every == 0 or step + 1 == cfg.steps):
-        path = out / "images" / f"step_{step:05d}.png"
-        save_grid(path, batch, images, reward, [f"step {step}: {ex['prompt']}" for ex in batch])
-        reporter.image("samples", path, step)
-    if cfg.save_every and (step + 1) % cfg.save_every == 0:
-        save_run(out, policy, optimizer, step + 1, cfg, rank, world)
-
-
-def interrupted(out: Path, policy, optimizer, done: int, cfg: Config, rank: int, world: int, progress) -> None:
-    """After Ctrl-C: a checkpoint of the `done` finished steps (unless the user forced an immediate stop), exit 130."""
-    progress.close()
-    if not INTERRUPT["forced"]:
-        save_run(out, policy, optimizer, done, cfg, rank, world)  # the steps from `done` on did not finish: redone
-    if rank == 0:
-        saved = "the last checkpoint is kept" if INTERRUPT["forced"] else f"checkpoint at step {done}"
-        launch = f"torchrun --nproc-per-node {world} grpo.py" if world > 1 else "python grpo.py"
-        print(f"interrupted: {saved} in {out}; continue it with: {launch} --resume {out}", file=sys.stderr)
-    raise SystemExit(130)
-
-
-def save_grid(path: Path, batch: list[dict], images: list[torch.Tensor], reward: torch.Tensor,
-              titles: list[str]) -> None:
-    """An image grid of groups (source and target, then the samples) under their titles; a failed write only warns."""
-    rows = [[(role, ex.get(role)) for role in ("source", "target") if any(e.get(role) is not None for e in batch)]
-            + [("", im) for im in group] for ex, group in zip(batch, images)]
-    try:
-        save_image(image_grid(rows, reward, titles), path)
-    except OSError as error:
-        tqdm.write(f"warning: could not write {path} ({error.strerror or error}); training goes on", file=sys.stderr)
-
-
-SHOW_SEED = 20_260_000  # the sampling seeds of the before / after grids: fixed, whatever --seed
-EVAL_SEED = 30_260_000  # the sampling seeds of --eval-prompts: prompt i gets EVAL_SEED + i at every evaluation
-EVAL_GRID = 4  # the eval prompts shown in each evaluation's image grid (the first ones of the file)
-
-
-def show(path: Path, pipe, policy, examples: list[dict], rewards: dict, cfg: Config, autocast, device: str, rank: int,
-         world: int, when: str) -> float:
-    """G samples of each example with fixed seeds (`evaluate`), into an image grid at `path` (rank 0); after training
-    also images/before_after.png beside the grid from before. Returns the mean reward."""
-    with timed({}, "show", cfg), autocast, unsharded(policy), decoder_on(pipe, device, cfg.offload):
-        images, reward, _ = evaluate(pipe, examples, rewards, cfg.group_size, SHOW_SEED, cfg, rank, world,
-                                     keep_images=len(examples))
-    if rank == 0:
-        save_grid(path, examples, images, reward, [f"{ex['prompt']} ({when})" for ex in examples])
-        with contextlib.suppress(OSError):  # the mean reward, for the summary line of a resumed run
-            atomic_write(path.with_suffix(".json"), lambda f: f.write(json.dumps({"reward": reward.mean().item()}).encode()))
-        if path.name == "after.png" and (path.parent / "before.png").exists():
-            with contextlib.suppress(OSError):
-                save_image(side_by_side(path.parent / "before.png", path), path.parent / "before_after.png")
-    return reward.mean().item()
-
-
-def eval_due(step: int, cfg: Config) -> bool:
-    """Whether the policy after `step` updates is evaluated: before the first update, every --eval-every, the last."""
-    return step == 0 or step == cfg.steps or (cfg.eval_every > 0 and step % cfg.eval_every == 0)
-
-
-def run_evaluation(out: Path, step: int, pipe, policy, evals: tuple, cfg: Config, autocast, device: str, rank: int,
-                   world: int, reporter: Reporter) -> None:
-    """Evaluate the policy after `step` updates on the eval set: a line in metrics.jsonl ("eval": true), an image grid
-    of the first EVAL_GRID prompts (images/eval_<step>.png: the same prompts and seeds every time, so one prompt can be
-    followed through training) and a line on the terminal (rank 0). Every process takes part."""
-    examples, rewards = evals
-    seconds = {}
-    with timed(seconds, "eval", cfg), autocast, unsharded(policy), decoder_on(pipe, device, cfg.offload):
-        images, total, each = evaluate(pipe, examples, rewards, cfg.eval_samples, EVAL_SEED, cfg, rank, world,
-                                       keep_images=EVAL_GRID)
-    record = eval_record(step, examples, total, each, seconds["eval"])
-    if rank == 0:
-        append_metrics(out, record)
-        reporter.log(record)
-        save_grid(out / "images" / f"eval_{step:05d}.png", examples[:EVAL_GRID], images, total[:EVAL_GRID],
-                  [f"eval, step {step}: {ex['prompt']}" for ex in examples[:EVAL_GRID]])
-        reporter.image("eval", out / "images" / f"eval_{step:05d}.png", step)
-        means = ", ".join(f"{key[5:]} {value:.4f}" for key, value in record.items() if key.count("/") == 1)
-        tqdm.write(f"eval at step {step} ({len(examples)} prompts x {cfg.eval_samples}): {means} "
-                   f"({seconds['eval']:.1f} s)")
-
-
-def save_run(out: Path, policy, optimizer, step: int, cfg: Config, rank: int, world: int) -> None:
-    """checkpoint.pt: the full trainable state gathered from every process, written by rank 0 (atomically)."""
-    weights, optimizer_state = trainable_state(policy, optimizer)
-    if rank == 0:
-        save_checkpoint(out / "checkpoint.pt", weights, optimizer_state, step, cfg, world)
-
-
-def finish(out: Path, policy, optimizer, cfg: Config, rank: int, world: int) -> None:
-    """The last checkpoint, final/ (the AR, or with LoRA only the adapter, loadable with from_pretrained) and
-    curves.png."""
-    try:
-        save_run(out, policy, optimizer, cfg.steps, cfg, rank, world)
-        weights = final_weights(policy)  # every process takes part; only rank 0 gets the tensors
-        if rank == 0:
-            save_pretrained_atomic(policy, out / "final", state_dict=weights)
-    except OSError as error:
-        fail(f"cannot write {error.filename or out} ({error.strerror or error}); make room, then run --resume {out} "
-             f"--steps {cfg.steps} again", code=1)
-    try:
-        if rank == 0:
-            plot_curves(out)  # rewards (training and eval), KL, clip fraction, groups with no signal
-    except Exception as error:  # everything is saved; a picture that fails is only a warning
-        tqdm.write(f"warning: could not draw {out / 'curves.png'} ({type(error).__name__}: {error}); "
-                   f"python tools/plot_run.py {out} draws it later", file=sys.stderr)
-
-
-def summarize(out: Path, history: list[dict], n_examples: int, skipped: int, rank: int, after: float | None) -> dict:
-    """The summary line: the mean training reward of the first and of the last quarter of the steps (whole cycles over
-    the prompts where a cycle fits in a quarter, so both sides saw the same prompts) and, with --before-after, the
-    mean reward of the same prompts and seeds before and after training."""
-    quarter = max(1, len(history) // 4)
-    cycle = math.ceil(n_examples / max(1, len(history[0]["prompts"]))) if history else 1  # steps per pass
-    window = quarter // cycle * cycle if cycle <= quarter else quarter
-    first, last = history[:window], history[-window:]
-    summary = {"reward_first": float(np.mean([h["reward_mean"] for h in first])),
-               "reward_last": float(np.mean([h["reward_mean"] for h in last])), "skipped": skipped}
-    before = out / "images" / "before.json"
-    if after is not None and before.exists():
-        summary.update(shown_before=json.loads(before.read_text())["reward"], shown_after=after)
-    if rank == 0:
-        shown = (f"; same prompts and seeds before -> after: {summary['shown_before']:.4f} -> {after:.4f} "
-                 f"(images/before_after.png)" if "shown_after" in summary else "")
-        print(f"reward (mean of first {len(first)} steps) {summary['reward_first']:.4f} -> "
-              f"(mean of last {len(last)} steps) {summary['reward_last']:.4f}{shown}; saved to {out}")
-    return summary
+    with run.training(r):  # Ctrl-C: a checkpoint, exit 130; a full disk: one line, exit 1
+        for step, groups, batch, seconds in run.steps(r):  # a group's number picks its prompt and seeds it
+            with run.timed(seconds, "sample", cfg), r.autocast, unsharded(policy):  # 1. G token grids per prompt
+                rollouts = sample_groups(pipe, [ex["prompt"] for ex in batch], cfg.group_size, cfg.height, cfg.width,
+                                         cfg.temperature, [cfg.seed * 1_000_003 + g for g in groups],
+                                         [ex.get("source") for ex in batch], cfg.top_k, cfg.top_p)  # one decode
+            with run.timed(seconds, "decode", cfg), decoder_on(pipe, r.device, cfg.offload):  # 2. images, frozen DiT
+                images = [decode_images(pipe, ex["prompt"], ro.tokens, ro.large_hw, cfg.height, cfg.width,
+                                        cfg.num_inference_steps, cfg.decode_seed, cfg.guidance_scale, ro.source)
+                          for ex, ro in zip(batch, rollouts)]
+            with run.timed(seconds, "reward", cfg):  # 3.-4. rewards, z-scored within each group
+                reward, each, advantages = score(images, batch, rewards, cfg.scale_rewards)
+            with interrupts_held():  # an update and its log line land together (or not at all)
+                with run.timed(seconds, "train", cfg), r.autocast:  # 5. the clipped policy-gradient update
+                    metrics = train_step(policy, optimizer, rollouts, advantages, ref_model, kl_beta=cfg.kl_beta,
+                                         clip_eps=(cfg.clip_eps, cfg.clip_eps_high or cfg.clip_eps),
+                                         temperature=cfg.temperature, micro_batch_size=cfg.micro_batch_size,
+                                         max_grad_norm=cfg.max_grad_norm, mu=cfg.mu, train_tokens=cfg.train_tokens,
+                                         top_k=cfg.top_k, top_p=cfg.top_p, correction=cfg.sampler_correction,
+                                         cap=cfg.sampler_cap)
+                run.log_step(r, step, groups, reward, each, advantages, [ro.tokens for ro in rollouts], metrics,
+                             seconds)
+            run.after_step(r, step, batch, images, reward)  # an image grid, a checkpoint, an evaluation when due
+    return run.finish(r)  # the last checkpoint, final/, curves.png, the after grid and the summary line
 
 
 if __name__ == "__main__":

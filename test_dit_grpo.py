@@ -1,13 +1,14 @@
 """Tests for dit_grpo.py (Flow-GRPO on the DiT's denoising chain), on CPU, on the pre-trained tiny model."""
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
 
 import dit_grpo
 import grpo
-from test_grpo import run_record as records  # a run's metrics.jsonl lines without the timings
+from conftest import run_record as records  # a run's metrics.jsonl lines without the timings
 
 SIZE = 96  # the tiny model's world: 3x3 large tokens
 
@@ -214,17 +215,17 @@ def test_train_step_learns():
 
 def run(tmp_path, out, *extra):
     import json
-    target = str(grpo.Path(__file__).parent / "examples" / "target_0.png")
+    target = str(Path(__file__).parent / "examples" / "target_0.png")
     (tmp_path / "evals.jsonl").write_text(json.dumps({"prompt": "a red circle at the top left", "target": target,
                                                       "category": "position"}) + "\n")
-    return grpo.main(["--prompts", str(grpo.Path(__file__).parent / "prompts.txt"), "--train", "dit", "--out",
-                      str(tmp_path / out), "--image-every", "0", "--before-after", "0", "--eval-prompts",
+    return dit_grpo.main(["--prompts", str(Path(__file__).parent / "prompts.txt"), "--out", str(tmp_path / out),
+                          "--image-every", "0", "--before-after", "0", "--eval-prompts",
                       str(tmp_path / "evals.jsonl"), "--eval-samples", "2", "--eval-every", "2", "--eval-reward",
                       "shapes_exact", *extra])
 
 
 def test_main_train_dit(tmp_path):
-    """grpo.py --train dit: the first update's ratio is exactly 1 and the trainer agrees with the sampler; 4 steps equal
+    """python dit_grpo.py: the first update's ratio is exactly 1 and the trainer agrees with the sampler; 4 steps equal
     2 steps + resume + 2 (metrics, evaluations, weights); final/ loads with GlmImageTransformer2DModel; tools/compare.py
     reproduces the run's first and last evaluations; LoRA with a KL term runs (with --sde-steps 3: training chains of 3
     steps, evaluation of 2; with gradient checkpointing) and saves the adapter alone."""
@@ -232,7 +233,7 @@ def test_main_train_dit(tmp_path):
     import tools.compare as compare
     run(tmp_path, "whole", "--steps", "4", "--kl-beta", "0.04", "--lr", "1e-3", "--sde-window", "1")
     run(tmp_path, "half", "--steps", "2", "--kl-beta", "0.04", "--lr", "1e-3", "--sde-window", "1")
-    grpo.main(["--resume", str(tmp_path / "half"), "--steps", "4"])
+    dit_grpo.main(["--resume", str(tmp_path / "half"), "--steps", "4"])
     whole = records(tmp_path / "whole")
     assert whole == records(tmp_path / "half")
     steps = [x for x in whole if not x.get("eval")]
@@ -260,19 +261,25 @@ def test_main_train_dit(tmp_path):
 
 
 def test_main_train_dit_bad_input(tmp_path, capsys):
-    """--train dit refuses, with one line and nothing written: a zero or negative noise level, a negative window or
+    """dit_grpo.py refuses, with one line and nothing written: a zero or negative noise level, a negative window or
     number of steps, --mu > 1 (one update per batch for now), prompts with source images (editing is the AR's for
-    now), and an unknown --train."""
-    here = grpo.Path(__file__).parent
+    now), and an unknown --train; grpo.py refuses --train dit and names dit_grpo.py, and dit_grpo.py --train ar
+    names grpo.py."""
+    here = Path(__file__).parent
     for args, needle in [(["--sde-noise", "0"], "--sde-noise 0.0"), (["--sde-window", "-1"], "--sde-window -1"),
                          (["--sde-steps", "-2"], "--sde-steps -2"), (["--mu", "2"], "--mu 2"),
                          (["--prompts", str(here / "examples" / "edits.jsonl")], "text-to-image only"),
-                         (["--train", "vae"], "--train vae")]:
+                         (["--train", "vae"], "--train vae"),
+                         (["--train", "ar"], "dit_grpo.py: error: --train ar is grpo.py's to run: python grpo.py")]:
         with pytest.raises(SystemExit) as stop:
-            grpo.main(["--prompts", str(here / "prompts.txt"), "--train", "dit", "--out", str(tmp_path / "x"), *args])
+            dit_grpo.main(["--prompts", str(here / "prompts.txt"), "--out", str(tmp_path / "x"), *args])
         err = capsys.readouterr().err
         assert stop.value.code == 2 and needle in err and "Traceback" not in err, (args, err)
         assert not (tmp_path / "x").exists()
+    with pytest.raises(SystemExit) as stop:
+        grpo.main(["--prompts", str(here / "prompts.txt"), "--train", "dit", "--out", str(tmp_path / "x")])
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and "grpo.py: error: --train dit is dit_grpo.py's to run: python dit_grpo.py" in err
 
 
 @pytest.mark.parametrize("extra", [["--kl-beta", "0.04", "--scale-rewards", "batch"],
@@ -284,15 +291,16 @@ def test_torchrun_train_dit_equals_one_process(tmp_path, extra):
     of a few hundredths within a group): with SSIM, whose spread from decoder noise alone can be ~1e-4, float32
     rounding of the rewards becomes a visible part of the z-scored advantages, and the runs part after one update."""
     from safetensors.torch import load_file
-    from test_grpo import assert_same_metrics, torchrun
+    from conftest import assert_same_metrics, torchrun
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("two red circles\na blue square left of a yellow triangle\n")
-    common = ["--prompts", str(prompts), "--reward", "size", "--train", "dit", "--steps", "3", "--group-size", "4",
+    common = ["--prompts", str(prompts), "--reward", "size", "--steps", "3", "--group-size", "4",
               "--micro-batch-size", "2", "--sde-window", "1", "--lr", "1e-3", "--image-every", "0",
               "--before-after", "0", *extra]
-    one = torchrun(*common, "--out", str(tmp_path / "one"), "--prompts-per-step", "2", nproc=1)
+    script = Path(__file__).parent / "dit_grpo.py"
+    one = torchrun(*common, "--out", str(tmp_path / "one"), "--prompts-per-step", "2", nproc=1, script=script)
     assert one.returncode == 0, one.stderr[-3000:]
-    two = torchrun(*common, "--out", str(tmp_path / "two"), "--prompts-per-step", "1")
+    two = torchrun(*common, "--out", str(tmp_path / "two"), "--prompts-per-step", "1", script=script)
     assert two.returncode == 0, two.stderr[-3000:]
     assert_same_metrics(tmp_path / "one", tmp_path / "two")
     steps = records(tmp_path / "two")

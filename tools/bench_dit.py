@@ -1,4 +1,4 @@
-"""What --sde-steps and --sde-window cost: one --train dit step on the tiny model, timed by phase.
+"""What --sde-steps and --sde-window cost: one dit_grpo.py step on the tiny model, timed by phase.
 
   OMP_NUM_THREADS=2 python tools/bench_dit.py            # 6 settings x 5 steps (about 20 s on 2 cores, alone)
 
@@ -20,13 +20,14 @@ sys.path.insert(0, str(ROOT))  # grpo.py and the files it imports live in the re
 
 import dit_grpo  # noqa: E402
 import grpo  # noqa: E402
+import run  # noqa: E402
 
 SETTINGS = [(2, 0), (2, 1), (4, 0), (4, 1), (8, 0), (8, 2)]  # (denoising steps in training, window; 0 = all)
 CAPTIONS = ["two red circles", "a blue square left of a yellow triangle"]
 
 
 def main(repeats: int = 5) -> list[dict]:
-    grpo.quiet_libraries()
+    run.quiet_libraries()
     pipe = grpo.load_glm_image("tiny")
     dit = pipe.transformer.requires_grad_(True)
     optimizer = torch.optim.AdamW(dit.parameters(), lr=0.0)  # lr 0: the weights, hence every step's work, stay put

@@ -25,6 +25,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import grpo  # noqa: E402
+import run  # noqa: E402
 from tools import memory_plan  # noqa: E402
 
 GiB = 2**30
@@ -32,8 +33,9 @@ PROMPT = "a red circle on the left | " + str(ROOT / "examples" / "target_0.png")
 
 
 def per_phase(argv: list[str]) -> tuple[dict, dict]:
-    """grpo.main(argv) with every phase's seconds and peak GiB recorded (grpo.timed wrapped; dit_grpo uses it too)."""
-    seconds, peaks, original = {}, {}, grpo.timed
+    """grpo.main(argv) (dit_grpo.main for --train dit) with every phase's seconds and peak GiB recorded (run.timed
+    wrapped)."""
+    seconds, peaks, original = {}, {}, run.timed
     cuda = torch.cuda.is_available()
 
     @contextlib.contextmanager
@@ -51,29 +53,29 @@ def per_phase(argv: list[str]) -> tuple[dict, dict]:
             peaks[phase] = max(peaks.get(phase, 0.0), torch.cuda.max_memory_allocated() / GiB)
 
     gc.collect()  # the last run's pipeline is in reference cycles: freed only now (seen: 13 GiB left otherwise)
-    grpo.timed = timed
+    run.timed = timed
     try:
-        grpo.main(argv)
+        (__import__("dit_grpo").main if "dit" in argv else grpo.main)(argv)
     finally:
-        grpo.timed = original
+        run.timed = original
         gc.collect()
         if cuda:
             torch.cuda.empty_cache()
     return seconds, peaks
 
 
-def planned(run: str) -> dict:
+def planned(name: str) -> dict:
     """memory_plan's phases (GiB) for the run, at 1024x1024, G = 4, micro-batch 1."""
     with contextlib.redirect_stderr(None):
         counts = memory_plan.count_components()
     memory_plan.calibrate(counts)
-    if run.startswith("--train dit"):
+    if name.startswith("--train dit"):
         rows = memory_plan.dit_rows(counts, 4, 1024, 1024, 1, 64, worlds=(1,))
         row = next(r for r in rows if r["name"] == "LoRA r=16" and r["ckpt"])
         return {k: v / GiB for k, v in row["phases"].items()}
     rows, _ = memory_plan.plan_rows(counts, 4, 100, 1024, 1024, 1, ranks=(16,))
-    row = next(r for r in rows if r["name"] == "LoRA r=16" and r["ckpt"] == ("checkpointing" in run))
-    return {k: v / GiB for k, v in row["peaks"]["offload" in run][2].items()}
+    row = next(r for r in rows if r["name"] == "LoRA r=16" and r["ckpt"] == ("checkpointing" in name))
+    return {k: v / GiB for k, v in row["peaks"]["offload" in name][2].items()}
 
 
 def main():
@@ -93,7 +95,7 @@ def main():
             "LoRA r=16 + --offload": ["--offload"],
             "--train dit, LoRA r=16 (--sde-steps 10 --sde-window 2)": ["--train", "dit", "--sde-steps", "10",
                                                                         "--sde-window", "2"]}
-    print(f"| run | phase | seconds | peak GiB | plan GiB |\n|---|---|---:|---:|---:|", flush=True)
+    print("| run | phase | seconds | peak GiB | plan GiB |\n|---|---|---:|---:|---:|", flush=True)
     for i, (name, extra) in enumerate(runs.items()):
         if args.runs not in name:
             continue

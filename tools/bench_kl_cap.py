@@ -37,6 +37,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # grpo.py and the files it imports live in the repository root
 
 import grpo  # noqa: E402
+import run  # noqa: E402
 from bench_learning import held_out_captions, shapes_accuracy, trained_pipe  # noqa: E402  (tools/, beside this file)
 
 ORIGINAL = grpo.grpo_loss
@@ -62,7 +63,7 @@ def loss_with(variant: str):
     return loss_fn
 
 
-def run(variant: str, steps: int, extra: list[str]) -> dict:
+def run_variant(variant: str, steps: int, extra: list[str]) -> dict:
     grpo.grpo_loss = loss_with(variant)
     try:
         with tempfile.TemporaryDirectory() as out:
@@ -87,9 +88,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--variants", nargs="+", default=["grpo", "verl", "none"])
     args = parser.parse_args(argv[: argv.index("--")] if "--" in argv else argv)
-    grpo.quiet_libraries()
+    run.quiet_libraries()
     base = shapes_accuracy(grpo.load_glm_image("tiny"), held_out_captions()[::5][:32], 4)["accuracy"]
-    rows = [run(v, args.steps, extra) for v in args.variants]
+    rows = [run_variant(v, args.steps, extra) for v in args.variants]
     lr = extra[extra.index("--lr") + 1] if "--lr" in extra else "3e-3"
     print(f"\n{args.steps} steps, lr {lr}, beta 0.1, mu 2; held-out accuracy before: {base:.3f}")
     print("| KL cap | reward (last quarter) | KL (last quarter) | largest KL of a step | zero-spread groups "

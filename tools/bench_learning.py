@@ -29,6 +29,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # grpo.py and the files it imports live in the repository root
 
 import grpo  # noqa: E402
+import run  # noqa: E402
 import world  # noqa: E402
 from rewards import shapes_reward  # noqa: E402
 
@@ -100,7 +101,7 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=8, help="samples per held-out caption")
     parser.add_argument("--demos", nargs="+", default=["shapes", "ssim"], choices=["shapes", "ssim"])
     args = parser.parse_args(argv[: argv.index("--")] if "--" in argv else argv)
-    grpo.quiet_libraries()
+    run.quiet_libraries()
     flags = " ".join(extra)
     if "shapes" in args.demos:
         start = time.perf_counter()

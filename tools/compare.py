@@ -8,7 +8,7 @@ table per reward and category (base, trained, difference) and one side-by-side i
 RUN is a grpo.py --out directory (its checkpoint.pt is evaluated) or its final/ folder (the saved AR or DiT, or the
 LoRA adapter). The model, sampling and decoding settings are the run's (config.json); --eval-prompts, --eval-samples and
 --eval-reward default to the run's. Writes RUN/images/compare.png (base left, trained right, the first
-grpo.EVAL_GRID prompts).
+run.EVAL_GRID prompts).
 """
 
 import argparse
@@ -23,6 +23,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # grpo.py and its helpers live in the repository root
 
 import grpo  # noqa: E402
+import run_io  # noqa: E402
+import run  # noqa: E402
 from parallel import load_trainable_state, start_processes  # noqa: E402
 
 
@@ -30,7 +32,7 @@ def load_trained(policy, optimizer, path: Path, train: str = "ar") -> int | None
     """The run's trained weights into `policy` (set up as grpo.setup_training does): from checkpoint.pt (returns its
     step) or from a final/ folder (the whole AR, or the LoRA adapter; returns None)."""
     if (path / "checkpoint.pt").exists():
-        state = grpo.read_checkpoint(path / "checkpoint.pt")
+        state = run_io.read_checkpoint(path / "checkpoint.pt")
         load_trainable_state(policy, optimizer, state)
         return state["step"]
     if (path / "adapter_config.json").exists():
@@ -48,24 +50,25 @@ def load_trained(policy, optimizer, path: Path, train: str = "ar") -> int | None
 
 def compare(path: Path, eval_prompts: str | None = None, eval_samples: int | None = None,
             eval_reward: str | None = None) -> dict:
-    """{"base", "trained": grpo.eval_record's dicts, "step": the checkpoint's step (None for final/), "prompts",
+    """{"base", "trained": run.eval_record's dicts, "step": the checkpoint's step (None for final/), "prompts",
     "samples", "grid": the image written}. Raises ValueError for a path that is not a run."""
-    run = path.parent if not (path / "checkpoint.pt").exists() else path  # final/ sits in its run directory
-    if not (run / "config.json").exists():
+    run_dir = path.parent if not (path / "checkpoint.pt").exists() else path  # final/ sits in its run directory
+    if not (run_dir / "config.json").exists():
         raise ValueError(f"{path} is neither a grpo.py run directory nor its final/ folder (no config.json beside it)")
-    cfg = grpo.Config(**json.loads((run / "config.json").read_text()))
+    cfg = grpo.Config(**json.loads((run_dir / "config.json").read_text()))
     given = {k: v for k, v in dict(eval_prompts=eval_prompts, eval_samples=eval_samples,
                                    eval_reward=eval_reward).items() if v is not None}
     cfg = dataclasses.replace(cfg, **given)
     if not cfg.eval_prompts:
-        raise ValueError(f"{run} was trained without --eval-prompts; give --eval-prompts FILE")
-    grpo.validate(cfg)
-    evals = grpo.load_evals(cfg, grpo.parse_rewards(cfg.reward))
-    grpo.quiet_libraries()
+        raise ValueError(f"{run_dir} was trained without --eval-prompts; give --eval-prompts FILE")
+    run.validate(cfg)
+    evals = run.load_evals(cfg, run.parse_rewards(cfg.reward, grpo.REWARDS), grpo.REWARDS)
+    run.quiet_libraries()
     _, _, device = start_processes(cfg.device)  # one process: grpo.py's device choice, nothing started
-    dtype = grpo.compute_settings(device, cfg.dtype, cfg.model)  # as grpo.py: the same threads give the same sums and samples
+    dtype = run.compute_settings(device, cfg.dtype, cfg.model)  # as grpo.py: the same threads give the same sums and samples
     pipe = grpo.load_glm_image(cfg.model, device, dtype)
-    policy, _, optimizer = grpo.setup_training(pipe, dataclasses.replace(cfg, kl_beta=0.0), dtype, world=1)
+    setup = __import__("dit_grpo").setup_training if cfg.train == "dit" else grpo.setup_training  # as the run did
+    policy, _, optimizer = setup(pipe, dataclasses.replace(cfg, kl_beta=0.0), dtype, world=1)
     autocast = torch.autocast(device, dtype=torch.bfloat16, enabled=dtype == torch.bfloat16)
     examples = [{k: v.to(device) if torch.is_tensor(v) else v for k, v in e.items()} for e in evals[0]]
     result, grids = {}, []
@@ -73,19 +76,19 @@ def compare(path: Path, eval_prompts: str | None = None, eval_samples: int | Non
         if name == "trained":
             result["step"] = load_trained(policy, optimizer, path, cfg.train)
         with autocast:
-            images, total, each = grpo.evaluate(pipe, examples, evals[1], cfg.eval_samples, grpo.EVAL_SEED, cfg,
-                                                keep_images=grpo.EVAL_GRID)
-        result[name] = grpo.eval_record(0, examples, total, each, 0.0)
+            images, total, each = grpo.evaluate(pipe, examples, evals[1], cfg.eval_samples, run.EVAL_SEED, cfg,
+                                                keep_images=run.EVAL_GRID)
+        result[name] = run.eval_record(0, examples, total, each, 0.0)
         grids.append((images, total))
     with tempfile.TemporaryDirectory() as tmp:
         for (images, total), name in zip(grids, ("base", "trained")):
-            shown = examples[:grpo.EVAL_GRID]
-            grpo.save_grid(Path(tmp) / f"{name}.png", shown, images, total[:grpo.EVAL_GRID],
+            shown = examples[:run.EVAL_GRID]
+            run.save_grid(Path(tmp) / f"{name}.png", shown, images, total[:run.EVAL_GRID],
                            [f"{name}: {ex['prompt']}" for ex in shown])
-        (run / "images").mkdir(exist_ok=True)
-        grpo.save_image(grpo.side_by_side(Path(tmp) / "base.png", Path(tmp) / "trained.png"),
-                        run / "images" / "compare.png")
-    return {**result, "prompts": len(examples), "samples": cfg.eval_samples, "grid": run / "images" / "compare.png"}
+        (run_dir / "images").mkdir(exist_ok=True)
+        run_io.save_image(run_io.side_by_side(Path(tmp) / "base.png", Path(tmp) / "trained.png"),
+                        run_dir / "images" / "compare.png")
+    return {**result, "prompts": len(examples), "samples": cfg.eval_samples, "grid": run_dir / "images" / "compare.png"}
 
 
 def table(result: dict) -> str:

@@ -1195,7 +1195,7 @@ def dit_train_activation_bytes(micro_batch: int, calls: int, height: int, width:
 
 def dit_rows(counts: dict, G: int, height: int, width: int, micro_batch: int, glyph_tokens: int,
              worlds=(1, 4, 8)) -> list[dict]:
-    """Per-GPU peaks of `grpo.py --train dit` on the real DiT: G chains per prompt at guidance 1.5 (2 DiT calls a
+    """Per-GPU peaks of `dit_grpo.py` on the real DiT: G chains per prompt at guidance 1.5 (2 DiT calls a
     step). The AR (frozen, one sample per prompt), VAE and T5 are replicated in bf16; the DiT's trainable state is
     sharded over the GPUs by FSDP2 (parallel.shard: one unit per transformer block). Full FT: fp32 weights, grads and
     AdamW (16 B/param) + a bf16 KL reference (2 B/param); LoRA: the bf16 DiT + fp32 adapters, grads and AdamW.
@@ -1237,7 +1237,7 @@ def section_dit(counts: dict, args) -> list[str]:
                    f"{r['state'] / GiB:.1f}", f"{r['act'] / GiB:.1f}",
                    *(f"{r['phases'][p] / GiB:.1f}" for p in ("sample", "decode", "train")),
                    f"{r['peak'] / GiB:.1f} ({r['phase']})", verdict(r["peak"])] for r in rows])
-    text = (f"`grpo.py --train dit` (dit_grpo.py) on the real DiT ({counts['DiT'] / 1e9:.2f}B), G={G} chains per "
+    text = (f"`dit_grpo.py` on the real DiT ({counts['DiT'] / 1e9:.2f}B), G={G} chains per "
             f"prompt, micro-batch {args.micro_batch}, guidance 1.5 (two DiT calls a step), one denoising step's graph "
             "at a time (train_step back-propagates step by step, so the window and --sde-steps change time, not "
             f"memory). The DiT's kept activations per token and block are measured at its widths on the CPU "

@@ -54,6 +54,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # grpo.py and the files it imports live in the repository root
 
 import grpo  # noqa: E402
+import run  # noqa: E402
+import run_io  # noqa: E402
 import offline_model  # noqa: E402
 import world  # noqa: E402
 from bench_learning import shapes_accuracy  # noqa: E402  (tools/, beside this file)
@@ -340,7 +342,7 @@ def check_only(args) -> dict:
     report["held_out"] = shapes_accuracy(pipe, held_out[:args.eval_captions], 8, seed)
     report["checked_with"] = {k: getattr(grpo.parse_config(["--model", "tiny"]), k)
                               for k in ("height", "width", "num_inference_steps", "guidance_scale", "temperature")}
-    grpo.atomic_write(out / "training_report.json", lambda f: f.write((json.dumps(report, indent=1) + "\n").encode()))
+    run_io.atomic_write(out / "training_report.json", lambda f: f.write((json.dumps(report, indent=1) + "\n").encode()))
     log(f"re-checked {out}: dit decoded right {report['dit_decoded_right']:.3f}, held-out accuracy "
         f"{report['held_out']['accuracy']:.3f}")
     return report
@@ -356,7 +358,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--quick", action="store_true", help="a few steps of every stage (for the test)")
     parser.add_argument("--check-only", action="store_true", help="re-measure the checks of the checkpoint in --out")
     args = parser.parse_args(argv)
-    grpo.quiet_libraries()
+    run.quiet_libraries()
     if args.check_only:
         return check_only(args)
     steps = QUICK if args.quick else STEPS

@@ -1,0 +1,162 @@
+"""What the tests share: the tiny pipelines (fixtures), the settings that keep them fast, and helpers that run grpo.py
+and read what it wrote. pytest loads this file first; the test files import its helpers by name."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+import grpo
+from offline_model import sharpen, tiny_glm_image
+
+HERE = Path(__file__).resolve().parent
+DEVICE = os.environ.get("GRPO_TEST_DEVICE", "cpu")  # where the models run: cpu (CI), or cuda on a machine with a GPU
+# sampler vs trainer in float32: 1e-5 on the CPU; on CUDA their attention kernels differ (the decode step's masked one,
+# the trainer's causal one) and the sharpened model (logits x 16) reached 1.0e-5 on an H100 (2026-11-24)
+PARITY = 1e-5 if DEVICE == "cpu" else 2e-5
+T = 0.9  # GLM-Image's sampling temperature
+# the tiny model at small settings, so that the tests run in minutes (the demo's defaults: G 8, 2 prompts a step, 96x96)
+TINY = ["--model", "tiny", "--device", DEVICE, "--group-size", "4", "--prompts-per-step", "1", "--height", "64",
+        "--width", "64", "--before-after", "0"]
+TINY_CPU = [*TINY[:2], "--device", "cpu", *TINY[4:]]  # torchrun tests: gloo on the CPU (one GPU cannot host 2 ranks)
+
+
+# ---- fixtures -----------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def pipe():
+    """A tiny pipeline shared by tests that do not change it."""
+    return grpo.load_glm_image("tiny", DEVICE)
+
+
+def fresh_pipe():
+    return grpo.load_glm_image("tiny", DEVICE)
+
+
+@pytest.fixture(scope="module")
+def sharp_pipe():
+    """The random tiny model built in code, made peaked: wrong log-probs are far from right ones on it."""
+    return sharpen(grpo.only_ar_trains(tiny_glm_image(0))).to(DEVICE)
+
+
+@pytest.fixture(scope="module")
+def random_pipe():
+    """The randomly initialised tiny model built in code: its samples differ from one seed to the next (the trained
+    one draws the same blank picture for a prompt it cannot read, whatever the seed)."""
+    return tiny_glm_image(0).to(DEVICE)
+
+
+# ---- helpers ------------------------------------------------------------------------------------
+
+def write_example(tmp_path, lines, size=64, name="t.png"):
+    Image.fromarray(np.full((size, size, 3), 128, np.uint8)).save(tmp_path / name)
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("\n".join(lines) + "\n")
+    return prompts
+
+
+def write_evals(tmp_path, size=64):
+    """Three eval prompts (an odd number: two processes share them unevenly), two with a category, gray targets."""
+    Image.fromarray(np.full((size, size, 3), 100, np.uint8)).save(tmp_path / "e.png")
+    lines = [{"prompt": "a red circle", "target": "e.png", "category": "single"},
+             {"prompt": "two blue squares", "target": "e.png", "category": "counting"},
+             {"prompt": "a green triangle", "target": "e.png"}]
+    (tmp_path / "evals.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    return tmp_path / "evals.jsonl"
+
+
+def eval_lines(out):
+    return [x for x in run_record(out) if x.get("eval")]
+
+
+def as_line(record, step):
+    """tools/compare.py's record as the run's eval line at `step` (run_record drops the seconds)."""
+    return {k: v for k, v in record.items() if not k.startswith("sec_")} | {"step": step}
+
+
+def run_cli(*args, cwd=HERE):
+    return subprocess.run([sys.executable, str(HERE / "grpo.py"), *args], capture_output=True, text=True, cwd=cwd,
+                          timeout=300)
+
+
+def error_lines(text):
+    return [line for line in text.strip().splitlines() if not line.startswith("note:")]
+
+
+def tiny_run(tmp_path, out, *extra):
+    prompts = write_example(tmp_path, ["a gray square | t.png", "another | t.png"])
+    return grpo.main([*TINY, "--prompts", str(prompts), "--out", str(out), "--image-every", "0",
+                      "--micro-batch-size", "2", *extra])
+
+
+def run_record(out):
+    lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    return [{k: v for k, v in x.items() if not k.startswith("sec_")} for x in lines]
+
+
+def snapshot(directory: Path) -> dict:
+    """Every file under `directory` with its bytes: to check that nothing the user has was changed."""
+    return {p: p.read_bytes() for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
+def expect_exit(argv, code, needle, capsys):
+    """main(argv) exits with `code` after one line on stderr that contains `needle`, without a traceback."""
+    with pytest.raises(SystemExit) as exit_info:
+        grpo.main(argv)
+    err = capsys.readouterr().err
+    lines = [line for line in err.strip().splitlines() if line.startswith("grpo.py: error:")]
+    assert exit_info.value.code == code and len(lines) == 1 and needle in lines[0], (argv, err)
+    assert "Traceback" not in err
+    return err
+
+
+def torchrun(*args, script: Path = HERE / "grpo.py", timeout: int = 600, nproc: int = 2):
+    """Run `script` under torchrun with `nproc` processes; returns the CompletedProcess."""
+    env = {**__import__("os").environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                           str(nproc), str(script), *args], capture_output=True, text=True, cwd=HERE, env=env,
+                          timeout=timeout)
+
+def zero_gradient_entries(name: str, config) -> torch.Tensor | None:
+    """The entries of k_proj.bias outside the rotary dims: softmax ignores a constant added to every key, so their
+    true gradient is exactly 0, their float gradient is rounding noise, and AdamW turns that noise into steps of
+    random sign (~lr / 100). Any change of summation order moves them (one process, micro-batch 2 vs 4, too)."""
+    if not name.endswith("k_proj.bias"):
+        return None
+    head_dim = config.hidden_size // config.num_attention_heads
+    rotary = int(head_dim * config.rope_parameters["partial_rotary_factor"])
+    return (torch.arange(config.num_key_value_heads * head_dim) % head_dim) >= rotary
+
+
+def assert_same_weights(dir_a: Path, dir_b: Path, tol: float = 1e-5) -> float:
+    """final/ of two runs hold the same weights within `tol` (the zero-gradient entries above excepted)."""
+    from safetensors.torch import load_file
+    name = "adapter_model.safetensors" if (dir_a / "adapter_model.safetensors").exists() else "model.safetensors"
+    a, b = load_file(dir_a / name), load_file(dir_b / name)
+    config = fresh_pipe().vision_language_encoder.config.text_config
+    assert a.keys() == b.keys() and a
+    worst = 0.0
+    for key in a:
+        diff = (a[key].float() - b[key].float()).abs()
+        mask = zero_gradient_entries(key, config)
+        worst = max(worst, (diff[~mask] if mask is not None else diff).max().item())
+    assert worst <= tol, worst
+    return worst
+
+
+def assert_same_metrics(run_a: Path, run_b: Path, tol: float = 1e-5) -> None:
+    a, b = run_record(run_a), run_record(run_b)
+    assert len(a) == len(b) and [x.get("prompts") for x in a] == [x.get("prompts") for x in b]  # eval lines: None
+    for x, y in zip(a, b):
+        assert x.keys() == y.keys()
+        for key in x:
+            if isinstance(x[key], float):
+                assert abs(x[key] - y[key]) <= tol * max(1.0, abs(x[key])), (x["step"], key, x[key], y[key])
+            else:
+                assert x[key] == y[key], (x["step"], key)

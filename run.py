@@ -1,0 +1,678 @@
+"""The plumbing of a GRPO run, kept out of grpo.py so that grpo.py reads as the algorithm: input files and their
+checks, the run's set-up on one or many processes, the training loop's bookkeeping (metrics lines, image grids,
+checkpoints, evaluation output, Ctrl-C, out of memory, a full disk) and the summary.
+
+grpo.py (the AR) and dit_grpo.py (the DiT) import this file; it imports neither: what it needs of them arrives as
+arguments (the config, the reward table, an evaluation function), as cleanrl's helpers receive the script's pieces.
+Everything here is checked before anything is written, and a problem is one line on stderr and exit 2 (`fail`).
+"""
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import math
+import os
+import re
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import torch
+from PIL import Image
+from tqdm.auto import tqdm
+
+from parallel import (INTERRUPT, final_weights, gather_list, gather_rows, interrupts_caught, load_trainable_state,
+                      reduce_metrics, start_processes, stop_processes, stop_requested, trainable_state)
+from rewards import import_reward
+from run_io import (RUN_FILES, Reporter, append_metrics, atomic_write, check_out_dir, check_reporter, image_grid,
+                    open_run_dir, plot_curves, read_checkpoint, read_metrics, read_resume, save_checkpoint, save_image,
+                    save_pretrained_atomic, side_by_side)
+
+SCRIPTS = {"ar": "grpo.py", "dit": "dit_grpo.py"}  # the entry point of each --train
+PROG = {"name": "grpo.py"}  # the script the messages name: set by prepare
+
+
+@dataclasses.dataclass
+class Run:
+    """One run, as the helpers below share it (instead of ten-argument tails)."""
+    cfg: object  # grpo.Config
+    out: Path  # the run directory (--out, or --resume's)
+    start: int  # the steps done before this invocation (0, or --resume's checkpoint)
+    examples: list[dict]  # the prompts file, images loaded (on the device once `open_run` ran)
+    rewards: dict  # --reward: {name: (fn, weight)}
+    evals: tuple | None  # --eval-prompts: (examples, rewards), or None
+    rank: int = 0  # this process, of `world` (torchrun)
+    world: int = 1
+    device: str = "cpu"
+    dtype: torch.dtype = torch.float32
+    autocast: object = contextlib.nullcontext()  # bf16 autocast on the device when --dtype is bf16
+    policy: object = None  # the trained model and its optimizer, for checkpoints
+    optimizer: object = None
+    evaluate: Callable | None = None  # (examples, rewards, n_samples, seed, keep_images) -> images, total, each
+    reporter: Reporter | None = None
+    progress: object = None
+    history: list = dataclasses.field(default_factory=list)  # the training metrics lines, this run's and before
+    evaluated: set = dataclasses.field(default_factory=set)  # steps evaluated before a --resume
+    skipped: int = 0  # updates skipped for a non-finite loss or gradient
+    done: int = 0  # steps whose update is applied and logged
+
+
+# ---- Inputs: prompts files, images, rewards ------------------------------------------------------
+
+def read_prompts(path: str, flag: str = "--prompts") -> list[dict]:
+    """A prompts file -> examples: dicts with "prompt", "target" and "source" (image paths or None), "text" (the
+    text the image should show, or None), "where" (file:line, for messages) and any other fields of a .jsonl line.
+
+    Text file: 'prompt | target.png' per line (split at the last '|'), or a prompt alone (no target).
+    .jsonl: one object per line, {"prompt": "make it night", "target": "night.png", "source": "day.png"}; "target"
+    and "source" (an image to edit) are optional. Paths are relative to the prompts file. "text" is the .jsonl
+    field, else the text in quotes in the prompt (GLM-Image's convention: its glyph encoder renders quoted text).
+    Blank lines and '#' comments are skipped. Raises ValueError naming the file and line (and `flag`).
+    """
+    path = Path(path)
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as error:
+        reason = "not UTF-8 text" if isinstance(error, UnicodeDecodeError) else error.strerror or str(error)
+        raise ValueError(f"cannot read {flag} {path} ({reason}); give a text file of 'prompt | target.png' lines "
+                         "or a .jsonl file")
+    examples = []
+    for number, line in enumerate(lines, start=1):
+        line, where = line.strip(), f"{path}:{number}"
+        if not line or line.startswith("#"):
+            continue
+        fields = read_jsonl_line(line, where) if path.suffix == ".jsonl" else read_text_line(line, where)
+        quoted = " ".join(a or b for a, b in re.findall(r'"([^"]+)"|“([^”]+)”', fields["prompt"]))
+        paths = {key: path.parent / fields[key] if fields.get(key) else None for key in ("target", "source")}
+        examples.append({**fields, "text": fields.get("text") or quoted or None, "where": where, **paths})
+    if not examples:
+        raise ValueError(f"{path} has no examples; add lines of the form 'prompt | target.png'")
+    return examples
+
+
+def read_text_line(line: str, where: str) -> dict:
+    """'prompt | target.png' or a prompt alone -> {"prompt", "target"}."""
+    prompt, bar, target = (part.strip() for part in line.rpartition("|"))
+    if bar and not (prompt and target):
+        raise ValueError(f"{where}: expected 'prompt | target.png' or a prompt alone, got '{line}'")
+    return {"prompt": prompt, "target": target} if bar else {"prompt": line}
+
+
+def read_jsonl_line(line: str, where: str) -> dict:
+    """One JSON object with a "prompt" string and optional "target", "source", "text" strings -> that dict."""
+    example = '{"prompt": "make it night", "target": "night.png", "source": "day.png"}'
+    try:
+        fields = json.loads(line)
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{where}: not JSON ({error.msg}); write one object per line, e.g. {example}") from None
+    if not isinstance(fields, dict) or not isinstance(fields.get("prompt"), str) or not fields["prompt"].strip():
+        raise ValueError(f'{where}: needs a "prompt" string, e.g. {example}')
+    for key in ("target", "source", "text"):
+        if fields.get(key) is not None and not (isinstance(fields[key], str) and fields[key].strip()):
+            raise ValueError(f'{where}: "{key}" must be a non-empty string, e.g. {example}')
+    return {**fields, "prompt": fields["prompt"].strip()}
+
+
+def load_image(path: str | Path, height: int, width: int, role: str = "target") -> torch.Tensor:
+    """PNG/JPEG -> (3, H, W) float32 in [0, 1], resized (bicubic) if its size differs.
+    Raises ValueError for a missing or unreadable image."""
+    if not Path(path).is_file():
+        raise ValueError(f"{role} {path} does not exist; fix its path in the prompts file")
+    try:
+        with Image.open(path) as image:
+            image = image.convert("RGB")
+            if image.size != (width, height):
+                image = image.resize((width, height), Image.BICUBIC)
+            pixels = np.asarray(image, dtype=np.float32) / 255.0  # (H, W, 3)
+    except OSError as error:
+        raise ValueError(f"{role} {path} is not a readable image ({error}); replace it or fix the prompts file")
+    return torch.from_numpy(pixels).permute(2, 0, 1).contiguous()  # (3, H, W)
+
+
+def parse_rewards(spec: str, table: dict, flag: str = "--reward") -> dict[str, tuple]:
+    """'ssim=1,ocr=0.5,mypkg.rewards:clip=1' -> {name: (fn, weight)} (a name alone weighs 1): names of `table`
+    (grpo.REWARDS) or import paths module:function (found like `python -m` finds modules: installed, or in the current
+    directory). Every reward listed is computed and logged; weight 0 only keeps it out of the sum. Raises ValueError
+    naming the problem."""
+    rewards = {}
+    for part in spec.split(","):
+        name, _, value = (x.strip() for x in part.rpartition("=")) if "=" in part else (part.strip(), "", "")
+        try:
+            weight = float(value) if "=" in part else 1.0  # a name alone weighs 1
+        except ValueError:
+            raise ValueError(f"reward weight '{part}' is not name=number; write e.g. {flag} ssim=1,mse=0") from None
+        if not weight >= 0:
+            raise ValueError(f"reward weight '{part}' is negative; weights must be >= 0")
+        rewards[name] = (import_reward(name) if ":" in name else table.get(name), weight)
+        if rewards[name][0] is None:
+            raise ValueError(f"unknown reward '{name}' in {flag} '{spec}'; use {', '.join(table)} or an import "
+                             "path module:function")
+    if sum(w for _, w in rewards.values()) <= 0:
+        raise ValueError(f"{flag} '{spec}' gives every reward weight 0; give at least one a positive weight")
+    return rewards
+
+
+# ---- The command line and its checks, before anything is written ---------------------------------
+
+def config_parser(config, default=None) -> argparse.ArgumentParser:
+    """One flag per field of the dataclass `config` (the name with dashes), defaulting to the field's default (or to
+    `default`); a field's metadata gives its --help."""
+    parser = argparse.ArgumentParser(description="GRPO on GLM-Image",
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    for f in dataclasses.fields(config):
+        kinds = {"int | None": int, "float | None": float, "bool | None": bool}  # optional: a model-dependent default
+        flag, kind = "--" + f.name.replace("_", "-"), kinds.get(str(f.type), f.type)
+        value = f.default if default is None else default
+        if kind is bool:
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=value, help=f.metadata["help"])
+        else:
+            parser.add_argument(flag, type=kind, default=value, help=f.metadata["help"])
+    return parser
+
+
+def given_flags(config, argv: list[str] | None = None) -> set[str]:
+    """The fields of `config` the command line sets itself (not left at their defaults)."""
+    return set(vars(config_parser(config, default=argparse.SUPPRESS).parse_args(argv)))
+
+
+def validate(cfg) -> None:
+    """Raise ValueError with a one-line fix for a configuration that cannot run."""
+    for name in ("height", "width"):
+        value = getattr(cfg, name)
+        if value <= 0 or value % 32:
+            raise ValueError(f"--{name} {value} is not a positive multiple of 32 (GLM-Image tokens are 32x32 pixels)")
+    if cfg.group_size < 2:
+        raise ValueError(f"--group-size {cfg.group_size}: GRPO compares samples within a group; use 2 or more")
+    if cfg.micro_batch_size < 1 or cfg.group_size % cfg.micro_batch_size:
+        raise ValueError(f"--micro-batch-size {cfg.micro_batch_size} must divide --group-size {cfg.group_size}")
+    if cfg.train_tokens not in ("large", "all"):
+        raise ValueError(f"--train-tokens {cfg.train_tokens}: use 'large' or 'all'")
+    for field in dataclasses.fields(cfg):  # fields with a fixed set of values
+        choices, value = field.metadata.get("choices"), getattr(cfg, field.name)
+        if choices and value not in choices:
+            raise ValueError(f"--{field.name.replace('_', '-')} {value}: use one of {', '.join(choices)}")
+    if not cfg.sampler_cap >= 1:
+        raise ValueError(f"--sampler-cap {cfg.sampler_cap}: use a cap >= 1 (below 1 it cuts even an exact sampler's "
+                         "weight)")
+    if cfg.scale_rewards not in ("group", "batch", "none"):
+        raise ValueError(f"--scale-rewards {cfg.scale_rewards}: use group, batch or none")
+    for name, ok, rule in [("clip-eps", 0 < cfg.clip_eps < 1, "in (0, 1)"), ("kl-beta", cfg.kl_beta >= 0, ">= 0"),
+                           ("clip-eps-high", cfg.clip_eps_high is None or cfg.clip_eps_high > 0, "> 0"),
+                           ("lr", 0 < cfg.lr < 1, "in (0, 1)"), ("temperature", cfg.temperature > 0, "> 0"),
+                           ("max-grad-norm", cfg.max_grad_norm > 0, "> 0"), ("lora-rank", cfg.lora_rank >= 0, ">= 0"),
+                           ("top-p", 0 < cfg.top_p <= 1, "in (0, 1]"), ("top-k", cfg.top_k >= 0, ">= 0")]:
+        if not ok:
+            raise ValueError(f"--{name} {getattr(cfg, name.replace('-', '_'))} is out of range; it must be {rule}")
+    for name in ("steps", "mu", "prompts_per_step", "num_inference_steps", "eval_samples"):
+        if getattr(cfg, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
+    if cfg.train not in ("ar", "dit"):
+        raise ValueError(f"--train {cfg.train}: use ar (the AR) or dit (the DiT's denoising chain)")
+    if cfg.train == "dit" and not (cfg.sde_noise > 0 and cfg.sde_window >= 0 and cfg.sde_steps >= 0):
+        raise ValueError(f"--sde-noise {cfg.sde_noise} / --sde-window {cfg.sde_window} / --sde-steps "
+                         f"{cfg.sde_steps}: the noise must be > 0 (the log-probs of a deterministic step do not "
+                         "exist), the window and steps >= 0")
+    if cfg.train == "dit" and cfg.mu != 1:
+        raise ValueError(f"--mu {cfg.mu}: --train dit makes one update per batch of chains for now; drop --mu")
+    if cfg.eval_every < 0:
+        raise ValueError(f"--eval-every {cfg.eval_every} must be >= 0 (0: evaluate only at step 0 and at the end)")
+    if cfg.eval_reward and not cfg.eval_prompts:
+        raise ValueError("--eval-reward is measured on --eval-prompts; give an --eval-prompts file too")
+    if cfg.dtype not in ("auto", "float32", "bfloat16") or cfg.device not in ("auto", "cpu", "cuda"):
+        raise ValueError(f"--dtype {cfg.dtype} / --device {cfg.device}: use auto|float32|bfloat16 / auto|cpu|cuda")
+    if cfg.device == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device cuda, but torch {torch.__version__} sees no CUDA GPU here; use --device cpu (or "
+                         "auto), or install a CUDA build of torch on a machine with a GPU")
+
+
+def load_examples(examples: list[dict], rewards: dict, height: int, width: int) -> list[dict]:
+    """Check that every reward has what it needs in every example, then read the images: "target" and "source"
+    become (3, H, W) float32 tensors in [0, 1] (resized with a one-line note if their size differs)."""
+    loaded = []
+    for example in examples:
+        for name, (fn, _) in rewards.items():
+            for field in getattr(fn, "needs", ()):
+                if example.get(field) is None:
+                    raise ValueError(f"{example['where']}: reward '{name}' needs a {field} and this example has none; "
+                                     f"add one, or leave '{name}' out of --reward")
+            problem = (getattr(fn, "check", None) or (lambda _: None))(example)
+            if problem:
+                raise ValueError(f"{example['where']}: reward '{name}': {problem}")
+        for role in ("target", "source"):
+            if example[role] is not None:
+                with contextlib.suppress(OSError), Image.open(example[role]) as image:  # the header only
+                    if image.size != (width, height):
+                        print(f"note: {role} {example[role]} is {image.size[0]}x{image.size[1]}, resized to "
+                              f"{width}x{height}", file=sys.stderr)
+        try:
+            images = {role: load_image(example[role], height, width, role)
+                      for role in ("target", "source") if example[role] is not None}
+        except ValueError as error:
+            raise ValueError(f"{example['where']}: {error}") from None  # name the prompts line
+        loaded.append({**example, **images})
+    return loaded
+
+
+def check_rewards(rewards: dict, example: dict, height: int, width: int) -> None:
+    """Call every reward once on two gray images, so a missing package or a wrong return shape stops the run now."""
+    for name, (fn, _) in rewards.items():
+        try:
+            value = fn(torch.full((2, 3, height, width), 0.5), example)
+        except ImportError as error:  # an optional package (e.g. EasyOCR for ocr): the message says what to install
+            raise ValueError(f"reward '{name}': {error}") from None
+        except Exception as error:
+            raise ValueError(f"reward '{name}' failed on two gray test images: {type(error).__name__}: "
+                             f"{str(error).strip().splitlines()[0] if str(error).strip() else ''}") from None
+        if not (torch.is_tensor(value) and value.shape == (2,)):
+            raise ValueError(f"reward '{name}' must return a (G,) tensor, one value per image; for 2 images it "
+                             f"returned {tuple(value.shape) if torch.is_tensor(value) else type(value).__name__}")
+
+
+def load_evals(cfg, rewards: dict, table: dict) -> tuple[list[dict], dict] | None:
+    """The --eval-prompts examples and what is measured on them: the rewards of --reward (weighted as in training) and
+    those of --eval-reward (weight 0: measured, never optimised). None without --eval-prompts. Raises ValueError."""
+    if not cfg.eval_prompts:
+        return None
+    measured = parse_rewards(cfg.eval_reward, table, "--eval-reward") if cfg.eval_reward else {}
+    eval_rewards = {**rewards, **{name: (fn, 0.0) for name, (fn, _) in measured.items() if name not in rewards}}
+    examples = load_examples(read_prompts(cfg.eval_prompts, "--eval-prompts"), eval_rewards, cfg.height, cfg.width)
+    check_rewards(measured, examples[0], cfg.height, cfg.width)
+    return examples, eval_rewards
+
+
+def prepare(cfg, argv: list[str] | None, table: dict, train: str = "ar") -> Run:
+    """Check everything before anything is written: the config (`cfg`, parsed from the command line `argv`; with
+    --resume the saved config instead), the prompts and their images, the rewards (names from `table`), --out or
+    --resume, and that `train` (ar: grpo.py, dit: dit_grpo.py) is what this script trains. Returns the Run."""
+    PROG["name"] = SCRIPTS[train]
+    out, start = Path(cfg.resume or cfg.out), 0
+    try:
+        if cfg.resume:
+            saved, start, saved_world = read_resume(out)  # config.json; step and processes from checkpoint.pt
+            given = given_flags(type(cfg), argv)
+            refused = sorted(given - {"resume", "steps", "device", "report_to"})  # a run goes on as it was, but these
+            if refused:
+                raise ValueError(f"--resume continues {out} with its saved settings, so it cannot take "
+                                 f"{', '.join('--' + f.replace('_', '-') for f in refused)}: drop them (or start a new "
+                                 "run with another --out)")
+            keep = {f: getattr(cfg, f) for f in ("steps", "device", "report_to") if f in given}
+            try:
+                cfg = dataclasses.replace(type(cfg)(**saved), **keep, resume=cfg.resume, out=str(out))
+            except TypeError:
+                raise ValueError(f"{out / 'config.json'} is not a grpo.py config (its fields differ); restore it from "
+                                 "the checkpoint's copy (torch.load(checkpoint.pt)['config'])") from None
+            total, world = cfg.prompts_per_step * saved_world, int(os.environ.get("WORLD_SIZE", 1))
+            if total % world:  # the same groups per step on another number of processes, or refuse
+                raise ValueError(f"{out} trains {total} groups per step; {world} processes cannot share them evenly: "
+                                 f"resume on a number of processes that divides {total}")
+            cfg = dataclasses.replace(cfg, prompts_per_step=total // world)
+            read_metrics(out)
+            if cfg.steps < start:
+                raise ValueError(f"--steps {cfg.steps} is below the {start} steps {out} has done; --steps is the "
+                                 f"total, so pass more than {start}")
+        if cfg.train != train and cfg.train in SCRIPTS:  # one entry point per trained model
+            what = f"{out} trains the {cfg.train.upper()}" if cfg.resume else f"--train {cfg.train}"
+            script = SCRIPTS[cfg.train]
+            raise ValueError(f"{what} is {script}'s to run: python {script} with the same flags")
+        validate(cfg)
+        check_reporter(cfg.report_to)
+        check_out_dir(out)
+        rewards = parse_rewards(cfg.reward, table)
+        examples = load_examples(read_prompts(cfg.prompts), rewards, cfg.height, cfg.width)
+        check_rewards(rewards, examples[0], cfg.height, cfg.width)
+        if cfg.train == "dit" and any(e["source"] is not None for e in examples):
+            raise ValueError(f"--train dit is text-to-image only for now, and {cfg.prompts} has source images; train "
+                             "the AR on edits (--train ar)")
+        evals = load_evals(cfg, rewards, table)
+        if not cfg.resume and not cfg.overwrite and any((out / name).exists() for name in RUN_FILES):
+            raise ValueError(f"--out {out} holds another run; pass --resume {out} to continue it, --overwrite to "
+                             "replace it, or another --out")
+    except ValueError as error:
+        fail(str(error))
+    if cfg.resume and cfg.steps == start:
+        print(f"{out} has done all {start} steps of --steps {cfg.steps}: nothing to do (pass a larger --steps to "
+              "train on)")
+        raise SystemExit(0)
+    return Run(cfg, out, start, examples, rewards, evals)
+
+
+def fail(message: str, code: int = 2) -> None:
+    """One line on stderr (from the first process only, under torchrun), no traceback, exit `code` (2: bad input).
+    The other processes wait a moment before they exit, so that torchrun does not stop the first one before it has
+    said why (seen once: no line at all)."""
+    if int(os.environ.get("RANK", 0)) == 0:
+        print(f"{PROG['name']}: error: {message}", file=sys.stderr)
+    else:
+        time.sleep(3)
+    raise SystemExit(code)
+
+
+# ---- Set-up: processes, device, the model, the run directory --------------------------------------
+
+def start(r: Run) -> None:
+    """Quiet the libraries, start torchrun's processes (one per GPU; else rank 0 of 1) and pick the device and dtype."""
+    quiet_libraries()  # after the checks: --help and bad input never wait for diffusers to import
+    r.rank, r.world, r.device = start_processes(r.cfg.device)
+    r.dtype = compute_settings(r.device, r.cfg.dtype, r.cfg.model)  # the real model in bf16 on GPUs
+    r.autocast = torch.autocast(r.device.split(":")[0], dtype=torch.bfloat16, enabled=r.dtype == torch.bfloat16)
+
+
+def quiet_libraries() -> None:
+    """Keep the terminal for our progress bar and one-line errors."""
+    import diffusers
+    import transformers
+    diffusers.logging.set_verbosity_error()
+    diffusers.utils.logging.disable_progress_bar()  # from_pretrained's "Loading pipeline components" bar
+    transformers.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()  # save_pretrained's "Writing model shards" bar
+
+
+def compute_settings(device: str, dtype: str, model: str = "tiny") -> torch.dtype:
+    """The dtype for --dtype on `device` (auto: float32 for the tiny model everywhere, which draws worse in bf16 (0.836
+    before training instead of 0.906 on an H100); for the real model bf16 on a GPU, float32 on the CPU). On the CPU
+    one thread unless OMP_NUM_THREADS says otherwise: on 2 cores the tiny demo ran 1.2x faster with 2 threads but used
+    1.5x the CPU, and more threads than free cores stalled a busy machine 10-60x."""
+    if device == "cpu" and "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(1)
+    return {"auto": torch.bfloat16 if device.startswith("cuda") and model != "tiny" else torch.float32,
+            "float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
+
+
+@contextlib.contextmanager
+def loading(model: str):
+    """Around loading `model`: a failure (offline hub, wrong path, ...) is one line naming why, exit 2, no traceback;
+    out of memory is left to `timed`."""
+    try:
+        yield
+    except torch.OutOfMemoryError:
+        raise
+    except Exception as error:
+        cause = (str(error).strip().splitlines() or [""])[0][:200]
+        hint = "tools/train_tiny.py rebuilds it" if model == "tiny" else "offline? use --model tiny or a local path"
+        fail(f"cannot load --model {model} ({type(error).__name__}: {cause}); {hint}")
+
+
+def open_run(r: Run, policy, optimizer) -> None:
+    """The trained model and its optimizer join the run (with --resume: their checkpoint loaded); the run directory is
+    opened (config.json, the metrics before `start`) and the examples move to the device, where rewards meet samples."""
+    r.policy, r.optimizer = policy, optimizer
+    if r.cfg.resume:
+        load_trainable_state(policy, optimizer, read_checkpoint(r.out / "checkpoint.pt"))
+        r.evaluated = {h["step"] for h in read_metrics(r.out) if h.get("eval")}  # kept on resume
+    r.history = open_run_dir(r.out, r.cfg, r.start) if r.rank == 0 else []  # the training metrics before `start`
+    r.skipped, r.done = sum(h["skipped"] for h in r.history), r.start
+    r.examples = on_device(r.examples, r.device)
+    r.evals = r.evals and (on_device(r.evals[0], r.device), r.evals[1])
+
+
+def on_device(examples: list[dict], device: str) -> list[dict]:
+    """The examples with their images (targets, sources) on `device`, where the rewards meet the samples."""
+    return [{k: v.to(device) if torch.is_tensor(v) else v for k, v in e.items()} for e in examples]
+
+
+# ---- The loop's bookkeeping -----------------------------------------------------------------------
+
+PHASES = {"load": "loading the model onto the device", "setup": "setting up training (LoRA, the KL reference, "
+          "the optimizer, a checkpoint)", "sample": "sampling (the decode loop)", "decode": "decoding (DiT + VAE)",
+          "reward": "scoring the images", "train": "the update (train_step)", "show": "sampling the before / after "
+          "grids", "eval": "evaluating --eval-prompts"}
+
+
+def memory_levers(phase: str, cfg) -> list[str]:
+    """The settings that would lower the memory of `phase`, among those this run does not use already."""
+    full, trains = cfg.lora_rank == 0, phase in ("setup", "train")
+    levers = [("--lora-rank 16", full and trains),
+              ("--kl-beta 0 (no reference copy)", full and cfg.kl_beta > 0 and phase == "setup"),
+              ("--micro-batch-size 1", cfg.micro_batch_size > 1 and phase == "train"),
+              ("--gradient-checkpointing", not cfg.gradient_checkpointing and phase == "train"),
+              ("--offload", not cfg.offload and phase in ("setup", "sample", "train")),
+              ("a smaller --group-size", cfg.group_size > 2 and phase in ("sample", "decode", "train", "show")),
+              ("fewer --prompts-per-step", cfg.prompts_per_step > 1 and phase == "sample"),
+              ("fewer --eval-samples", cfg.eval_samples > 1 and phase == "eval"),
+              ("a smaller --height / --width", phase in ("decode", "show", "eval")),
+              ("more GPUs (torchrun shards the trained model)", trains),
+              ("a GPU with more memory", True)]
+    return [lever for lever, applies in levers if applies]
+
+
+@contextlib.contextmanager
+def timed(seconds: dict, phase: str, cfg):
+    """seconds[phase] = the wall-clock time the block took. Running out of (GPU) memory in it stops the run like bad
+    input: one line naming the phase and the levers this run does not use yet, exit 2; the step is not saved, so the
+    last checkpoint stays."""
+    began = time.perf_counter()
+    try:
+        yield
+    except torch.OutOfMemoryError:
+        rank = int(os.environ.get("RANK", 0))
+        tqdm.write(f"{PROG['name']}: error: out of memory while {PHASES.get(phase, phase)}"
+                   f"{f' (process {rank})' if rank else ''}; the last checkpoint is kept. To fit: "
+                   f"{', '.join(memory_levers(phase, cfg))}", file=sys.stderr)
+        raise SystemExit(2) from None
+    seconds[phase] = time.perf_counter() - began
+
+
+@contextlib.contextmanager
+def training(r: Run):
+    """Around the training loop: the before grid (--before-after), the progress bar and --report-to, the held-out
+    evaluation before any update; Ctrl-C or SIGTERM saves the finished steps and exits 130 (parallel.on_interrupt),
+    a failed write (a full disk) is one line and exit 1 with the last checkpoint good."""
+    if r.cfg.before_after and r.start == 0:  # sampled with fixed seeds now and after training: what changed, by eye
+        show(r, "before.png", "before training")
+    r.reporter = Reporter(r.cfg.report_to if r.rank == 0 else "none", r.out, dataclasses.asdict(r.cfg))
+    r.progress = tqdm(range(r.start, r.cfg.steps), desc=PROG["name"][:-3], initial=r.start, total=r.cfg.steps,
+                      disable=r.rank != 0)
+    try:
+        with interrupts_caught():  # Ctrl-C and SIGTERM: see parallel.on_interrupt
+            if r.evals and eval_due(r.start, r.cfg) and r.start not in r.evaluated:  # before any update
+                run_evaluation(r, r.start)
+            yield
+    except KeyboardInterrupt:
+        interrupted(r)
+    except OSError as error:  # a full disk, a vanished directory: the last checkpoint stays good
+        fail(f"cannot write {error.filename or r.out} ({error.strerror or error}); make room, then continue with "
+             f"--resume {r.out}", code=1)
+    finally:
+        r.reporter.close()
+
+
+def steps(r: Run):
+    """The steps of the loop: (step, groups, batch, seconds). Groups are numbered over all processes (process r of
+    W takes groups (step W + r) P + j); a group's number picks its prompt and seeds its sampling."""
+    for step in r.progress:
+        groups = [(step * r.world + r.rank) * r.cfg.prompts_per_step + j for j in range(r.cfg.prompts_per_step)]
+        yield step, groups, [r.examples[g % len(r.examples)] for g in groups], {}
+
+
+def log_step(r: Run, step: int, groups: list[int], reward: torch.Tensor, each: dict, advantages: torch.Tensor,
+             samples: list[torch.Tensor], metrics: dict, seconds: dict) -> None:
+    """The step's metrics line (step_record, every process) into metrics.jsonl and --report-to, the progress bar,
+    and a warning for a skipped update (rank 0). The bar shows the step's reward, its mean over the last 20 steps
+    (steps differ by prompt) and, when there is a KL term, the KL."""
+    record = step_record(step, groups, len(r.examples), reward, each, advantages, samples, metrics, seconds)
+    r.skipped, r.done = r.skipped + record["skipped"], step + 1
+    r.history.append(record)
+    if r.rank != 0:
+        return
+    append_metrics(r.out, {**record, "skipped_total": r.skipped})
+    r.reporter.log(record)
+    recent = np.mean([h["reward_mean"] for h in r.history[-20:]])
+    r.progress.set_postfix(reward=f"{record['reward_mean']:.3f}", reward_avg20=f"{recent:.3f}",
+                           **({"kl": f"{record['kl']:.4f}"} if r.cfg.kl_beta > 0 else {}))
+    if record["skipped"]:
+        r.progress.write(f"warning: step {step}: non-finite loss or gradient, update skipped ({r.skipped} so far)",
+                         file=sys.stderr)
+
+
+def step_record(step: int, groups: list[int], n_examples: int, reward: torch.Tensor, each: dict,
+                advantages: torch.Tensor, samples: list[torch.Tensor], metrics: dict, seconds: dict) -> dict:
+    """The metrics line of one step: reward statistics over the groups of every process, how many of each group's
+    samples (G rows: token grids, or the DiT's final latents) differ, the update's metrics, and the seconds of each
+    phase (this process)."""
+    reward, advantages, groups = gather_rows(reward), gather_rows(advantages), gather_list(groups)
+    distinct = gather_rows(torch.tensor([[len({tuple(t) for t in s.flatten(1).tolist()})] for s in samples]))
+    return {"step": step, "prompts": [g % n_examples for g in groups], "reward_mean": reward.mean().item(),
+            "reward_std": reward.std(dim=-1, unbiased=False).mean().item(),  # within groups
+            **{f"reward/{name}": gather_rows(value).mean().item() for name, value in each.items()},
+            "zero_std_groups": int((advantages == 0).all(dim=-1).sum()),  # groups that carry no signal
+            "distinct_samples": distinct.float().mean().item(), **reduce_metrics(metrics),
+            **{f"sec_{phase}": value for phase, value in seconds.items()}}
+
+
+def after_step(r: Run, step: int, batch: list[dict], images: list[torch.Tensor], reward: torch.Tensor) -> None:
+    """Every --image-every steps an image grid (rank 0; and to --report-to), every --save-every steps a checkpoint (all
+    processes), an evaluation when due; an interrupt in any process stops all after this step."""
+    cfg = r.cfg
+    if r.rank == 0 and cfg.image_every and (step % cfg.image_every == 0 or step + 1 == cfg.steps):
+        path = r.out / "images" / f"step_{step:05d}.png"
+        save_grid(path, batch, images, reward, [f"step {step}: {ex['prompt']}" for ex in batch])
+        r.reporter.image("samples", path, step)
+    if cfg.save_every and (step + 1) % cfg.save_every == 0:
+        save_run(r, step + 1)
+    if r.evals and eval_due(step + 1, cfg):  # the policy after step + 1 updates
+        run_evaluation(r, step + 1)
+    if stop_requested():
+        raise KeyboardInterrupt
+
+
+def interrupted(r: Run) -> None:
+    """After Ctrl-C: a checkpoint of the finished steps (unless the user forced an immediate stop), exit 130."""
+    r.progress.close()
+    if not INTERRUPT["forced"]:
+        save_run(r, r.done)  # the steps from `done` on did not finish: redone
+    if r.rank == 0:
+        saved = "the last checkpoint is kept" if INTERRUPT["forced"] else f"checkpoint at step {r.done}"
+        launch = f"torchrun --nproc-per-node {r.world}" if r.world > 1 else "python"
+        print(f"interrupted: {saved} in {r.out}; continue it with: {launch} {PROG['name']} --resume {r.out}",
+              file=sys.stderr)
+    raise SystemExit(130)
+
+
+def save_grid(path: Path, batch: list[dict], images: list[torch.Tensor], reward: torch.Tensor,
+              titles: list[str]) -> None:
+    """An image grid of groups (source and target, then the samples) under their titles; a failed write only warns."""
+    rows = [[(role, ex.get(role)) for role in ("source", "target") if any(e.get(role) is not None for e in batch)]
+            + [("", im) for im in group] for ex, group in zip(batch, images)]
+    try:
+        save_image(image_grid(rows, reward, titles), path)
+    except OSError as error:
+        tqdm.write(f"warning: could not write {path} ({error.strerror or error}); training goes on", file=sys.stderr)
+
+
+# ---- Evaluation output: the before / after grids, --eval-prompts --------------------------------
+
+SHOW_SEED = 20_260_000  # the sampling seeds of the before / after grids: fixed, whatever --seed
+EVAL_SEED = 30_260_000  # the sampling seeds of --eval-prompts: prompt i gets EVAL_SEED + i at every evaluation
+EVAL_GRID = 4  # the eval prompts shown in each evaluation's image grid (the first ones of the file)
+
+
+def show(r: Run, name: str, when: str) -> float:
+    """G samples of each of the first --before-after examples with fixed seeds (r.evaluate), into images/`name`
+    (rank 0); after training also images/before_after.png beside the grid from before. Returns the mean reward."""
+    examples, path = r.examples[:r.cfg.before_after], r.out / "images" / name
+    with timed({}, "show", r.cfg):
+        images, reward, _ = r.evaluate(examples, r.rewards, r.cfg.group_size, SHOW_SEED, len(examples))
+    if r.rank == 0:
+        save_grid(path, examples, images, reward, [f"{ex['prompt']} ({when})" for ex in examples])
+        with contextlib.suppress(OSError):  # the mean reward, for the summary line of a resumed run
+            record = json.dumps({"reward": reward.mean().item()}).encode()
+            atomic_write(path.with_suffix(".json"), lambda f: f.write(record))
+        if path.name == "after.png" and (path.parent / "before.png").exists():
+            with contextlib.suppress(OSError):
+                save_image(side_by_side(path.parent / "before.png", path), path.parent / "before_after.png")
+    return reward.mean().item()
+
+
+def eval_due(step: int, cfg) -> bool:
+    """Whether the policy after `step` updates is evaluated: before the first update, every --eval-every, the last."""
+    return step == 0 or step == cfg.steps or (cfg.eval_every > 0 and step % cfg.eval_every == 0)
+
+
+def run_evaluation(r: Run, step: int) -> None:
+    """Evaluate the policy after `step` updates on the eval set: a line in metrics.jsonl ("eval": true), an image grid
+    of the first EVAL_GRID prompts (images/eval_<step>.png: the same prompts and seeds every time, so one prompt can be
+    followed through training) and a line on the terminal (rank 0). Every process takes part."""
+    (examples, rewards), seconds = r.evals, {}
+    with timed(seconds, "eval", r.cfg):
+        images, total, each = r.evaluate(examples, rewards, r.cfg.eval_samples, EVAL_SEED, EVAL_GRID)
+    record = eval_record(step, examples, total, each, seconds["eval"])
+    if r.rank == 0:
+        append_metrics(r.out, record)
+        r.reporter.log(record)
+        path = r.out / "images" / f"eval_{step:05d}.png"
+        save_grid(path, examples[:EVAL_GRID], images, total[:EVAL_GRID],
+                  [f"eval, step {step}: {ex['prompt']}" for ex in examples[:EVAL_GRID]])
+        r.reporter.image("eval", path, step)
+        means = ", ".join(f"{key[5:]} {value:.4f}" for key, value in record.items() if key.count("/") == 1)
+        tqdm.write(f"eval at step {step} ({len(examples)} prompts x {r.cfg.eval_samples}): {means} "
+                   f"({seconds['eval']:.1f} s)")
+
+
+def eval_record(step: int, examples: list[dict], total: torch.Tensor, each: dict, seconds: float) -> dict:
+    """The metrics line of an evaluation: each reward's mean over prompts and samples ("eval/reward" is the weighted
+    total of --reward), and per category for the examples whose .jsonl line has a "category"."""
+    scores = {"reward": total, **each}
+    record = {"step": step, "eval": True, **{f"eval/{name}": v.mean().item() for name, v in scores.items()}}
+    categories = [str(ex["category"]) if "category" in ex else None for ex in examples]
+    for category in sorted(set(categories) - {None}):
+        rows = [i for i, c in enumerate(categories) if c == category]
+        record.update({f"eval/{name}/{category}": v[rows].mean().item() for name, v in scores.items()})
+    return {**record, "sec_eval": seconds}
+
+
+# ---- The end: checkpoints, final/, curves, the summary ----------------------------------------------
+
+def save_run(r: Run, step: int) -> None:
+    """checkpoint.pt: the full trainable state gathered from every process, written by rank 0 (atomically)."""
+    weights, optimizer_state = trainable_state(r.policy, r.optimizer)
+    if r.rank == 0:
+        save_checkpoint(r.out / "checkpoint.pt", weights, optimizer_state, step, r.cfg, r.world)
+
+
+def finish(r: Run) -> dict:
+    """The last checkpoint, final/ (the trained model, or with LoRA only the adapter, loadable with from_pretrained),
+    curves.png, the after grid (--before-after) and the summary line; leaves torchrun's process group. Returns the
+    summary."""
+    try:
+        save_run(r, r.cfg.steps)
+        weights = final_weights(r.policy)  # every process takes part; only rank 0 gets the tensors
+        if r.rank == 0:
+            save_pretrained_atomic(r.policy, r.out / "final", state_dict=weights)
+    except OSError as error:
+        fail(f"cannot write {error.filename or r.out} ({error.strerror or error}); make room, then run --resume "
+             f"{r.out} --steps {r.cfg.steps} again", code=1)
+    try:
+        if r.rank == 0:
+            plot_curves(r.out)  # rewards (training and eval), KL, clip fraction, groups with no signal
+    except Exception as error:  # everything is saved; a picture that fails is only a warning
+        tqdm.write(f"warning: could not draw {r.out / 'curves.png'} ({type(error).__name__}: {error}); "
+                   f"python tools/plot_run.py {r.out} draws it later", file=sys.stderr)
+    after = show(r, "after.png", f"after {r.cfg.steps} steps") if r.cfg.before_after else None
+    summary = summarize(r.out, r.history, len(r.examples), r.skipped, r.rank, after)
+    stop_processes()  # torchrun: leave the process group cleanly
+    return summary
+
+
+def summarize(out: Path, history: list[dict], n_examples: int, skipped: int, rank: int, after: float | None) -> dict:
+    """The summary line: the mean training reward of the first and of the last quarter of the steps (whole cycles over
+    the prompts where a cycle fits in a quarter, so both sides saw the same prompts) and, with --before-after, the
+    mean reward of the same prompts and seeds before and after training."""
+    quarter = max(1, len(history) // 4)
+    cycle = math.ceil(n_examples / max(1, len(history[0]["prompts"]))) if history else 1  # steps per pass
+    window = quarter // cycle * cycle if cycle <= quarter else quarter
+    first, last = history[:window], history[-window:]
+    summary = {"reward_first": float(np.mean([h["reward_mean"] for h in first])),
+               "reward_last": float(np.mean([h["reward_mean"] for h in last])), "skipped": skipped}
+    before = out / "images" / "before.json"
+    if after is not None and before.exists():
+        summary.update(shown_before=json.loads(before.read_text())["reward"], shown_after=after)
+    if rank == 0:
+        shown = (f"; same prompts and seeds before -> after: {summary['shown_before']:.4f} -> {after:.4f} "
+                 f"(images/before_after.png)" if "shown_after" in summary else "")
+        print(f"reward (mean of first {len(first)} steps) {summary['reward_first']:.4f} -> "
+              f"(mean of last {len(last)} steps) {summary['reward_last']:.4f}{shown}; saved to {out}")
+    return summary
+

@@ -1,0 +1,674 @@
+"""Tests for run.py, the plumbing of a run (grpo.py's and dit_grpo.py's): input files and their checks, bad input
+(one line, exit 2), --resume, Ctrl-C, out of memory, a full disk, checkpoints that survive a kill, the metrics and
+pictures a run writes. The input functions have a test_<function> each; the loop's helpers (start, open_run, timed,
+training, steps, log_step, after_step, show, run_evaluation, finish, summarize) run in every test of main, and the
+tests below are named after the behaviour of a run they guard.
+
+    python -m pytest -q test_run.py
+"""
+
+import dataclasses
+import json
+import re
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+import grpo
+import parallel
+import run
+import run_io
+from conftest import (HERE, TINY, TINY_CPU, assert_same_metrics, assert_same_weights, error_lines, eval_lines,
+                      expect_exit, fresh_pipe, run_cli, run_record, snapshot, tiny_run, torchrun,
+                      write_evals, write_example)  # shared helpers and settings
+
+
+def test_parse_rewards(tmp_path, monkeypatch):
+    """Built-in names and module:function import paths with weights; bad names, weights and imports are refused."""
+    rewards = run.parse_rewards("ssim=1,mse=0.5", grpo.REWARDS)
+    assert {k: w for k, (_, w) in rewards.items()} == {"ssim": 1.0, "mse": 0.5}
+    assert rewards["ssim"][0] is grpo.ssim_reward
+    (tmp_path / "my_rewards.py").write_text("import torch\ndef brightness(images, example):\n"
+                                            "    return images.mean(dim=(1, 2, 3))\nnot_a_function = 3\n")
+    monkeypatch.chdir(tmp_path)  # module:function is found in the current directory, as `python -m` would
+    custom = run.parse_rewards("my_rewards:brightness=2,ssim=0", grpo.REWARDS)
+    assert custom["my_rewards:brightness"][1] == 2.0 and custom["my_rewards:brightness"][0].__name__ == "brightness"
+    for bad, needle in [("ssmi=1", "unknown reward"), ("ssim=x", "name=number"), ("ssim=", "name=number"),
+                        ("ssim=-1", "negative"), ("ssim=0,mse=0", "every reward weight 0"),
+                        ("no_such_module:f=1", "cannot import"), ("my_rewards:nope=1", "cannot import"),
+                        ("my_rewards:not_a_function=1", "not a function")]:
+        with pytest.raises(ValueError, match=needle):
+            run.parse_rewards(bad, grpo.REWARDS)
+
+
+def test_validate():
+    """Sizes not multiple of 32, G < 2, micro-batches that do not divide G, bad ranges and values outside a field's
+    choices are refused, each with a message naming the flag and its value."""
+    good = grpo.parse_config(["--model", "tiny"])
+    run.validate(good)
+    for change, needle in [(dict(height=48), "--height 48 is not a positive multiple of 32"),
+                           (dict(width=0), "--width 0 is not"), (dict(group_size=1), "--group-size 1: GRPO"),
+                           (dict(micro_batch_size=3), "--micro-batch-size 3 must divide --group-size 8"),
+                           (dict(clip_eps=0.0), "--clip-eps 0.0 is out of range"),
+                           (dict(kl_beta=-1.0), "--kl-beta -1.0 is out of range"), (dict(lr=0.0), "--lr 0.0 is out"),
+                           (dict(train_tokens="some"), "--train-tokens some"),
+                           (dict(sampler_correction="tis"), "--sampler-correction tis: use one of token_truncate, "),
+                           (dict(sampler_cap=0.5), "--sampler-cap 0.5: use a cap >= 1"),
+                           (dict(train="vae"), "--train vae"), (dict(steps=0), "--steps must be at least 1")]:
+        with pytest.raises(ValueError, match=re.escape(needle)):
+            run.validate(dataclasses.replace(good, **change))
+
+
+def test_read_prompts(tmp_path):
+    """Text lines: split at the LAST '|', or a prompt alone (no target); paths relative to the file; comments and
+    blanks skipped; the text to render comes from quotes; bad lines are named."""
+    (tmp_path / "sub").mkdir()
+    f = tmp_path / "sub" / "p.txt"
+    f.write_text('# comment\n\na | b | img.png\nplain prompt|x/y.png\na sign that says "OPEN" and \u201cnow\u201d\n')
+    a, b, c = run.read_prompts(f)
+    assert (a["prompt"], a["target"], a["source"], a["text"]) == ("a | b", tmp_path / "sub" / "img.png", None, None)
+    assert (b["prompt"], b["target"], b["where"]) == ("plain prompt", tmp_path / "sub/x/y.png", f"{f}:4")
+    assert (c["target"], c["text"]) == (None, "OPEN now")
+    f.write_text("ok | a.png\n# c\n | no prompt\n")
+    with pytest.raises(ValueError, match=":3:"):
+        run.read_prompts(f)
+    f.write_text("# only comments\n")
+    with pytest.raises(ValueError, match="no examples"):
+        run.read_prompts(f)
+
+
+def test_read_prompts_jsonl(tmp_path):
+    """.jsonl: one object per line with a prompt and optional target, source, text and extra fields; a bad line is
+    named with its number and the fix."""
+    f = tmp_path / "edits.jsonl"
+    f.write_text('{"prompt": "make it night", "target": "night.png", "source": "day.png", "strength": 2}\n\n'
+                 '# a comment\n{"prompt": "a sign", "text": "OPEN"}\n')
+    edit, sign = run.read_prompts(f)
+    assert (edit["target"], edit["source"], edit["strength"]) == (tmp_path / "night.png", tmp_path / "day.png", 2)
+    assert (sign["target"], sign["source"], sign["text"], sign["where"]) == (None, None, "OPEN", f"{f}:4")
+    for line, needle in [("not json", "not JSON"), ('["a list"]', '"prompt" string'), ('{"target": "a.png"}',
+                         '"prompt" string'), ('{"prompt": "x", "target": 3}', '"target" must be'),
+                         ('{"prompt": "x", "source": ""}', '"source" must be')]:
+        f.write_text('{"prompt": "fine"}\n' + line + "\n")
+        with pytest.raises(ValueError, match=f"edits.jsonl:2: .*{needle}"):
+            run.read_prompts(f)
+
+
+def test_load_image(tmp_path):
+    """(3, H, W) float in [0, 1], channels in RGB order, resized to the generation size."""
+    pixels = np.zeros((40, 50, 3), np.uint8)
+    pixels[..., 0] = 255
+    Image.fromarray(pixels).save(tmp_path / "red.png")
+    target = run.load_image(tmp_path / "red.png", 64, 96)
+    assert target.shape == (3, 64, 96) and target.dtype == torch.float32
+    assert torch.allclose(target[0], torch.ones(64, 96)) and target[1:].abs().max() == 0
+    with pytest.raises(ValueError, match="source .* does not exist"):
+        run.load_image(tmp_path / "nope.png", 64, 64, "source")
+
+
+def test_plot_curves(tmp_path):
+    """curves.png from training and eval lines (and from training lines alone); a run without lines is refused, by
+    tools/plot_run.py with one line."""
+    lines = [{"step": s, "prompts": [0, 1], "reward_mean": 0.1 * s, "reward_std": 0.05, "kl": 0.01 * s,
+              "clip_frac": 0.0, "zero_std_groups": s % 2} for s in range(6)]
+    lines[3:3] = [{"step": 0, "eval": True, "eval/reward": 0.3, "eval/reward/a": 0.2},
+                  {"step": 5, "eval": True, "eval/reward": 0.5, "eval/reward/a": 0.4}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    assert Image.open(run_io.plot_curves(tmp_path)).size == (1200, 600)
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines if "eval" not in x))
+    assert Image.open(run_io.plot_curves(tmp_path)).size == (1200, 600)
+    (tmp_path / "metrics.jsonl").write_text("")
+    with pytest.raises(ValueError, match="no steps yet"):
+        run_io.plot_curves(tmp_path)
+    proc = subprocess.run([sys.executable, str(HERE / "tools" / "plot_run.py"), str(tmp_path / "nope")],
+                          capture_output=True, text=True)
+    assert proc.returncode != 0 and proc.stderr.strip().count("\n") == 0 and "no metrics.jsonl" in proc.stderr
+
+
+def test_image_grid():
+    """One row per prompt (label strip under each), reference tiles first (None: blank), rewards under the samples;
+    tiles below 128 pixels are enlarged; titles (the prompt, the step) go in a strip above each row."""
+    rows = [[("target", torch.zeros(3, 32, 32))] + [("", torch.full((3, 32, 32), 0.5))] * 3,
+            [("target", None)] + [("", torch.full((3, 32, 32), 0.5))] * 3]
+    grid = run_io.image_grid(rows, torch.tensor([[0.1, 0.2, 0.3], [0.4, 0.5, 0.6]]))
+    assert grid.size == (4 * 128, 2 * (128 + 14))  # 32-pixel tiles shown at 128
+    pixels = np.asarray(grid)
+    assert (pixels[128:142, 128:256] < 128).any()  # a reward written under the first sample
+    assert (pixels[:128, :128] == 0).all() and (pixels[142:270, :128] == 255).all()  # the target; a blank tile
+    titled = np.asarray(run_io.image_grid(rows, torch.zeros(2, 3), titles=["step 0: a red circle", "another"]))
+    assert titled.shape[:2] == (2 * (14 + 128 + 14), 4 * 128)
+    assert (titled[:14] < 128).any() and (titled[14:142, :128] == 0).all()  # the title above the target tile
+
+
+def test_main_before_after(tmp_path):
+    """--before-after N samples the first N prompts with fixed seeds before and after training: the same weights give
+    the same images (a negligible lr), the grids sit side by side, and the summary gives both mean rewards."""
+    prompts = write_example(tmp_path, ["a red circle | t.png", "two blue squares | t.png", "a third | t.png"])
+    common = [*TINY, "--prompts", str(prompts), "--steps", "2", "--image-every", "0", "--before-after", "2"]
+    still = grpo.main([*common, "--out", str(tmp_path / "still"), "--lr", "1e-12"])
+    images = tmp_path / "still" / "images"
+    assert sorted(p.name for p in images.iterdir()) == ["after.json", "after.png", "before.json", "before.png",
+                                                        "before_after.png"]
+    before, after = np.asarray(Image.open(images / "before.png")), np.asarray(Image.open(images / "after.png"))
+    assert before.shape == after.shape == (2 * (14 + 128 + 14), (1 + 4) * 128, 3)  # 2 prompts: target + G samples
+    tiles = np.ones(before.shape[0], bool)
+    tiles[[p * 156 + r for p in range(2) for r in range(14)]] = False  # each prompt's title strip names the step
+    assert (before[tiles] == after[tiles]).all() and still["shown_before"] == still["shown_after"]
+    assert Image.open(images / "before_after.png").size == (2 * before.shape[1] + 16, before.shape[0])
+    moved = grpo.main([*common, "--out", str(tmp_path / "moved"), "--lr", "0.05"])
+    assert moved["shown_before"] == still["shown_before"] and moved["shown_after"] != moved["shown_before"]
+
+
+def test_eval_record():
+    """Means over prompts and samples per reward, and per category over the examples that have one."""
+    examples = [{"category": "a"}, {"category": "b"}, {"category": "a"}, {}]
+    total = torch.tensor([[1.0, 0.0], [0.5, 0.5], [0.0, 0.0], [2.0, 2.0]])
+    record = run.eval_record(5, examples, total, {"x": total * 2}, 1.5)
+    assert record["step"] == 5 and record["eval"] is True and record["sec_eval"] == 1.5
+    assert record["eval/reward"] == pytest.approx(0.75) and record["eval/x"] == pytest.approx(1.5)
+    assert record["eval/reward/a"] == pytest.approx(0.25) and record["eval/x/b"] == pytest.approx(1.0)
+    assert not any(k.endswith("/None") for k in record)
+
+
+def test_main_report_to(tmp_path, monkeypatch):
+    """--report-to tensorboard sends every metrics line's numbers at its step (training and eval) and the image grids,
+    and closes the writer (a stand-in SummaryWriter records the calls: the package is optional); the metrics file is
+    the same as without it."""
+    import sys
+    import types
+    calls = []
+
+    class Writer:
+        def __init__(self, log_dir):
+            calls.append(("open", log_dir))
+
+        def add_text(self, *args):
+            calls.append(("text", args[0]))
+
+        def add_scalar(self, key, value, step):
+            calls.append(("scalar", key, step))
+
+        def add_image(self, name, pixels, step, dataformats):
+            calls.append(("image", name, step, pixels.shape[-1], dataformats))
+
+        def close(self):
+            calls.append(("close",))
+
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", types.SimpleNamespace(SummaryWriter=Writer))
+    monkeypatch.setattr(run, "check_reporter", lambda kind: None)  # the real one asks for the installed package
+    evals = ["--eval-prompts", str(write_evals(tmp_path)), "--eval-every", "1", "--eval-samples", "2"]
+    tiny_run(tmp_path, tmp_path / "tb", "--steps", "2", "--report-to", "tensorboard", "--image-every", "1", *evals)
+    assert calls[0] == ("open", str(tmp_path / "tb" / "tensorboard")) and calls[-1] == ("close",)
+    scalars = {(c[1], c[2]) for c in calls if c[0] == "scalar"}
+    assert {("reward_mean", 0), ("reward_mean", 1), ("eval/reward", 0), ("eval/reward", 2), ("loss", 1),
+            ("sampling/k3_kl", 0)} <= scalars
+    assert {(c[1], c[2]) for c in calls if c[0] == "image"} == {("samples", 0), ("samples", 1), ("eval", 0),
+                                                                 ("eval", 1), ("eval", 2)}
+    tiny_run(tmp_path, tmp_path / "plain", "--steps", "2", "--image-every", "1", *evals)
+    assert run_record(tmp_path / "tb") == run_record(tmp_path / "plain")
+
+
+def test_check_reporter(monkeypatch):
+    """--report-to: an unknown name, or a package that is not installed, is refused with the fix."""
+    import types
+
+    run_io.check_reporter("none")
+    with pytest.raises(ValueError, match="use none, tensorboard, wandb"):
+        run_io.check_reporter("mlflow")
+    missing = types.SimpleNamespace(util=types.SimpleNamespace(find_spec=lambda name: None))
+    monkeypatch.setattr(run_io, "importlib", missing)
+    for kind in ("tensorboard", "wandb"):
+        with pytest.raises(ValueError, match=f"needs the {kind} package.*pip install {kind}"):
+            run_io.check_reporter(kind)
+
+
+def test_main_custom_reward_without_targets(tmp_path, monkeypatch):
+    """A user reward from an import path on examples without any target: the run trains, and every reward is
+    logged on its own (reward/<name>) besides the weighted sum."""
+    (tmp_path / "brightness.py").write_text("def reward(images, example):\n    return images.mean(dim=(1, 2, 3))\n")
+    (tmp_path / "prompts.jsonl").write_text('{"prompt": "a bright square"}\n{"prompt": "another", "mood": "dark"}\n')
+    monkeypatch.chdir(tmp_path)
+    summary = grpo.main([*TINY, "--prompts", "prompts.jsonl", "--out", "run", "--steps", "2",
+                         "--reward", "brightness:reward=2", "--image-every", "1"])
+    lines = run_record(tmp_path / "run")
+    assert [x["prompts"] for x in lines] == [[0], [1]] and summary["skipped"] == 0
+    assert all(abs(x["reward_mean"] - 2 * x["reward/brightness:reward"]) < 1e-6 for x in lines)
+    assert sorted(p.name for p in (tmp_path / "run" / "images").iterdir()) == ["step_00000.png", "step_00001.png"]
+
+
+def test_prepare_bad_input(tmp_path, capsys):
+    """Every bad input: exit code 2, one line naming the problem and the fix, nothing written to --out."""
+    good = write_example(tmp_path, ["a | t.png"])
+    (tmp_path / "bad_line.txt").write_text("# c\nfine | t.png\nno target\n")
+    (tmp_path / "empty.txt").write_text("\n# nothing\n")
+    (tmp_path / "binary.txt").write_bytes(b"\xff\xfe\x00bad")
+    (tmp_path / "notimage.png").write_text("hello")
+    Image.fromarray(np.zeros((64, 64, 3), np.uint8)).save(tmp_path / "full.png")
+    (tmp_path / "corrupt.png").write_bytes((tmp_path / "full.png").read_bytes()[:60])
+    (tmp_path / "no_target.txt").write_text("a prompt alone\n")
+    for name in ["missing_target", "notimage", "corrupt"]:
+        target = {"missing_target": "nope.png", "notimage": "notimage.png", "corrupt": "corrupt.png"}[name]
+        (tmp_path / f"{name}.txt").write_text(f"a prompt | {target}\n")
+    out = tmp_path / "out"
+    P = lambda name: ["--prompts", str(tmp_path / name)]  # noqa: E731
+    cases = [(P("nothere.txt"), "nothere.txt"), (["--prompts", str(tmp_path)], "--prompts"),
+             (P("empty.txt"), "no examples"), (P("bad_line.txt"), "bad_line.txt:3"), (P("binary.txt"), "UTF-8"),
+             (P("missing_target.txt"), "missing_target.txt:1: target .*nope.png does not exist"),
+             (P("notimage.txt"), "notimage.txt:1: target .*not a readable image"),
+             (P("corrupt.txt"), "corrupt.txt:1: target .*not a readable image"),
+             (["--height", "50"], "multiple of 32"), (["--width", "-32"], "multiple of 32"),
+             (["--group-size", "1"], "2 or more"), (["--micro-batch-size", "3"], "must divide"),
+             (["--clip-eps", "1.5"], "--clip-eps"), (["--kl-beta", "-0.1"], "--kl-beta"), (["--lr", "0"], "--lr"),
+             (["--clip-eps-high", "0"], "--clip-eps-high"), (["--scale-rewards", "mean"], "group, batch or none"),
+             (["--top-p", "0"], "--top-p"), (["--top-k", "-1"], "--top-k"),
+             (["--reward", "clip=1"], "unknown reward"), (["--reward", "ssim=-1"], "negative"),
+             (["--steps", "0"], "--steps"), (["--resume", str(tmp_path / "none")], "no checkpoint.pt"),
+             (P("no_target.txt"), "no_target.txt:1: reward 'ssim' needs a target"),
+             (["--reward", "nosuchmodule:f=1"], "cannot import"),
+             (["--eval-prompts", str(tmp_path / "nothere.jsonl")], "cannot read --eval-prompts .*nothere.jsonl"),
+             (["--eval-prompts", str(tmp_path / "no_target.txt")], "no_target.txt:1: reward 'ssim' needs a target"),
+             (["--eval-prompts", str(good), "--eval-reward", "clip"], "unknown reward 'clip' in --eval-reward"),
+             (["--eval-prompts", str(good), "--eval-reward", "ocr"], "reward 'ocr' needs a text"),
+             (["--eval-reward", "mse"], "--eval-reward is measured on --eval-prompts"),
+             (["--eval-every", "-1"], "--eval-every -1 must be >= 0"), (["--eval-samples", "0"], "--eval-samples")]
+    if not torch.cuda.is_available():
+        cases.append((["--device", "cuda"], "--device cuda, but torch .* sees no CUDA GPU here; use --device cpu"))
+    for args, needle in cases:
+        with pytest.raises(SystemExit) as exit_info:
+            grpo.main([*TINY, "--out", str(out), *(args if "--prompts" in args else ["--prompts", str(good), *args])])
+        err = capsys.readouterr().err
+        assert exit_info.value.code == 2, args
+        assert re.search(needle, err) and len(error_lines(err)) == 1 and "Traceback" not in err, (args, err)
+        assert not out.exists(), args
+
+
+def test_main_bad_input_cli(tmp_path):
+    """Through the command line: exit code 2, one line, no traceback, nothing written; a run is never clobbered."""
+    good = write_example(tmp_path, ["a | t.png"])
+    (tmp_path / "bad.txt").write_text("fine | t.png\nno target\n")
+    out = tmp_path / "out"
+    for args, needle in [(["--prompts", str(tmp_path / "bad.txt"), *TINY], "bad.txt:2"),
+                         (["--prompts", str(good), "--model", str(tmp_path / "no-such-model")], "no-such-model")]:
+        proc = run_cli(*args, "--out", str(out))
+        assert proc.returncode == 2, (args, proc.stderr)
+        assert needle in proc.stderr and "Traceback" not in proc.stderr + proc.stdout
+        assert len(error_lines(proc.stderr)) == 1, proc.stderr
+        assert not out.exists()
+    out.mkdir()
+    (out / "metrics.jsonl").write_text("precious\n")
+    proc = run_cli("--prompts", str(good), *TINY, "--out", str(out), "--steps", "1")
+    assert proc.returncode == 2 and "--resume" in proc.stderr and "--overwrite" in proc.stderr
+    assert (out / "metrics.jsonl").read_text() == "precious\n"
+
+
+def test_main_resume(tmp_path, monkeypatch):
+    """2N steps == N steps + resume + N steps (metrics, evaluations and weights), also when the evaluation at the
+    checkpoint's step was lost (it is redone, with the same numbers); --overwrite replaces."""
+    evals = ["--eval-prompts", str(write_evals(tmp_path)), "--eval-every", "2", "--eval-samples", "2"]
+    tiny_run(tmp_path, tmp_path / "whole", "--steps", "4", "--kl-beta", "0.04", *evals)
+    tiny_run(tmp_path, tmp_path / "half", "--steps", "2", "--kl-beta", "0.04", *evals)
+    shutil.copytree(tmp_path / "half", tmp_path / "lost")
+    metrics = (tmp_path / "lost" / "metrics.jsonl").read_text().splitlines()
+    (tmp_path / "lost" / "metrics.jsonl").write_text("\n".join(metrics[:-1]) + "\n")  # killed before the eval at 2
+    for name in ("half", "lost"):
+        grpo.main(["--resume", str(tmp_path / name), "--steps", "4"])
+        assert run_record(tmp_path / "whole") == run_record(tmp_path / name), name
+    assert [x["step"] for x in eval_lines(tmp_path / "half")] == [0, 2, 4] and len(run_record(tmp_path / "half")) == 7
+    from transformers import GlmImageForConditionalGeneration
+    a, b = (GlmImageForConditionalGeneration.from_pretrained(tmp_path / d / "final") for d in ("whole", "half"))
+    assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
+    tiny_run(tmp_path, tmp_path / "half", "--steps", "1", "--overwrite")
+    assert len(run_record(tmp_path / "half")) == 1
+
+
+def interrupted_run(tmp_path, monkeypatch, name, where, signals=1):
+    """A 4-step run that gets `signals` real SIGINTs in step 2: while sampling, or right after the update."""
+    import signal
+    target = {"sample": "sample_groups", "update": "train_step"}[where]
+    original = getattr(grpo, target)
+
+    def with_interrupt(*args, **kwargs):
+        result = original(*args, **kwargs)
+        if len(run_record(tmp_path / name)) == 2:
+            for _ in range(signals):
+                signal.raise_signal(signal.SIGINT)
+        return result
+
+    monkeypatch.setattr(grpo, target, with_interrupt)
+    with pytest.raises(SystemExit) as exit_info:
+        tiny_run(tmp_path, tmp_path / name, "--steps", "4", "--kl-beta", "0.04", "--save-every", "1")
+    monkeypatch.setattr(grpo, target, original)
+    return exit_info.value.code
+
+
+def test_main_interrupt(tmp_path, monkeypatch, capsys):
+    """Ctrl-C while sampling stops at once and redoes the step; Ctrl-C during an update lets it finish and log
+    first (never applied twice); a second Ctrl-C there stops at once and keeps the last checkpoint. Exit code 130,
+    and every run resumed with the printed command equals the uninterrupted one."""
+    tiny_run(tmp_path, tmp_path / "whole", "--steps", "4", "--kl-beta", "0.04")
+    for name, where, signals, logged in [("sample", "sample", 1, 2), ("update", "update", 1, 3),
+                                         ("twice", "update", 2, 2)]:
+        assert interrupted_run(tmp_path, monkeypatch, name, where, signals) == 130
+        assert len(run_record(tmp_path / name)) == logged, name
+        assert run_io.read_checkpoint(tmp_path / name / "checkpoint.pt")["step"] == logged, name
+        assert f"continue it with: python grpo.py --resume {tmp_path / name}" in capsys.readouterr().err
+        grpo.main(["--resume", str(tmp_path / name)])  # that command, as printed: on to the 4 steps asked for
+        assert run_record(tmp_path / name) == run_record(tmp_path / "whole"), name
+
+
+@pytest.mark.parametrize("phase", ["sample_groups", "decode_images", "train_step"])
+def test_main_out_of_memory(tmp_path, monkeypatch, capsys, phase):
+    """A CUDA out-of-memory error (simulated) in a phase of step 2: exit 2, one line naming the phase and the levers
+    this run does not use yet, no traceback; the checkpoint of step 2 stays loadable and the run resumes to its end."""
+    original, calls = getattr(grpo, phase), []
+
+    def runs_out(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:  # step 2 (one group a step)
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(grpo, phase, runs_out)
+    with pytest.raises(SystemExit) as exit_info:  # tiny_run: full fine-tuning, micro-batches of 2
+        tiny_run(tmp_path, tmp_path / "run", "--steps", "4", "--save-every", "1", "--offload")
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("grpo.py: error:")]
+    assert exit_info.value.code == 2 and len(lines) == 1 and "Traceback" not in err, err
+    where = {"sample_groups": "sampling", "decode_images": "decoding", "train_step": "the update"}[phase]
+    assert f"out of memory while {where}" in lines[0] and "--offload" not in lines[0]  # it uses --offload already
+    if phase == "train_step":
+        assert all(lever in lines[0] for lever in ("--gradient-checkpointing", "--lora-rank 16", "--micro-batch-size 1"))
+    else:
+        assert "--lora-rank" not in lines[0] and "--gradient-checkpointing" not in lines[0]  # no help there
+    assert run_io.read_checkpoint(tmp_path / "run" / "checkpoint.pt")["step"] == 2 and len(run_record(tmp_path / "run")) == 2
+    monkeypatch.setattr(grpo, phase, original)
+    grpo.main(["--resume", str(tmp_path / "run")])
+    assert len(run_record(tmp_path / "run")) == 4
+
+
+@pytest.mark.parametrize("where", ["load_glm_image", "reference_model", "apply_lora", "load_trainable_state"])
+def test_main_out_of_memory_setup(tmp_path, monkeypatch, capsys, where):
+    """Out of memory (simulated) before any phase: loading the model, building the KL reference (full fine-tuning's
+    copy), injecting LoRA, loading a checkpoint to resume: one line naming the step and only levers this run does not
+    use, exit 2, no traceback; a run's checkpoint is left as it was."""
+    resume = where == "load_trainable_state"
+    if resume:
+        tiny_run(tmp_path, tmp_path / "run", "--steps", "2", "--kl-beta", "0.04", "--lora-rank", "4")
+    before = snapshot(tmp_path / "run") if resume else None
+
+    def runs_out(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 40.00 GiB")
+
+    monkeypatch.setattr(run if where == "load_trainable_state" else grpo, where, runs_out)  # where main calls it
+    flags = {"reference_model": ["--kl-beta", "0.04"], "apply_lora": ["--lora-rank", "4"]}.get(where, [])
+    with pytest.raises(SystemExit) as exit_info:
+        if resume:
+            grpo.main(["--resume", str(tmp_path / "run"), "--steps", "3"])
+        else:
+            tiny_run(tmp_path, tmp_path / "new", "--steps", "2", *flags)
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("grpo.py: error:")]
+    assert exit_info.value.code == 2 and len(lines) == 1 and "Traceback" not in err, err
+    step = "loading the model" if where == "load_glm_image" else "setting up training"
+    assert f"out of memory while {step}" in lines[0] and "a GPU with more memory" in lines[0]
+    if where == "reference_model":  # full fine-tuning with a KL term: LoRA or no reference would help
+        assert "--lora-rank 16" in lines[0] and "--kl-beta 0" in lines[0]
+    if where == "apply_lora":  # it has LoRA already
+        assert "--lora-rank" not in lines[0]
+    if resume:
+        assert snapshot(tmp_path / "run") == before
+
+
+def test_resume_damaged_run(tmp_path, capsys):
+    """--resume with a truncated or foreign checkpoint.pt or config.json, or a damaged metrics line: exit 2, one line
+    naming the file, nothing changed. --steps equal to the steps done: nothing to do (exit 0); below: refused; a
+    flag that would change the run (--lr, --prompts, ...): refused."""
+    prompts = write_example(tmp_path, ["a | t.png"])
+    run = tmp_path / "run"
+    tiny_run(tmp_path, run, "--steps", "2", "--image-every", "1")
+    good = snapshot(run)
+    resume = ["--resume", str(run), "--steps", "4"]
+    damages = [("checkpoint.pt", good[run / "checkpoint.pt"][:3000], "checkpoint.pt is truncated or not"),
+               ("checkpoint.pt", b"not a checkpoint", "checkpoint.pt is truncated or not"),
+               ("config.json", good[run / "config.json"][:40], "config.json is truncated or not"),
+               ("config.json", b'{"learning_rate": 3}', "config.json is not a grpo.py config"),
+               ("metrics.jsonl", b"garbage\n" + good[run / "metrics.jsonl"], "metrics.jsonl:1 is not a JSON line")]
+    torch.save({"weights": {}}, tmp_path / "foreign.pt")
+    damages.append(("checkpoint.pt", (tmp_path / "foreign.pt").read_bytes(), "checkpoint.pt is truncated or not"))
+    for name, content, needle in damages:
+        (run / name).write_bytes(content)
+        damaged = snapshot(run)
+        expect_exit(resume, 2, needle, capsys)
+        assert snapshot(run) == damaged, name
+        (run / name).write_bytes(good[run / name])
+    with pytest.raises(SystemExit) as exit_info:
+        grpo.main(["--resume", str(run), "--steps", "2"])
+    assert exit_info.value.code == 0 and "nothing to do" in capsys.readouterr().out
+    expect_exit(["--resume", str(run), "--steps", "1"], 2, "below the 2 steps", capsys)
+    # a resumed run goes on as it was saved: other flags are refused, not silently dropped
+    expect_exit([*resume, "--prompts", str(prompts), "--lr", "0.5"], 2, "cannot take --lr, --prompts", capsys)
+    assert snapshot(run) == good
+    # a last metrics line cut off by a kill is dropped, and the run continues
+    (run / "metrics.jsonl").write_bytes(good[run / "metrics.jsonl"] + b'{"step": 2, "rew')
+    grpo.main(["--resume", str(run), "--steps", "3"])
+    assert [r["step"] for r in run_record(run)] == [0, 1, 2]
+
+
+def test_out_not_usable(tmp_path, capsys, monkeypatch):
+    """--out that is a file, lies under a file, or cannot be written: exit 2, one line, the file untouched."""
+    prompts = write_example(tmp_path, ["a | t.png"])
+    (tmp_path / "afile").write_text("mine")
+    base = [*TINY, "--prompts", str(prompts), "--steps", "1"]
+    expect_exit([*base, "--out", str(tmp_path / "afile")], 2, "is a file", capsys)
+    expect_exit([*base, "--out", str(tmp_path / "afile" / "run")], 2, "which is a file", capsys)
+    assert (tmp_path / "afile").read_text() == "mine"
+
+    def no_permission(*args, **kwargs):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(run_io.tempfile, "mkstemp", no_permission)  # root may write anywhere: simulate a read-only dir
+    expect_exit([*base, "--out", str(tmp_path / "ro")], 2, "not writable (Permission denied)", capsys)
+    assert not (tmp_path / "ro").exists()
+
+
+def test_main_disk_full(tmp_path, capsys, monkeypatch):
+    """A full disk: while saving a checkpoint or final/ the run stops with one line (exit 1) and the previous file
+    stays good, with no temporary file left; while saving an image grid it warns and goes on."""
+    import errno
+    prompts = write_example(tmp_path, ["a | t.png"])
+    run = tmp_path / "run"
+    base = [*TINY, "--prompts", str(prompts), "--micro-batch-size", "2", "--image-every", "1"]
+    grpo.main([*base, "--out", str(run), "--steps", "2", "--save-every", "1"])
+    good = snapshot(run)
+    full = OSError(errno.ENOSPC, "No space left on device")
+
+    def no_space(*args, **kwargs):
+        raise full
+
+    # a checkpoint (every step) on a full disk
+    monkeypatch.setattr(torch, "save", lambda obj, f, *a, **k: (f.write(b"partial"), no_space()))
+    expect_exit(["--resume", str(run), "--steps", "3"], 1, "No space left on device", capsys)
+    monkeypatch.undo()
+    assert run_io.read_checkpoint(run / "checkpoint.pt")["step"] == 2 and not (run / "checkpoint.pt.tmp").exists()
+    assert snapshot(run / "final") == {p: b for p, b in good.items() if "final" in p.parts}
+    # final/ on a full disk: the previous final/ survives
+    from transformers import GlmImageForConditionalGeneration
+    monkeypatch.setattr(GlmImageForConditionalGeneration, "save_pretrained", no_space)
+    expect_exit(["--resume", str(run), "--steps", "3"], 1, "No space left on device", capsys)
+    monkeypatch.undo()
+    assert snapshot(run / "final") == {p: b for p, b in good.items() if "final" in p.parts}
+    assert not (run / "final.tmp").exists()
+    # an image grid on a full disk: a warning, and the run goes on to its end
+    monkeypatch.setattr(run_io.Image.Image, "save", lambda self, f, *a, **k: (f.write(b"partial"), no_space()))
+    grpo.main(["--resume", str(run), "--steps", "4"])
+    monkeypatch.undo()
+    assert "could not write" in capsys.readouterr().err and len(run_record(run)) == 4
+    assert not any(p.name.endswith(".tmp") for p in run.rglob("*"))
+
+
+KILLED_SAVE = """
+import os, sys, time, torch
+sys.path.insert(0, {here!r})
+import grpo, parallel, run_io
+from pathlib import Path
+policy = grpo.load_glm_image("tiny").vision_language_encoder
+opt = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad])
+cfg, path = grpo.parse_config(["--model", "tiny"]), Path({path!r})
+run_io.save_checkpoint(path, *parallel.trainable_state(policy, opt), 1, cfg)
+real_save = torch.save
+
+def slow_save(obj, f, *args, **kwargs):
+    f.write(b"x" * 100000)
+    f.flush()
+    print("writing", flush=True)
+    time.sleep(60)  # killed here, half-way through the file
+
+torch.save = slow_save
+run_io.save_checkpoint(path, *parallel.trainable_state(policy, opt), 2, cfg)
+"""
+
+
+def test_checkpoint_survives_kill(tmp_path):
+    """kill -9 while a checkpoint is being written (a real process, killed half-way): the previous one loads."""
+    path = tmp_path / "checkpoint.pt"
+    proc = subprocess.Popen([sys.executable, "-c", KILLED_SAVE.format(here=str(HERE), path=str(path))],
+                            stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "writing"
+    proc.kill()  # SIGKILL: no handler, no cleanup
+    proc.wait(timeout=30)
+    assert (tmp_path / "checkpoint.pt.tmp").stat().st_size >= 100000  # the half-written new one
+    state = run_io.read_checkpoint(path)
+    policy, opt = fresh_policy_and_optimizer()
+    parallel.load_trainable_state(policy, opt, state)
+    assert state["step"] == 1
+
+
+def checkpoint_of(policy, opt, path, step, cfg):
+    run_io.save_checkpoint(path, *parallel.trainable_state(policy, opt), step, cfg)
+
+
+def fresh_policy_and_optimizer():
+    policy = fresh_pipe().vision_language_encoder
+    return policy, torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad])
+
+
+def test_save_checkpoint(tmp_path, monkeypatch):
+    """Saves are atomic: a crash or a full disk in the middle of writing leaves the previous checkpoint intact and
+    loadable, and no temporary file behind."""
+    policy, opt = fresh_policy_and_optimizer()
+    cfg = grpo.parse_config(["--model", "tiny"])
+    path = tmp_path / "checkpoint.pt"
+    checkpoint_of(policy, opt, path, 7, cfg)
+    saved = policy.lm_head.weight.detach().clone()
+    real_save = torch.save
+    for failure in (KeyboardInterrupt(), OSError(28, "No space left on device")):
+
+        def dies_half_way(obj, f, *a, **k):
+            f.write(b"partial garbage")
+            raise failure  # killed or out of space while writing
+
+        monkeypatch.setattr(torch, "save", dies_half_way)
+        with torch.no_grad():
+            policy.lm_head.weight.add_(1.0)
+        with pytest.raises(type(failure)):
+            checkpoint_of(policy, opt, path, 8, cfg)
+        monkeypatch.setattr(torch, "save", real_save)
+        assert not (tmp_path / "checkpoint.pt.tmp").exists()
+        fresh, opt2 = fresh_policy_and_optimizer()
+        state = run_io.read_checkpoint(path)
+        parallel.load_trainable_state(fresh, opt2, state)
+        assert state["step"] == 7 and torch.equal(fresh.lm_head.weight, saved)
+
+
+def test_target_resized_with_notice(tmp_path, capsys):
+    """A target of another size is resized with a one-line notice, never a crash."""
+    prompts = write_example(tmp_path, ["a | t.png"], size=40)
+    grpo.main([*TINY, "--prompts", str(prompts), "--out", str(tmp_path / "o"), "--steps", "1"])
+    assert "resized to 64x64" in capsys.readouterr().err
+
+
+def test_torchrun_resume(tmp_path):
+    """Under 2 processes, 2 steps + resume + 2 steps equals 4 steps; the 2-process checkpoint also resumes in one
+    process (with 2 prompts per step, the same groups) and continues the same run."""
+    prompts = write_example(tmp_path, ["a gray square | t.png", "another | t.png"])
+    common = [*TINY_CPU, "--prompts", str(prompts), "--image-every", "0", "--kl-beta", "0.04",
+              "--micro-batch-size", "2"]
+    assert torchrun(*common, "--out", str(tmp_path / "whole"), "--steps", "4").returncode == 0
+    assert torchrun(*common, "--out", str(tmp_path / "half"), "--steps", "2").returncode == 0
+    shutil.copytree(tmp_path / "half", tmp_path / "half_one")
+    proc = torchrun("--resume", str(tmp_path / "half"), "--steps", "4")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert run_record(tmp_path / "half") == run_record(tmp_path / "whole")
+    assert_same_weights(tmp_path / "whole" / "final", tmp_path / "half" / "final", tol=0.0)
+    assert torchrun("--resume", str(tmp_path / "half_one"), "--steps", "4", nproc=1).returncode == 0  # both groups
+    assert json.loads((tmp_path / "half_one" / "config.json").read_text())["prompts_per_step"] == 2
+    assert_same_metrics(tmp_path / "whole", tmp_path / "half_one")
+    assert_same_weights(tmp_path / "whole" / "final", tmp_path / "half_one" / "final")
+
+
+def test_torchrun_bad_input(tmp_path):
+    """A bad prompts file under torchrun: every process exits non-zero at once, our one line printed once."""
+    (tmp_path / "bad.txt").write_text("fine | nope.png\n")
+    proc = torchrun(*TINY_CPU, "--prompts", str(tmp_path / "bad.txt"), "--out", str(tmp_path / "out"),
+                    timeout=120)
+    assert proc.returncode != 0 and proc.stderr.count("grpo.py: error:") == 1, proc.stderr[-3000:]
+    assert "nope.png does not exist" in proc.stderr and not (tmp_path / "out").exists()
+
+
+RANK_DIES = """
+import os, sys
+sys.path.insert(0, {here!r})
+import grpo
+real = grpo.train_step
+
+def dies(*args, **kwargs):
+    if os.environ["RANK"] == "1" and len(open({metrics!r}).read().splitlines()) == 2:
+        os._exit(1)  # killed in the middle of step 2
+    return real(*args, **kwargs)
+
+grpo.train_step = dies
+grpo.main(sys.argv[1:])
+"""
+
+
+def test_torchrun_rank_dies(tmp_path):
+    """A process that dies mid-run takes the others down (non-zero exit, no hang); rank 0's checkpoint of the last
+    finished step stays loadable, and the run resumes from it."""
+    prompts = write_example(tmp_path, ["a gray square | t.png", "another | t.png"])
+    out = tmp_path / "run"
+    script = tmp_path / "dies.py"
+    script.write_text(RANK_DIES.format(here=str(HERE), metrics=str(out / "metrics.jsonl")))
+    proc = torchrun(*TINY_CPU, "--prompts", str(prompts), "--out", str(out), "--steps", "4",
+                    "--save-every", "1", "--image-every", "0", script=script, timeout=300)
+    assert proc.returncode != 0
+    assert run_io.read_checkpoint(out / "checkpoint.pt")["step"] == 2 and len(run_record(out)) == 2
+    assert torchrun("--resume", str(out), "--steps", "3").returncode == 0 and len(run_record(out)) == 3
+
+
+def test_torchrun_interrupt(tmp_path):
+    """Ctrl-C to torchrun (which passes it to every process): all finish the same step, rank 0 saves it, and the
+    resumed run continues from there with no step lost or applied twice."""
+    import os
+    import signal
+    import time
+    prompts = write_example(tmp_path, ["a gray square | t.png", "another | t.png"])
+    out = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                             str(HERE / "grpo.py"), *TINY_CPU, "--prompts", str(prompts), "--out", str(out),
+                             "--steps", "100", "--image-every", "0"], cwd=HERE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    while not (out / "metrics.jsonl").exists() or len(run_record(out)) < 2:
+        assert proc.poll() is None, proc.communicate()
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode != 0 and err.count("interrupted: checkpoint at step") == 1, err[-3000:]
+    done = run_io.read_checkpoint(out / "checkpoint.pt")["step"]
+    assert done == len(run_record(out)) >= 2
+    assert torchrun("--resume", str(out), "--steps", str(done + 1)).returncode == 0
+    assert [r["step"] for r in run_record(out)] == list(range(done + 1))
