@@ -55,7 +55,7 @@ Commands:
   python grpo.py --prompts my_prompts.txt --model zai-org/GLM-Image                  # the real model (GPU, bf16)
   python grpo.py --prompts my_prompts.txt --model random --steps 1  # its published configs, random weights: speed
   torchrun --nproc-per-node 8 grpo.py --prompts my_prompts.txt --model zai-org/GLM-Image  # 8 GPUs, FSDP2
-  python -m pytest -q                                           # tests, CPU, 8-14 minutes (test_grpo.py, test_run.py, ...)
+  python -m pytest -q                                           # tests, CPU, 8-14 minutes
 """
 
 import contextlib
