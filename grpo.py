@@ -104,7 +104,8 @@ class Config:
     max_grad_norm: float = arg(1.0, "gradient-norm clip")
     clip_eps: float = arg(0.2, "PPO clip range eps: the ratio is clipped to [1 - eps, 1 + eps_high]")
     clip_eps_high: float | None = arg(None, "upper clip range (DAPO's clip-higher; default: --clip-eps)")
-    scale_rewards: str = arg("group", "advantages divided by the std of the group, the batch, or none (Dr. GRPO)")
+    scale_rewards: str = arg("group", "advantages divided by the std of the group, the batch, or none (Dr. GRPO)",
+                             ("group", "batch", "none"))
     kl_beta: float | None = arg(None, "weight of the k3 KL to the reference (default 0 tiny, 0.04 real)")
     mu: int = arg(1, "policy updates per batch of rollouts")
     temperature: float = arg(0.9, "sampling temperature (GLM-Image: 0.9)")
@@ -122,7 +123,7 @@ class Config:
     guidance_scale: float | None = arg(None, "DiT classifier-free guidance (default 1.0 tiny, 1.5 real: GLM-Image's)")
     decode_seed: int = arg(0, "seed of the DiT latent noise (fixed per run)")
     reward: str = arg("ssim=1,mse=0", "rewards and weights: ssim, mse, ocr or module:function, e.g. ssim=1,ocr=0.5")
-    train_tokens: str = arg("large", "tokens in the loss: large | all")
+    train_tokens: str = arg("large", "tokens in the loss: large | all", ("large", "all"))
     image_every: int = arg(10, "save an image grid every N steps (0: never)")
     before_after: int | None = arg(None, "the first N prompts, sampled with fixed seeds before and after training: "
                                          "images/before_after.png (default 4 tiny, 0 real)")
@@ -135,7 +136,7 @@ class Config:
     resume: str = arg("", "run directory to continue (--steps is the total)")
     overwrite: bool = arg(False, "replace the run in --out")
     train: str = arg("ar", "what GRPO trains: ar (the AR's visual tokens: grpo.py) or dit (the DiT's denoising chain, "
-                           "Flow-GRPO; text-to-image: python dit_grpo.py)")
+                           "Flow-GRPO; text-to-image: python dit_grpo.py)", ("ar", "dit"))
     sde_noise: float = arg(0.7, "dit_grpo.py: noise level of the SDE step (Flow-GRPO's a)")
     sde_steps: int = arg(0, "dit_grpo.py: denoising steps of the training chains (0: --num-inference-steps; "
                             "evaluation and pictures keep --num-inference-steps)")
@@ -144,10 +145,10 @@ class Config:
     gradient_checkpointing: bool | None = arg(None, "recompute activations in the backward (default: on for --train "
                                                     "dit with the real model, whose update does not fit without)")
     offload: bool = arg(False, "keep DiT, VAE, T5 on CPU except to decode")
-    device: str = arg("auto", "cpu | cuda | auto")
+    device: str = arg("auto", "cpu | cuda | auto", ("auto", "cpu", "cuda"))
     report_to: str = arg("none", "also send the metrics and image grids to tensorboard (<out>/tensorboard) or wandb "
                                  "(offline, <out>/wandb): none | tensorboard | wandb")
-    dtype: str = arg("auto", "float32 | bfloat16 | auto")
+    dtype: str = arg("auto", "float32 | bfloat16 | auto", ("auto", "float32", "bfloat16"))
 
 
 MODEL_DEFAULTS = {  # filled in where the command line left a field at None
@@ -673,8 +674,6 @@ def ssim_reward(images: torch.Tensor, example: dict) -> torch.Tensor:
 
 
 REWARDS = {"ssim": ssim_reward, "mse": mse_reward, **MORE_REWARDS}  # MORE_REWARDS: ocr, shapes (rewards.py)
-
-
 
 
 def group_rewards(images: list[torch.Tensor], examples: list[dict], rewards: dict[str, tuple]

@@ -57,9 +57,13 @@ def test_validate():
                            (dict(clip_eps=0.0), "--clip-eps 0.0 is out of range"),
                            (dict(kl_beta=-1.0), "--kl-beta -1.0 is out of range"), (dict(lr=0.0), "--lr 0.0 is out"),
                            (dict(train_tokens="some"), "--train-tokens some"),
-                           (dict(sampler_correction="tis"), "--sampler-correction tis: use one of token_truncate, "),
+                           (dict(sampler_correction="tis"), "--sampler-correction tis: use token_truncate, token_mask, "
+                            "sequence_truncate, sequence_mask or none"),
                            (dict(sampler_cap=0.5), "--sampler-cap 0.5: use a cap >= 1"),
-                           (dict(train="vae"), "--train vae"), (dict(steps=0), "--steps must be at least 1")]:
+                           (dict(train="vae"), "--train vae: use ar or dit"),
+                           (dict(dtype="fp16"), "--dtype fp16: use auto, float32 or bfloat16"),
+                           (dict(device="tpu"), "--device tpu: use auto, cpu or cuda"),
+                           (dict(scale_rewards="mean"), "--scale-rewards mean: use group, batch or none"), (dict(steps=0), "--steps must be at least 1")]:
         with pytest.raises(ValueError, match=re.escape(needle)):
             run.validate(dataclasses.replace(good, **change))
 

@@ -24,6 +24,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+import dit_grpo  # noqa: E402
 import grpo  # noqa: E402
 import run  # noqa: E402
 from tools import memory_plan  # noqa: E402
@@ -55,7 +56,7 @@ def per_phase(argv: list[str]) -> tuple[dict, dict]:
     gc.collect()  # the last run's pipeline is in reference cycles: freed only now (seen: 13 GiB left otherwise)
     run.timed = timed
     try:
-        (__import__("dit_grpo").main if "dit" in argv else grpo.main)(argv)
+        (dit_grpo.main if "dit" in argv else grpo.main)(argv)
     finally:
         run.timed = original
         gc.collect()

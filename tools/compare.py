@@ -22,6 +22,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # grpo.py and its helpers live in the repository root
 
+import dit_grpo  # noqa: E402
 import grpo  # noqa: E402
 import run_io  # noqa: E402
 import run  # noqa: E402
@@ -67,7 +68,7 @@ def compare(path: Path, eval_prompts: str | None = None, eval_samples: int | Non
     _, _, device = start_processes(cfg.device)  # one process: grpo.py's device choice, nothing started
     dtype = run.compute_settings(device, cfg.dtype, cfg.model)  # as grpo.py: the same threads give the same sums and samples
     pipe = grpo.load_glm_image(cfg.model, device, dtype)
-    setup = __import__("dit_grpo").setup_training if cfg.train == "dit" else grpo.setup_training  # as the run did
+    setup = dit_grpo.setup_training if cfg.train == "dit" else grpo.setup_training  # as the run did
     policy, _, optimizer = setup(pipe, dataclasses.replace(cfg, kl_beta=0.0), dtype, world=1)
     autocast = torch.autocast(device, dtype=torch.bfloat16, enabled=dtype == torch.bfloat16)
     examples = [{k: v.to(device) if torch.is_tensor(v) else v for k, v in e.items()} for e in evals[0]]
