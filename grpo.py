@@ -115,6 +115,10 @@ class Config:
     sampler_correction: str = arg("token_truncate", "importance weights pi_old / pi_sampler on the policy-gradient "
                                   "term for the sampler/trainer gap in bf16: token_truncate | token_mask | "
                                   "sequence_truncate | sequence_mask (TRL's modes) | none", CORRECTIONS)
+    policy_dist: str = arg("truncated", "the distribution pi the loss trains: truncated (softmax over the codes "
+                           "the sampler's top-k / top-p kept, replayed) or full (the whole codebook's softmax; the "
+                           "sampler's truncation corrected by the --sampler-correction weights pi_old / pi_sampler, "
+                           "TRL's way)", ("truncated", "full"))
     sampler_cap: float = arg(2.0, "the cap of --sampler-correction: weights above it are cut to it (truncate) or 0 "
                                   "(mask)")
     height: int | None = arg(None, "image height (default 96 tiny, 1024 real)")
@@ -310,10 +314,11 @@ def code_logprobs(logits: torch.Tensor, temperature: float, codebook_size: int, 
     instead: the trainer replays the sampler's truncation rather than recomputing it from its own logits.
 
     The one definition of the policy's distribution: sample_group samples from it and the trainer scores with it,
-    so pi / pi_old is exactly 1 before the first update. A code outside the truncation has log-prob -inf. A token
-    that leaves the nucleus after an update therefore has ratio 0: with A > 0 the surrogate is 0 and without
-    gradient (the clip takes (1 - eps) A only when that is smaller), with A < 0 it is the clipped (1 - eps) A, also
-    without gradient; grpo_loss keeps it finite (tested). ids >= K (image start/end, spare ids) are impossible.
+    so pi / pi_old is exactly 1 before the first update. A code outside the truncation has log-prob -inf; with the
+    support replayed no sampled token is ever outside (the trainer keeps the sampler's set after updates too), and
+    one recomputed from the trainer's own logits may lose a sampled token: grpo_loss keeps it finite (ratio 0, no
+    gradient; tested). A one-code truncation gives log-prob 0 whatever the logits: such a token teaches nothing
+    (--policy-dist full trains the whole softmax instead). ids >= K (image start/end, spare ids) are impossible.
     """
     scores = logits[..., :codebook_size].float() / temperature
     if support is not None:
@@ -502,16 +507,23 @@ def decode(model, input_ids: torch.Tensor, valid: torch.Tensor, positions: torch
     K, V = model.config.vq_config.num_embeddings, model.lm_head.out_features  # codebook ids, lm_head rows
     (B, P), N, device = input_ids.shape, n_tokens, input_ids.device
     L = P + N  # slots: the prompt, then every generated token (the last one is fed too: one step body)
+    attention = model.config.text_config._attn_implementation
+    if attention not in ("sdpa", "eager"):  # flash attention takes no 4D mask; flex attention another kind of mask
+        raise ValueError(f"decode needs sdpa or eager attention to mask left padding, and the AR uses {attention}; "
+                         "load it with attn_implementation='sdpa'")
     static = device.type == "cuda" if static is None else static
     cache = (StaticCache(config=model.config.text_config, max_cache_len=L) if static else
              DynamicCache(config=model.config.text_config))
     seen = F.pad(valid, (0, N), value=True)  # (B, L): slots that hold a token (padding never does)
     slot = torch.arange(L, device=device)
+    blocked = torch.finfo(model.dtype).min  # added to a masked score: eager and sdpa both add a float mask
 
     def forward(ids, slots):  # (B, S) tokens at slots `slots` (S,) -> (B, V) logits after the last one
         kv = L if static else int(slots[-1]) + 1  # the slots attended to
-        mask = ((seen[:, None, None, :] & (slot <= slots[:, None])) | (slot == slots[:, None]))[..., :kv]  # (B, 1, S,
-        # kv): causal, without the padding; a pad slot attends to itself (a query that sees nothing makes NaN)
+        attend = ((seen[:, None, None, :] & (slot <= slots[:, None])) | (slot == slots[:, None]))[..., :kv]  # (B, 1,
+        # S, kv): causal, without the padding; a pad slot attends to itself (a query that sees nothing makes NaN)
+        mask = torch.zeros(attend.shape, dtype=model.dtype, device=device).masked_fill(~attend, blocked)  # a bool
+        # mask is read as "attend where True" by sdpa but ADDED by eager attention (True: +1, nothing masked)
         return model(input_ids=ids, attention_mask=mask, position_ids=positions[:, :, slots], cache=cache,
                      logits_to_keep=1).logits[:, -1]  # the trainer's forward (token_logprobs), one token at a time
 
@@ -534,16 +546,17 @@ def decode(model, input_ids: torch.Tensor, valid: torch.Tensor, positions: torch
         logits.copy_(forward(token, P + t))
         t.add_(1)
 
-    repeat_step(step, N, generators)
+    repeat_step(step, N, generators, capture=static)
     return tokens, logprobs, support
 
 
-def repeat_step(step, n: int, generators: list) -> None:
-    """step() n times. On a GPU (one process) the first runs eagerly, warming up kernels and allocator, and the rest
-    replay ONE CUDA graph of it: no Python and no kernel launches between steps, no host synchronisation (a decode
-    step of the real AR is ~2,000 small kernels, which the CPU cannot launch as fast as the GPU runs them)."""
+def repeat_step(step, n: int, generators: list, capture: bool = True) -> None:
+    """step() n times. On a GPU (one process, `capture`: a step of fixed shapes) the first runs eagerly, warming up
+    kernels and allocator, and the rest replay ONE CUDA graph of it: no Python and no kernel launches between steps,
+    no host synchronisation (a decode step of the real AR is ~2,000 small kernels, which the CPU cannot launch as fast
+    as the GPU runs them). A growing cache (decode's static=False) syncs with the host every step: run eagerly."""
     step()
-    if n == 1 or generators[0].device.type != "cuda" or distributed():  # FSDP's hooks are not captured
+    if n == 1 or not capture or generators[0].device.type != "cuda" or distributed():  # FSDP's hooks are not captured
         for _ in range(n - 1):
             step()
         return
@@ -569,7 +582,12 @@ def token_logprobs(model, inputs: dict, tokens: torch.Tensor, temperature: float
     K = model.config.vq_config.num_embeddings
     support = None if support is None else code_support(support, K)
     logits = token_logits(model, inputs, tokens)  # (G, N, V)
-    return code_logprobs(logits, temperature, K, top_k, top_p, support).gather(-1, tokens[..., None]).squeeze(-1)
+    return logprob_of(code_logprobs(logits, temperature, K, top_k, top_p, support), tokens)
+
+
+def logprob_of(distribution: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """(G, N, K) log-probs of every code and (G, N) tokens -> (G, N) the log-prob of each token."""
+    return distribution.gather(-1, tokens[..., None]).squeeze(-1)
 
 
 def token_logits(model, inputs: dict, tokens: torch.Tensor) -> torch.Tensor:
@@ -729,14 +747,16 @@ def sampler_correction(old_logprobs: torch.Tensor, sampled_logprobs: torch.Tenso
     correction): (S, T) log-probs of the sampled tokens under pi_old (the trainer's forward) and under the sampler
     -> the weights on the policy-gradient term, (S, T) per token or (S, 1) per sequence, and the mismatch metrics.
 
-    r = pi_old / pi_sampler, per token (token_*) or its product over the sequence's tokens in the loss (sequence_*);
-    *_truncate caps r at `cap` (truncated importance sampling), *_mask gives 0 where r > cap (the token or sequence
-    leaves the gradient); "none": weights 1. In float32 sampler and trainer agree within 1e-5, so r = 1 within
-    1e-5; in bf16 the KV-cached sampler and the full-sequence trainer round differently (README: "Exact in float32,
-    corrected in bf16"). Metrics, TRL's names: sampling/sampling_logp_difference/{mean,max} (|log pi_old - log
-    pi_sampler| per token), sampling/importance_sampling_ratio/{min,mean,max} (r at the mode's level, before the
-    cap), and in the same namespace sampling/k3_kl (mean of r - 1 - log r per token: KL(pi_sampler || pi_old) on the
-    sampler's draws, verl's rollout_corr/k3_kl) and sampling/capped_frac (tokens or sequences the cap acted on).
+    r = pi_old / pi_sampler, per token (token_*) or its product over all the sequence's sampled tokens (sequence_*:
+    give every token, not only the loss's: the preview conditions the large grid); *_truncate caps r at `cap`
+    (truncated importance sampling), *_mask gives 0 where r > cap (the token or sequence leaves the gradient);
+    "none": weights 1. With --policy-dist truncated in float32 sampler and trainer agree within 1e-5, so r = 1 within
+    1e-5; in bf16 the KV-cached sampler and the full-sequence trainer round differently; with --policy-dist full r is
+    also the sampler's truncation, pi_full / pi_nucleus <= 1. Metrics, TRL's names: sampling/sampling_logp_difference/
+    {mean,max} (|log pi_old - log pi_sampler| per token), sampling/importance_sampling_ratio/{min,mean,max} (the
+    weights applied: r after the cap or mask, as TRL logs them), and in the same namespace raw_importance_sampling_
+    ratio/{min,max} (r before the cap), k3_kl (mean of r - 1 - log r per token: KL(pi_sampler || pi_old) on the
+    sampler's draws, verl's rollout_corr/k3_kl) and capped_frac (tokens or sequences the cap acted on).
     """
     both = old_logprobs.isfinite() & sampled_logprobs.isfinite()  # a token outside a truncation carries no ratio
     log_ratio = torch.where(both, old_logprobs - sampled_logprobs, 0.0)  # (S, T)
@@ -748,9 +768,11 @@ def sampler_correction(old_logprobs: torch.Tensor, sampled_logprobs: torch.Tenso
     token_ratio = torch.exp(log_ratio)
     metrics = {"sampling/sampling_logp_difference/mean": log_ratio.abs().mean().item(),
                "sampling/sampling_logp_difference/max": log_ratio.abs().max().item(),
-               "sampling/importance_sampling_ratio/min": ratio.min().item(),
-               "sampling/importance_sampling_ratio/mean": ratio.mean().item(),
-               "sampling/importance_sampling_ratio/max": ratio.max().item(),
+               "sampling/importance_sampling_ratio/min": weights.min().item(),
+               "sampling/importance_sampling_ratio/mean": weights.mean().item(),
+               "sampling/importance_sampling_ratio/max": weights.max().item(),
+               "sampling/raw_importance_sampling_ratio/min": ratio.min().item(),
+               "sampling/raw_importance_sampling_ratio/max": ratio.max().item(),
                "sampling/k3_kl": (token_ratio - 1 - log_ratio).mean().item(),
                "sampling/capped_frac": capped.float().mean().item() if mode != "none" else 0.0}
     return weights.detach(), metrics
@@ -762,11 +784,11 @@ def grpo_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, ref_logprobs: 
     """PPO-clipped GRPO loss with a k3 KL penalty. (S, T) log-probs, (S,) advantages -> scalar loss.
 
     Per token: r = exp(logp - old), surrogate = min(r A, clip(r, 1-eps, 1+eps_high) A) (`clip_eps` is eps, or
-    (eps, eps_high) for DAPO's clip-higher), KL = exp(ref - logp) - (ref - logp) - 1 (>= 0, unbiased for
-    KL(pi || ref)),
-    loss = -(surrogate - beta KL), averaged over the tokens of a sequence, then over sequences
-    (the paper's 1/|o_i|). DAPO averages over all tokens of the batch and Dr. GRPO divides by a
-    constant; here every sample has exactly N tokens, so all three differ only by a constant factor.
+    (eps, eps_high) for DAPO's clip-higher), KL = k3_kl(logp, ref), loss = -(surrogate - beta KL), averaged over the
+    tokens of a sequence, then over sequences (the paper's 1/|o_i|). DAPO averages over all tokens of the batch and
+    Dr. GRPO divides by a constant: the same up to a constant factor while every sequence has the same length (a
+    text-to-image step), not when editing and text-to-image prompts mix under --train-tokens all (an edit writes no
+    preview grid), where each sequence here weighs the same whatever its length.
     `ref_logprobs` may be None when beta = 0. `weights`, (S, T) or (S, 1), multiply the surrogate (not the KL): the
     importance weights pi_old / pi_sampler of sampler_correction; None: 1.
     """
@@ -777,15 +799,7 @@ def grpo_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, ref_logprobs: 
     low, high = clip_eps if isinstance(clip_eps, tuple) else (clip_eps, clip_eps)  # (eps, eps_high): clip-higher
     unclipped, clipped = ratio * adv, ratio.clamp(1 - low, 1 + high) * adv
     surrogate = torch.min(unclipped, clipped) * (1.0 if weights is None else weights)
-    if ref_logprobs is None:
-        kl = torch.zeros_like(ratio)
-    else:
-        # the log-ratio is capped at +-20: exp stays finite (exp(20) ~ 5e8) when the policy finds a sampled token
-        # far less likely than the reference does, and a token the reference's top-k / nucleus excludes (-inf)
-        # counts 19, not inf; where the cap acts the token gets no KL gradient. Below it this is the exact k3.
-        log_ref_ratio = (ref_logprobs - logprobs).clamp(-20.0, 20.0)
-        kl = (torch.exp(log_ref_ratio) - log_ref_ratio - 1).clamp_min(0)  # >= 0; the clamp only removes rounding
-        kl = torch.where(logprobs.isfinite(), kl, 0.0)  # a token outside the policy's truncation: no estimate
+    kl = torch.zeros_like(ratio) if ref_logprobs is None else k3_kl(logprobs, ref_logprobs)
     loss = (-(surrogate - kl_beta * kl)).mean(dim=1).mean()
     with torch.no_grad():
         # the clip stops the gradient where r A is larger than the clipped value: r > 1+eps with A > 0,
@@ -797,16 +811,34 @@ def grpo_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, ref_logprobs: 
     return loss, metrics
 
 
+def k3_kl(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
+    """(S, T) log-probs of the sampled tokens under the policy and the reference -> (S, T) k3 = exp(d) - d - 1,
+    d = ref - logp (Schulman's estimator): >= 0, and its mean over tokens drawn from pi is KL(pi || ref). As a loss
+    term its gradient is, in expectation, that of KL(ref || pi): it pulls the policy back over the codes the reference
+    likes (mass-covering), not only away from the ones it dislikes.
+
+    d is capped at +-20: exp stays finite (exp(20) ~ 5e8) when the policy finds a sampled token far less likely than
+    the reference does, and a token the reference's truncation excludes (-inf) counts 19, not inf; where the cap acts
+    the token gets no KL gradient. A token outside the policy's truncation (-inf) has no estimate: 0."""
+    d = (ref_logprobs - logprobs).clamp(-20.0, 20.0)
+    kl = (torch.exp(d) - d - 1).clamp_min(0)  # >= 0; the clamp only removes rounding
+    return torch.where(logprobs.isfinite(), kl, 0.0)
+
+
 # ---- 9. Update ---------------------------------------------------------------------------------
 
 @torch.no_grad()
 def reference_logprobs(ref_model, inputs: dict, tokens: torch.Tensor, temperature: float, top_k: int = 0,
-                       top_p: float = 1.0, support: torch.Tensor | None = None) -> torch.Tensor:
-    """(G, N) log-probs under the reference: a frozen copy, or a LoRA policy with its adapter switched off."""
-    if hasattr(ref_model, "disable_adapter"):
-        with ref_model.disable_adapter():
-            return token_logprobs(ref_model, inputs, tokens, temperature, top_k, top_p, support)
-    return token_logprobs(ref_model, inputs, tokens, temperature, top_k, top_p, support)
+                       top_p: float = 1.0, support: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(G, N) log-probs under the reference (a frozen copy, or a LoRA policy with its adapter switched off), from one
+    forward: over the policy's distribution (token_logprobs' support / top-k / top-p), and over its full softmax
+    (the untruncated KL's, which sees the reference's mass outside the sampler's nucleus)."""
+    K = ref_model.config.vq_config.num_embeddings
+    with ref_model.disable_adapter() if hasattr(ref_model, "disable_adapter") else contextlib.nullcontext():
+        logits = token_logits(ref_model, inputs, tokens)  # (G, N, V)
+    kept = None if support is None else code_support(support, K)
+    return (logprob_of(code_logprobs(logits, temperature, K, top_k, top_p, kept), tokens),
+            logprob_of(code_logprobs(logits, temperature, K), tokens))
 
 
 def select_rows(inputs: dict, rows: slice) -> dict:
@@ -832,44 +864,59 @@ def region_metrics(regions: dict, logp: torch.Tensor, old: torch.Tensor, ref: to
 
 
 def micro_batch_loss(policy, inputs: dict, tokens: torch.Tensor, sampled: torch.Tensor, support: torch.Tensor | None,
-                     adv: torch.Tensor, n_preview: int, old: torch.Tensor | None, ref: torch.Tensor | None, *,
+                     adv: torch.Tensor, n_preview: int, old: torch.Tensor | None, ref: tuple | None, *,
                      temperature: float, clip_eps: float | tuple[float, float], kl_beta: float, train_tokens: str,
-                     top_k: int, top_p: float, correction: str = "none", cap: float = 2.0) -> tuple[torch.Tensor, dict]:
-    """One micro-batch: the trainer's (mb, N) log-probs of the sampled tokens (the forward, with gradient; over the
-    sampler's kept codes `support`, if any) and the GRPO loss over the tokens in the loss, its policy-gradient term
-    weighted by sampler_correction(pi_old, pi_sampler); `old` None means the old policy is the current one (mu = 1).
-    Metrics: the loss's, the correction's, each region's (preview / large grid), `sampler_gap` (the largest
-    |log pi_trainer - log pi_sampler|) and `outside_truncation` (sampled tokens the trainer's OWN top-k / nucleus
-    would exclude: the replayed support keeps them)."""
+                     top_k: int, top_p: float, correction: str = "none", cap: float = 2.0,
+                     policy_dist: str = "truncated") -> tuple[torch.Tensor, dict]:
+    """One micro-batch: the trainer's (mb, N) log-probs of the sampled tokens (the forward, with gradient) under the
+    trained distribution pi (`policy_dist`: truncated, over the sampler's kept codes `support`; full, the whole
+    codebook) and the GRPO loss over the tokens in the loss, its policy-gradient term weighted by
+    sampler_correction(pi_old, pi_sampler) over all N tokens; `old` None means the old policy is the current one
+    (mu = 1); `ref` the reference's (policy-distribution, full-softmax) log-probs, or None.
+    Metrics: the loss's, the correction's, each region's (preview / large grid), `kl_untruncated` (k3 of the full
+    softmaxes: the drift a one-code nucleus hides from `kl`), `no_gradient_frac` (loss tokens whose pi is one code:
+    log pi = 0, no gradient), `sampler_gap` (the largest |log pi_trainer - log pi_sampler| over the sampler's own
+    distribution: float rounding) and `outside_truncation` (sampled tokens the trainer's OWN top-k / nucleus would
+    exclude: the replayed support keeps them)."""
     K = policy.config.vq_config.num_embeddings
     logits = token_logits(policy, inputs, tokens)  # (mb, N, V), with grad
     kept = None if support is None else code_support(support, K)  # (mb, N, K) bool: the sampler's truncation
-    logp = code_logprobs(logits, temperature, K, top_k, top_p, kept).gather(-1, tokens[..., None]).squeeze(-1)
+    replayed = code_logprobs(logits, temperature, K, top_k, top_p, kept)  # (mb, N, K): the sampler's distribution
+    full = code_logprobs(logits, temperature, K)  # (mb, N, K): the whole codebook
+    pi = full if policy_dist == "full" else replayed
+    logp = logprob_of(pi, tokens)  # (mb, N)
     old = logp.detach() if old is None else old
+    ref, ref_full = (None, None) if ref is None else ref
     regions = {"preview": slice(0, n_preview), "large": slice(n_preview, None)}
     cols = regions["large"] if train_tokens == "large" else slice(None)
-    weights, m_corr = sampler_correction(old[:, cols], sampled[:, cols], correction, cap)
+    weights, m_corr = sampler_correction(old, sampled, correction, cap)  # over all N: (mb, N) or (mb, 1)
+    weights = weights if correction.startswith("sequence") else weights[:, cols]
     loss, m = grpo_loss(logp[:, cols], old[:, cols], None if ref is None else ref[:, cols], adv, clip_eps, kl_beta,
                         weights)
     with torch.no_grad():
-        own = code_logprobs(logits.detach(), temperature, K, top_k, top_p).gather(-1, tokens[..., None])
-    both = logp.isfinite() & sampled.isfinite()
-    m.update(loss=loss.item(), sampler_gap=(logp.detach() - sampled).where(both, 0.0).abs().max().item(),
-             outside_truncation=int((~own.isfinite()).sum()), **m_corr,
-             **region_metrics(regions, logp.detach(), old, ref, adv, clip_eps, kl_beta))
+        own = logprob_of(code_logprobs(logits.detach(), temperature, K, top_k, top_p), tokens)
+        trainer = logprob_of(replayed.detach(), tokens)  # the sampler's distribution, as the trainer computes it
+        both = trainer.isfinite() & sampled.isfinite()
+        m.update(loss=loss.item(), sampler_gap=(trainer - sampled).where(both, 0.0).abs().max().item(),
+                 outside_truncation=int((~own.isfinite()).sum()),
+                 no_gradient_frac=(pi[:, cols].isfinite().sum(-1) == 1).float().mean().item(), **m_corr,
+                 **region_metrics(regions, logp.detach(), old, ref, adv, clip_eps, kl_beta))
+        if ref_full is not None:
+            m["kl_untruncated"] = k3_kl(logprob_of(full, tokens)[:, cols], ref_full[:, cols]).mean().item()
     return loss, m
 
 
 def train_step(policy, optimizer, rollouts: list[Rollout], advantages: torch.Tensor, ref_model, *,
                temperature: float, clip_eps: float, kl_beta: float, micro_batch_size: int,
                max_grad_norm: float, mu: int = 1, train_tokens: str = "large", top_k: int = 0,
-               top_p: float = 1.0, correction: str = "none", cap: float = 2.0) -> dict:
+               top_p: float = 1.0, correction: str = "none", cap: float = 2.0, policy_dist: str = "truncated") -> dict:
     """`mu` optimizer steps on P groups of rollouts with (P, G) advantages; returns metrics.
 
     Micro-batches of `micro_batch_size` sequences; each micro-batch loss is weighted by its share of
     the P*G sequences, so the accumulated gradient equals the full-batch gradient. Every log-prob (policy, old,
-    reference) is over the codes each rollout's sampler kept (Rollout.support), and the policy-gradient term is
-    weighted by sampler_correction(`correction`, `cap`) (grpo.py's default: token_truncate, 2.0).
+    reference) is under the trained distribution `policy_dist` (truncated: over the codes each rollout's sampler
+    kept, Rollout.support; full: the whole codebook), and the policy-gradient term is weighted by
+    sampler_correction(`correction`, `cap`) (grpo.py's default: token_truncate, 2.0).
     """
     # transformers only checkpoints in train mode; disable_dropout makes train and eval mode the same distribution
     policy.train(policy.is_activation_checkpointing)
@@ -879,13 +926,16 @@ def train_step(policy, optimizer, rollouts: list[Rollout], advantages: torch.Ten
                for r, adv in zip(rollouts, advantages)
                for rows in (slice(i, i + micro_batch_size) for i in range(0, len(adv), micro_batch_size))]
     n_seqs = advantages.numel()
+    def trained(support):  # the trained distribution's truncation: top_k, top_p, support
+        return (top_k, top_p, support) if policy_dist == "truncated" else (0, 1.0, None)
+
     with torch.no_grad():
         # with mu = 1 the old policy IS the current one, so old = logp.detach() below (ratio exactly 1, the clip
         # idles); with mu > 1 the old log-probs are frozen before the first update and the clip starts to act
-        olds = ([token_logprobs(policy, inp, tok, temperature, top_k, top_p, sup) for inp, tok, _, sup, *_ in batches]
+        olds = ([token_logprobs(policy, inp, tok, temperature, *trained(sup)) for inp, tok, _, sup, *_ in batches]
                 if mu > 1 else None)
-        refs = ([reference_logprobs(ref_model, inp, tok, temperature, top_k, top_p, sup)
-                 for inp, tok, _, sup, *_ in batches] if kl_beta > 0 else None)
+        refs = ([reference_logprobs(ref_model, inp, tok, temperature, *trained(sup)) for inp, tok, _, sup, *_ in batches]
+                if kl_beta > 0 else None)
     skipped, parts = 0, []  # parts: every micro-batch's metrics and share of the sequences, over all mu updates
     for _ in range(mu):
         optimizer.zero_grad(set_to_none=True)
@@ -895,7 +945,7 @@ def train_step(policy, optimizer, rollouts: list[Rollout], advantages: torch.Ten
                                        None if olds is None else olds[k], None if refs is None else refs[k],
                                        temperature=temperature, clip_eps=clip_eps, kl_beta=kl_beta,
                                        train_tokens=train_tokens, top_k=top_k, top_p=top_p, correction=correction,
-                                       cap=cap)
+                                       cap=cap, policy_dist=policy_dist)
             share = tokens.shape[0] / n_seqs  # micro-batch losses are means; weight them to a full-batch mean
             finite = finite and bool(torch.isfinite(loss))
             sync_gradients(policy, k == len(batches) - 1)  # FSDP + LoRA: reduce across processes after the last
@@ -991,7 +1041,7 @@ def main(argv: list[str] | None = None) -> dict:
                                          temperature=cfg.temperature, micro_batch_size=cfg.micro_batch_size,
                                          max_grad_norm=cfg.max_grad_norm, mu=cfg.mu, train_tokens=cfg.train_tokens,
                                          top_k=cfg.top_k, top_p=cfg.top_p, correction=cfg.sampler_correction,
-                                         cap=cfg.sampler_cap)
+                                         cap=cfg.sampler_cap, policy_dist=cfg.policy_dist)
                 run.log_step(r, step, groups, reward, each, advantages, [ro.tokens for ro in rollouts], metrics,
                              seconds)
             run.after_step(r, step, batch, images, reward)  # an image grid, a checkpoint, an evaluation when due

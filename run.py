@@ -346,11 +346,98 @@ def fail(message: str, code: int = 2) -> None:
 # ---- Set-up: processes, device, the model, the run directory --------------------------------------
 
 def start(r: Run) -> None:
-    """Quiet the libraries, start torchrun's processes (one per GPU; else rank 0 of 1) and pick the device and dtype."""
+    """Quiet the libraries, start torchrun's processes (one per GPU; else rank 0 of 1), pick the device and dtype, and
+    check that the model fits in the host's memory before minutes go into building or loading it."""
     quiet_libraries()  # after the checks: --help and bad input never wait for diffusers to import
     r.rank, r.world, r.device = start_processes(r.cfg.device)
     r.dtype = compute_settings(r.device, r.cfg.dtype, r.cfg.model)  # the real model in bf16 on GPUs
     r.autocast = torch.autocast(r.device.split(":")[0], dtype=torch.bfloat16, enabled=r.dtype == torch.bfloat16)
+    problem = host_memory_problem(r.cfg, r.device, r.dtype)
+    if problem:
+        fail(problem)
+
+
+# ---- Host memory, before the model is built or loaded --------------------------------------------
+
+COMPONENTS = ("vision_language_encoder", "transformer", "vae", "text_encoder")  # the pipeline's parts with weights
+
+
+def parameter_counts(model: str) -> dict[str, int] | None:
+    """{"total", "ar", "ar_trained" (the language model and lm_head: what full fine-tuning trains), "dit"} parameters
+    of --model: 'random[:L]' counted on the meta device (no memory), a folder (or the hub's local cache) from its
+    safetensors headers; None where it cannot be told without loading (a hub id not downloaded yet, 'tiny')."""
+    if model.split(":")[0] == "random":
+        from offline_model import PUBLISHED, glm_image, with_depths
+        layers = int(model[len("random:"):]) if ":" in model else None
+        pipe = glm_image(with_depths(PUBLISHED, layers, layers, layers, layers) if layers else PUBLISHED, device="meta")
+        named = {part: dict(getattr(pipe, part).named_parameters()) for part in COMPONENTS}
+        counts = {part: {name: p.numel() for name, p in params.items()} for part, params in named.items()}
+    else:
+        folder = Path(model)
+        if not folder.is_dir() and model != "tiny":
+            with contextlib.suppress(Exception):
+                from huggingface_hub import snapshot_download
+                folder = Path(snapshot_download(model, local_files_only=True))
+        if model == "tiny" or not folder.is_dir():
+            return None
+        counts = {part: safetensors_counts(folder / part) for part in COMPONENTS}
+    ar = counts["vision_language_encoder"]
+    trained = sum(n for name, n in ar.items() if "language_model." in name or name.startswith("lm_head."))
+    return {"total": sum(sum(c.values()) for c in counts.values()), "ar": sum(ar.values()), "ar_trained": trained,
+            "dit": sum(counts["transformer"].values())}
+
+
+def safetensors_counts(folder: Path) -> dict[str, int]:
+    """{tensor name: elements} of every .safetensors file in `folder`, read from their headers (8 bytes of length, then
+    JSON): nothing is loaded."""
+    counts = {}
+    for path in sorted(folder.glob("*.safetensors")):
+        with open(path, "rb") as f:
+            header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+        counts.update({name: math.prod(t["shape"]) for name, t in header.items() if name != "__metadata__"})
+    return counts
+
+
+def available_host_memory() -> int:
+    """Bytes this process can still take: /proc/meminfo's MemAvailable, or a cgroup's limit if that is lower."""
+    available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    with contextlib.suppress(OSError, ValueError):
+        available = int(re.search(r"MemAvailable:\s+(\d+) kB", Path("/proc/meminfo").read_text())[1]) * 1024
+    with contextlib.suppress(OSError, ValueError):
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        if limit != "max":
+            used = int(Path("/sys/fs/cgroup/memory.current").read_text())
+            available = min(available, int(limit) - used)
+    return available
+
+
+def host_memory_problem(cfg, device: str, dtype: torch.dtype) -> str | None:
+    """What stops the run before the model is built or loaded, if the host cannot hold it (the memory plan's terms
+    that live on the host, tools/memory_plan.py): on the CPU every weight in `dtype`, and for full fine-tuning the
+    trained weights in float32 with their gradients and AdamW's two moments (16 bytes a parameter) and the KL
+    reference's copy; on a GPU only what loading passes through the host (one copy of the weights per process of this
+    machine; 'random' is built on the GPU itself). Activations come on top. None when it fits or cannot be told."""
+    counts = None if device.startswith("cuda") and cfg.model.startswith("random") else parameter_counts(cfg.model)
+    if counts is None:
+        return None
+    size = torch.finfo(dtype).bits // 8
+    if device.startswith("cuda"):
+        need, what = counts["total"] * size * int(os.environ.get("LOCAL_WORLD_SIZE", 1)), "its weights, while loading"
+    else:
+        trained = counts["ar_trained"] if cfg.train == "ar" else counts["dit"]
+        full = cfg.lora_rank == 0
+        need = counts["total"] * size + full * trained * (16 - size)
+        need += full * (cfg.kl_beta > 0) * (counts["ar"] if cfg.train == "ar" else counts["dit"]) * size
+        what = f"its {counts['total'] / 1e9:.1f}B parameters in {str(dtype)[6:]}" + (
+            ", with AdamW's state for full fine-tuning" if full else "")
+    available = available_host_memory()
+    if need <= available:
+        return None
+    levers = [(f"--model {cfg.model.split(':')[0]}:2 (2 layers a part)", cfg.model.startswith("random")),
+              ("--dtype bfloat16", dtype == torch.float32), ("--lora-rank 16", cfg.lora_rank == 0),
+              ("a GPU (--device cuda)", not device.startswith("cuda")), ("a machine with more memory", True)]
+    return (f"--model {cfg.model} needs about {need / 1e9:.1f} GB of host memory ({what}) and this machine has "
+            f"{available / 1e9:.1f} GB free; use {', '.join(lever for lever, applies in levers if applies)}")
 
 
 def quiet_libraries() -> None:

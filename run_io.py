@@ -191,14 +191,19 @@ def plot_curves(out: Path) -> Path:
                         (2, [k for k in (evals[0] if evals else {}) if k.startswith("eval/reward/")])):
         for key in keys:
             axes[panel].plot([r["step"] for r in evals], [r[key] for r in evals], marker="o", label=key[5:])
-    for panel, key, scale in ((3, "kl", 1), (4, "clip_frac", 1), (5, "zero_std_groups", None)):
+    # the KL panel: the loss's (over the trained distribution) and, where logged, the full softmaxes' (which a one-code
+    # nucleus does not hide)
+    for panel, key, scale, name in ((3, "kl", 1, "the loss's"), (3, "kl_untruncated", 1, "untruncated"),
+                                    (4, "clip_frac", 1, ""), (5, "zero_std_groups", None, "")):
         values = np.array([r.get(key, np.nan) / (scale or len(r["prompts"])) for r in train], dtype=float)
+        if key == "kl_untruncated" and np.isnan(values).all():
+            continue
         if len(values) and np.nanmax(np.abs(values), initial=0.0) == 0:  # e.g. KL with --kl-beta 0, the clip with mu 1
             axes[panel].text(0.5, 0.6, "0 at every step", ha="center", transform=axes[panel].transAxes, color="gray")
-        axes[panel].plot(x, values, lw=0.8, alpha=0.6, label="each step")
-        axes[panel].plot(x, smooth(values), lw=2, label="mean of the last 20 steps")
+        axes[panel].plot(x, values, lw=0.8, alpha=0.6, label=f"{name}, each step".lstrip(", "))
+        axes[panel].plot(x, smooth(values), lw=2, label=f"{name}, mean of the last 20 steps".lstrip(", "))
     titles = ["training reward", "eval reward (held-out prompts, fixed seeds)", "eval reward by category",
-              "KL to the reference (k3)", "clip fraction", "share of groups with no spread (no signal)"]
+              "KL to the reference (k3 per token)", "clip fraction", "share of groups with no spread (no signal)"]
     for ax, title in zip(axes, titles):
         ax.set_title(title, fontsize=10)
         ax.set_xlabel("step")

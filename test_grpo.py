@@ -19,6 +19,7 @@ import types
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 from PIL import Image
 
 import grpo
@@ -172,18 +173,57 @@ def test_decode_static_cache(pipe, monkeypatch):
         assert torch.equal(r.tokens, tokens) and (r.logprobs - logprobs).abs().max() <= 1e-5
 
 
-def test_sample_groups(pipe):
+def test_sample_groups(random_pipe):
     """One decode of several prompts of different lengths (left-padded), editing beside text-to-image: each group's
-    tokens equal sampling it alone with its seed, log-probs within 1e-5, the inputs are the group's own."""
+    tokens equal sampling it alone with its seed, log-probs within 1e-5, the inputs are the group's own. On the random
+    model (not peaked: a sampled token's probability is small, so a wrong row, position or generator changes it)."""
+    pipe = random_pipe
     prompts = ["a red circle", "two blue squares above a green triangle on the left", "make it red"]
-    sources = [None, None, smooth_source(96, 96)]
-    together = grpo.sample_groups(pipe, prompts, 3, 96, 96, T, [11, 12, 13], sources, top_p=0.9)
+    sources = [None, None, smooth_source(64, 64)]
+    together = grpo.sample_groups(pipe, prompts, 3, 64, 64, T, [11, 12, 13], sources)
     assert len({r.inputs["input_ids"].shape[1] for r in together}) == 3  # three prompt lengths
+    assert all(r.logprobs.exp().mean() < 0.2 for r in together)  # no token is forced: the check has teeth
     for prompt, source, seed, r in zip(prompts, sources, [11, 12, 13], together):
-        alone = grpo.sample_group(pipe, prompt, 3, 96, 96, T, seed, source, top_p=0.9)
+        alone = grpo.sample_group(pipe, prompt, 3, 64, 64, T, seed, source)
         assert torch.equal(r.tokens, alone.tokens) and (r.logprobs - alone.logprobs).abs().max() <= 1e-5
         assert torch.equal(r.inputs["input_ids"], alone.inputs["input_ids"]) and r.large_hw == alone.large_hw
         assert r.preview_hw == alone.preview_hw and (r.source is None) == (source is None)
+
+
+def test_decode_eager_attention(random_pipe):
+    """The sampler's distribution whatever the attention implementation: with eager attention (which ADDS a 4D mask to
+    the scores, where sdpa reads a bool one as "attend where True"), prompts of different lengths left-padded in one
+    decode keep sampler and trainer within 1e-5; an implementation that cannot take the mask is refused."""
+    pipe = copy.deepcopy(random_pipe)
+    ar = pipe.vision_language_encoder
+    ar.set_attn_implementation("eager")
+    assert ar.config.text_config._attn_implementation == "eager"
+    prompts = ["a red circle", "two blue squares above a green triangle on the left"]
+    for r in grpo.sample_groups(pipe, prompts, 2, 64, 64, T, [1, 2]):
+        with torch.no_grad():
+            trainer = grpo.token_logprobs(ar, r.inputs, r.tokens, T)
+        assert (trainer - r.logprobs).abs().max() <= PARITY
+    ar.config.text_config._attn_implementation = "flash_attention_2"
+    with pytest.raises(ValueError, match="sdpa or eager attention"):
+        grpo.sample_groups(pipe, prompts, 2, 64, 64, T, [1, 2])
+
+
+def test_repeat_step(pipe, monkeypatch):
+    """A CUDA graph is captured only for a step of fixed shapes: decode asks for it exactly when its cache is static,
+    and repeat_step runs every step eagerly otherwise (a growing cache syncs with the host: not capturable)."""
+    asked = []
+    monkeypatch.setattr(grpo, "repeat_step", lambda step, n, generators, capture=True: asked.append(capture))
+    ids = torch.tensor([[5, 6]], device=DEVICE)
+    for static in (False, True):
+        grpo.decode(pipe.vision_language_encoder, ids, torch.ones_like(ids, dtype=torch.bool),
+                    torch.arange(4, device=DEVICE).expand(3, 1, 4), 2, T, 0, 1.0, [torch.Generator(DEVICE)],
+                    static=static)
+    assert asked == [False, True]
+    monkeypatch.undo()
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", lambda: pytest.fail("a graph was captured"))
+    calls, cuda = [], types.SimpleNamespace(device=torch.device("cuda"))
+    grpo.repeat_step(lambda: calls.append(1), 5, [cuda], capture=False)
+    assert len(calls) == 5
 
 
 def test_code_logprobs_truncation():
@@ -261,12 +301,15 @@ def test_sampler_correction():
     weights, m = grpo.sampler_correction(old, sampled, "token_truncate", cap)
     assert m["sampling/sampling_logp_difference/max"] == 1.0
     assert m["sampling/sampling_logp_difference/mean"] == pytest.approx(2.5 / 6)
-    assert m["sampling/importance_sampling_ratio/max"] == pytest.approx(math.e)
+    assert m["sampling/raw_importance_sampling_ratio/max"] == pytest.approx(math.e)  # before the cap
+    assert m["sampling/raw_importance_sampling_ratio/min"] == pytest.approx(math.exp(-1))
+    assert m["sampling/importance_sampling_ratio/max"] == pytest.approx(cap)  # the weights applied, as TRL logs them
     assert m["sampling/importance_sampling_ratio/min"] == pytest.approx(math.exp(-1))
     assert m["sampling/k3_kl"] == pytest.approx(((d.exp() - 1 - d).sum() / 6).item())
     assert m["sampling/capped_frac"] == pytest.approx(2 / 6)  # e^0.5 and e^1 exceed 1.5
     _, seq = grpo.sampler_correction(old, sampled, "sequence_mask", cap)
-    assert seq["sampling/importance_sampling_ratio/max"] == pytest.approx(math.e)  # the sequence's product
+    assert seq["sampling/raw_importance_sampling_ratio/max"] == pytest.approx(math.e)  # the sequence's product
+    assert seq["sampling/importance_sampling_ratio/max"] == pytest.approx(math.exp(-0.5))  # e is masked to 0
     assert grpo.sampler_correction(old, old, "token_truncate", cap)[0].eq(1).all()  # an exact sampler: weight 1
 
 
@@ -816,10 +859,13 @@ def test_select_rows(pipe):
     assert part["images_per_sample"].tolist() == [2, 2]
 
 
-def grads_after_step(pipe, rollouts, advantages, micro_batch_size, **kw):
+def grads_after_step(pipe, rollouts, advantages, micro_batch_size, kl_beta=0.0, lr=0.0, **kw):
+    """The gradient of train_step's last update (SGD at `lr`, no clipping) on a copy of the AR, and its metrics; with
+    kl_beta > 0 the reference is the AR as it was."""
     policy = copy.deepcopy(pipe.vision_language_encoder)
-    opt = torch.optim.SGD([p for p in policy.parameters() if p.requires_grad], lr=0.0)
-    m = grpo.train_step(policy, opt, rollouts, advantages, None, temperature=T, clip_eps=0.2, kl_beta=0.0,
+    opt = torch.optim.SGD([p for p in policy.parameters() if p.requires_grad], lr=lr)
+    ref = grpo.reference_model(policy, kl_beta)
+    m = grpo.train_step(policy, opt, rollouts, advantages, ref, temperature=T, clip_eps=0.2, kl_beta=kl_beta,
                         micro_batch_size=micro_batch_size, max_grad_norm=math.inf, **kw)
     return {n: p.grad.clone() for n, p in policy.named_parameters() if p.grad is not None}, m
 
@@ -852,17 +898,19 @@ def test_micro_batch_loss(random_pipe):
 def test_micro_batch_loss_correction(pipe):
     """The corrected loss against its formula for every --sampler-correction mode, with a sampler that disagrees with
     the trainer (its log-probs perturbed): grpo_loss of the trainer's log-probs (over the sampler's support) with the
-    weights exp(old - sampled) over the loss's tokens, per token or per sequence, truncated or masked at the cap."""
+    weights exp(old - sampled), per token over the loss's tokens, or per sequence over ALL its sampled tokens (the
+    preview conditions the large grid), truncated or masked at the cap; the mismatch is logged over all tokens."""
     r = grpo.sample_group(pipe, "two blue squares", 4, 64, 64, T, seed=3, top_p=0.9)
     sampled = r.logprobs + 0.3 * torch.randn(r.logprobs.shape, generator=torch.Generator().manual_seed(0)).to(DEVICE)
     adv, n_preview, ar = torch.tensor([1.0, -1.0, 0.5, -0.5]), r.preview_hw[0] * r.preview_hw[1], pipe.vision_language_encoder
     with torch.no_grad():
-        logp = grpo.token_logprobs(ar, r.inputs, r.tokens, T, 0, 0.9, r.support)[:, n_preview:]
-    d = logp - sampled[:, n_preview:]
+        logp = grpo.token_logprobs(ar, r.inputs, r.tokens, T, 0, 0.9, r.support)
+    d_all = logp - sampled  # (G, N)
+    d, seq = d_all[:, n_preview:], d_all.sum(1, keepdim=True)
     cap = 1.2
     by_hand = {"none": torch.ones_like(d), "token_truncate": d.exp().clamp(max=cap),
-               "token_mask": d.exp() * (d.exp() <= cap), "sequence_truncate": d.sum(1, keepdim=True).exp().clamp(max=cap),
-               "sequence_mask": d.sum(1, keepdim=True).exp() * (d.sum(1, keepdim=True).exp() <= cap)}
+               "token_mask": d.exp() * (d.exp() <= cap), "sequence_truncate": seq.clamp(max=20).exp().clamp(max=cap),
+               "sequence_mask": seq.clamp(max=20).exp() * (seq.exp() <= cap)}
     for mode, weights in by_hand.items():
         with torch.no_grad():
             loss, m = grpo.micro_batch_loss(ar, r.inputs, r.tokens, sampled, r.support, adv, n_preview, None, None,
@@ -870,22 +918,127 @@ def test_micro_batch_loss_correction(pipe):
                                             top_p=0.9, correction=mode, cap=cap)
         want = (-(weights * adv[:, None])).mean()  # ratio 1 at the first update: the surrogate is A
         assert loss.item() == pytest.approx(want.item(), abs=1e-5), mode
-        assert m["sampling/sampling_logp_difference/max"] == pytest.approx(d.abs().max().item(), abs=1e-5)
+        assert m["sampling/sampling_logp_difference/max"] == pytest.approx(d_all.abs().max().item(), abs=1e-5)
     assert 0 < by_hand["token_mask"].eq(0).float().mean() < 1  # the cap acted on some tokens, not all
 
 
-def test_main_sampler_correction(tmp_path):
-    """In float32 the correction changes nothing: the default (token_truncate) and none train to weights within 1e-6;
-    the metrics lines carry TRL's mismatch names, and no sampled token falls outside the support."""
-    runs = {}
+def shifted(r, cols, delta):
+    """Rollout `r` as a sampler that disagrees with the trainer: its log-probs moved by -delta on the columns `cols`
+    (r = pi_old / pi_sampler = e^delta there)."""
+    logprobs = r.logprobs.clone()
+    logprobs[:, cols] -= delta
+    return r._replace(logprobs=logprobs)
+
+
+def test_train_step_correction(random_pipe):
+    """A real sampler gap, injected: the gradient of each --sampler-correction mode is the uncorrected gradient times
+    its weight (KL off, first update: ratio 1). A gap of +0.3 nats on the large grid: token_truncate weighs e^0.3,
+    a gap of -0.3 weighs e^-0.3 (the direction), 1.0 is cut to the cap 2 (truncate) or to 0 (mask). A gap on the
+    PREVIEW tokens only (outside the loss): token modes are untouched, sequence modes see it (the preview conditions
+    the large grid): its sum over 256 tokens is cut to 2 (truncate) or masks the sequence (0)."""
+    r = grpo.sample_group(random_pipe, "a red circle", 4, 64, 64, T, seed=1)
+    n_preview = r.preview_hw[0] * r.preview_hw[1]
+    adv = torch.tensor([[1.0, -1.0, 0.5, -0.5]])
+    base, _ = grads_after_step(random_pipe, [r], adv, 2)
+    for cols, delta, mode, factor in [(slice(n_preview, None), 0.3, "token_truncate", math.exp(0.3)),
+                                      (slice(n_preview, None), -0.3, "token_truncate", math.exp(-0.3)),
+                                      (slice(n_preview, None), 1.0, "token_truncate", 2.0),
+                                      (slice(n_preview, None), 1.0, "token_mask", 0.0),
+                                      (slice(n_preview, None), -0.3, "token_mask", math.exp(-0.3)),
+                                      (slice(0, n_preview), 0.1, "token_truncate", 1.0),
+                                      (slice(0, n_preview), 0.1, "sequence_truncate", 2.0),
+                                      (slice(0, n_preview), 0.1, "sequence_mask", 0.0),
+                                      (slice(0, n_preview), -0.01, "sequence_truncate", math.exp(-0.01 * n_preview)),
+                                      (slice(n_preview, None), 1.0, "none", 1.0)]:
+        grads, m = grads_after_step(random_pipe, [shifted(r, cols, delta)], adv, 2, correction=mode)
+        diff = torch.sqrt(sum(((grads[k] - factor * g) ** 2).sum() for k, g in base.items()))
+        assert diff <= 1e-5 * torch.sqrt(sum((g ** 2).sum() for g in base.values())), (mode, delta)
+        # the largest ratio before the cap: a sequence's sum over all its tokens (exp capped at e^20), else a token's
+        # (the untouched tokens have 1)
+        level = min(delta * n_preview, 20) if mode.startswith("sequence") else max(delta, 0)
+        assert m["sampling/raw_importance_sampling_ratio/max"] == pytest.approx(math.exp(level), rel=1e-4)
+        raw, applied = m["sampling/raw_importance_sampling_ratio/max"], "sampling/importance_sampling_ratio"
+        if mode.endswith("truncate"):  # logged after the cap, as TRL logs them
+            assert m[f"{applied}/max"] == pytest.approx(min(raw, 2.0), rel=1e-5)
+        if mode.endswith("mask"):
+            assert (m[f"{applied}/min"] == 0.0) == (raw > 2.0)
+
+
+def test_main_sampler_correction(tmp_path, monkeypatch):
+    """The CLI with a sampler that is 0.5 nats off on every token (injected into decode): the metrics lines carry
+    TRL's names, the weights logged after the cap (e^0.5 cut to --sampler-cap 1.2) and the ratio before it, the
+    capped share, and the k3 KL of the gap (the gradients each mode gives: test_train_step_correction)."""
+    decode = grpo.decode
+
+    def off_by_half(*args, **kw):
+        tokens, logprobs, support = decode(*args, **kw)
+        return tokens, logprobs - 0.5, support
+
+    monkeypatch.setattr(grpo, "decode", off_by_half)
     for mode in ("token_truncate", "none"):
-        tiny_run(tmp_path, tmp_path / mode, "--steps", "2", "--top-p", "0.9", "--lr", "1e-3",
-                 "--sampler-correction", mode)
-        runs[mode] = run_io.read_checkpoint(tmp_path / mode / "checkpoint.pt")["weights"]
+        tiny_run(tmp_path, tmp_path / mode, "--steps", "1", "--sampler-correction", mode, "--sampler-cap", "1.2")
         line = run_record(tmp_path / mode)[0]
-        assert line["sampling/sampling_logp_difference/max"] <= 1e-5 and line["outside_truncation"] == 0
-        assert abs(line["sampling/importance_sampling_ratio/mean"] - 1) < 1e-5 and line["sampling/k3_kl"] < 1e-7
-    assert max((runs["token_truncate"][k] - v).abs().max().item() for k, v in runs["none"].items()) < 1e-6
+        assert line["sampling/sampling_logp_difference/max"] == pytest.approx(0.5, abs=1e-5)
+        assert line["sampling/raw_importance_sampling_ratio/max"] == pytest.approx(math.exp(0.5), rel=1e-4)
+        assert line["sampling/k3_kl"] == pytest.approx(math.exp(0.5) - 1.5, rel=1e-4)
+        want = 1.2 if mode == "token_truncate" else 1.0
+        assert line["sampling/importance_sampling_ratio/max"] == pytest.approx(want, rel=1e-5)
+        assert line["sampling/capped_frac"] == (1.0 if mode == "token_truncate" else 0.0)
+
+
+def narrowed(r, K):
+    """Rollout `r` with each token's support cut to the sampled code alone (a one-code nucleus)."""
+    return r._replace(support=grpo.support_bits(F.one_hot(r.tokens, K).bool()))
+
+
+def widened(r, K):
+    """Rollout `r` with every code in every token's support (no truncation at all)."""
+    return r._replace(support=grpo.support_bits(torch.ones(*r.tokens.shape, K, dtype=torch.bool,
+                                                           device=r.tokens.device)))
+
+
+@pytest.mark.parametrize("kl_beta", [0.0, 0.1], ids=["no-kl", "kl"])
+def test_train_step_follows_support(random_pipe, kl_beta):
+    """Policy, old and reference log-probs and the loss follow the support the rollout carries, not the trainer's
+    own nucleus: widened to every code, the step equals an untruncated one (top-p 1, no support); narrowed to the
+    sampled code, every log-prob is 0, so no gradient at all (KL on or off) and a one-code share of 1; with
+    --policy-dist full the support is ignored (the full softmax), whatever it holds."""
+    K = random_pipe.vision_language_encoder.config.vq_config.num_embeddings
+    r = grpo.sample_group(random_pipe, "a red circle", 4, 64, 64, T, seed=2, top_p=0.75)
+    adv = torch.tensor([[1.0, -1.0, 0.5, -0.5]])
+    kw = dict(kl_beta=kl_beta, mu=2, train_tokens="all", top_p=0.75, lr=1.0)
+    plain, m_plain = grads_after_step(random_pipe, [r._replace(support=None)], adv, 2, **{**kw, "top_p": 1.0})
+    wide, m_wide = grads_after_step(random_pipe, [widened(r, K)], adv, 2, **kw)
+    assert wide.keys() == plain.keys() and all(torch.allclose(wide[k], plain[k], atol=1e-7) for k in plain)
+    for key in ("loss", "kl", "ratio_min", "ratio_max", "large/logprob", "no_gradient_frac"):
+        assert m_wide[key] == pytest.approx(m_plain[key], abs=1e-6), key
+    narrow, m_narrow = grads_after_step(random_pipe, [narrowed(r, K)], adv, 2, **kw)
+    assert all(g.abs().max() == 0 for g in narrow.values()) and m_narrow["no_gradient_frac"] == 1.0
+    assert m_narrow["ratio_min"] == m_narrow["ratio_max"] == 1.0 and m_narrow["kl"] == 0.0
+    full = {k: grads_after_step(random_pipe, [rollout], adv, 2, **kw, policy_dist="full")[0]
+            for k, rollout in (("wide", widened(r, K)), ("narrow", narrowed(r, K)))}
+    assert all(torch.equal(full["wide"][k], full["narrow"][k]) for k in full["wide"])
+    assert any(g.abs().max() > 0 for g in full["narrow"].values())
+
+
+def test_train_step_kl_untruncated(random_pipe):
+    """The KL that shows drift: against a reference that differs from the policy, a one-code nucleus makes the loss's
+    `kl` 0 on every token, while `kl_untruncated` (k3 of the full softmaxes) equals its hand computation, > 0."""
+    K = random_pipe.vision_language_encoder.config.vq_config.num_embeddings
+    r = narrowed(grpo.sample_group(random_pipe, "a red circle", 4, 64, 64, T, seed=2, top_p=0.75), K)
+    policy = copy.deepcopy(random_pipe.vision_language_encoder)
+    with torch.no_grad():
+        policy.lm_head.weight.mul_(1.5)  # a policy that drifted from the reference
+    opt = torch.optim.SGD([p for p in policy.parameters() if p.requires_grad], lr=0.0)
+    m = grpo.train_step(policy, opt, [r], torch.tensor([[1.0, -1.0, 0.5, -0.5]]), random_pipe.vision_language_encoder,
+                        temperature=T, clip_eps=0.2, kl_beta=0.1, micro_batch_size=4, max_grad_norm=math.inf,
+                        top_p=0.75)
+    n_preview = r.preview_hw[0] * r.preview_hw[1]
+    with torch.no_grad():
+        logp = grpo.token_logprobs(policy, r.inputs, r.tokens, T)[:, n_preview:]
+        ref = grpo.token_logprobs(random_pipe.vision_language_encoder, r.inputs, r.tokens, T)[:, n_preview:]
+    assert m["kl"] == 0.0 and m["kl_untruncated"] == pytest.approx(grpo.k3_kl(logp, ref).mean().item(), rel=1e-5)
+    assert m["kl_untruncated"] > 1e-3
 
 
 def test_train_step_micro_batching(pipe):
@@ -1047,7 +1200,10 @@ def test_main_truncated_sampling(tmp_path, flags):
     grpo.main([*TINY, "--height", "96", "--width", "96", "--prompts", str(prompts), "--out", str(out), "--steps", "2",
                "--lora-rank", "4", "--kl-beta", "0.04", "--lr", "1e-3", "--mu", "2", *flags])
     lines = run_record(out)
-    assert lines[0]["sampler_gap"] <= 1e-5 and lines[0]["outside_truncation"] == 0 and lines[0]["ratio_min"] <= 1
+    assert lines[0]["sampler_gap"] <= 1e-5 and lines[0]["outside_truncation"] == 0
+    # a second update sees the first one's change (where a group has spread: at top-p 0.75 the pre-trained model's
+    # first group here is 4 copies of one picture, every large-grid token a one-code nucleus)
+    assert max(x["ratio_max"] - x["ratio_min"] for x in lines) > 1e-3
     assert all(math.isfinite(x["loss"]) and x["skipped"] == 0 for x in lines)
     single = tmp_path / "single"
     grpo.main([*TINY, "--height", "96", "--width", "96", "--prompts", str(prompts), "--out", str(single), "--steps", "1",
@@ -1208,7 +1364,8 @@ def test_apply_lora():
     assert ref is policy  # no second copy
     with torch.no_grad():
         base_lp = grpo.token_logprobs(base, r.inputs, r.tokens, T)
-    assert (grpo.reference_logprobs(ref, r.inputs, r.tokens, T) - base_lp).abs().max() <= 1e-5
+    for ref_lp in grpo.reference_logprobs(ref, r.inputs, r.tokens, T):  # over the policy's distribution, and full
+        assert (ref_lp - base_lp).abs().max() <= 1e-5
     assert (base_lp - r.logprobs).abs().max() > 1e-3  # the adapter matters
     opt = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=1e-3)
     m = grpo.train_step(policy, opt, [r], torch.tensor([[1.0, -1.0, 0.5, -0.5]]), ref, temperature=T,

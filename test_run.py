@@ -428,6 +428,40 @@ def test_main_out_of_memory_setup(tmp_path, monkeypatch, capsys, where):
         assert snapshot(tmp_path / "run") == before
 
 
+def test_parameter_counts():
+    """The parameters of --model told without loading it: a folder's from its safetensors headers (the tiny model's
+    equal its loaded modules'), 'random:L' from the meta device (no memory), 'tiny' and an id not downloaded: None."""
+    folder = fresh_pipe()
+    counts = run.parameter_counts(str(grpo.TINY))
+    ar = folder.vision_language_encoder
+    parts = (ar, folder.transformer, folder.vae, folder.text_encoder)
+    assert counts["total"] == sum(p.numel() for part in parts for p in part.parameters())
+    assert counts["ar"] == sum(p.numel() for p in ar.parameters())
+    assert counts["ar_trained"] == sum(p.numel() for p in ar.model.language_model.parameters()) + ar.lm_head.weight.numel()
+    assert counts["dit"] == sum(p.numel() for p in folder.transformer.parameters())
+    random1 = run.parameter_counts("random:1")  # the published widths: a 168064 x 4096 embedding alone is 0.69B
+    assert 1.5e9 < random1["total"] < 2.5e9 and random1["ar_trained"] > 0.7e9
+    assert run.parameter_counts("tiny") is None and run.parameter_counts("nobody/not-downloaded") is None
+
+
+def test_main_host_memory(tmp_path, monkeypatch, capsys):
+    """A model the host cannot hold stops in one line before it is built or loaded (what it needs, what is free, the
+    levers), exit 2, nothing written; the published model in float32 on this CPU needs about 71 GB."""
+    prompts = write_example(tmp_path, ["a gray square | t.png"])
+    monkeypatch.setattr(run, "available_host_memory", lambda: 2 * 10 ** 9)
+    monkeypatch.setattr(grpo, "load_glm_image", lambda *a, **k: pytest.fail("built the model anyway"))
+    args = ["--prompts", str(prompts), "--out", str(tmp_path / "run"), "--device", "cpu", "--steps", "1"]
+    err = expect_exit([*args, "--model", "random:1"], 2, "of host memory", capsys)
+    assert "and this machine has 2.0 GB free" in err and "--model random:2" in err and "--dtype bfloat16" in err
+    assert not (tmp_path / "run").exists()
+    need = float(re.search(r"needs about ([\d.]+) GB", expect_exit([*args, "--model", "random"], 2, "", capsys))[1])
+    assert 65 < need < 75  # 17.7B parameters x 4 bytes
+    full = expect_exit([*args, "--model", "random:1", "--lora-rank", "0", "--kl-beta", "0.1"], 2, "AdamW", capsys)
+    assert "--lora-rank 16" in full
+    monkeypatch.setattr(run, "available_host_memory", lambda: 10 ** 12)
+    assert run.host_memory_problem(grpo.parse_config(["--model", "random:1"]), "cpu", torch.float32) is None
+
+
 def test_resume_damaged_run(tmp_path, capsys):
     """--resume with a truncated or foreign checkpoint.pt or config.json, or a damaged metrics line: exit 2, one line
     naming the file, nothing changed. --steps equal to the steps done: nothing to do (exit 0); below: refused; a

@@ -92,7 +92,7 @@ def phases(pipe, policy, rows):
     with torch.no_grad():
         t, _ = timed(lambda: grpo.token_logprobs(policy, r.inputs, r.tokens, T))
     rows.append(("phase: old log-probs (no grad)", f"{t:.3f} s"))
-    t, _ = timed(lambda: grpo.reference_logprobs(ref, r.inputs, r.tokens, T))
+    t, _ = timed(lambda: grpo.reference_logprobs(ref, r.inputs, r.tokens, T))  # (policy's, full softmax's)
     rows.append(("phase: ref log-probs (no grad)", f"{t:.3f} s"))
     adv = grpo.group_advantages(rewards)[0]
     t_fwd, logp = timed(lambda: grpo.token_logprobs(policy, r.inputs, r.tokens, T))
@@ -421,7 +421,8 @@ def gap_rows(pipe, name, group, size, top_p, emit_row, train_tokens="large"):
                  "replayed", f"{outside} of {own.numel()} -> {int((~replayed.isfinite()).sum())}")
         emit_row(f"{name}, {logits} logits: token ratios min / max; tokens > 2; sequences' log-ratio (large grid) "
                  "min / max; sequences with ratio > 2 (sequence_mask at 2 would drop them)",
-                 f"{m['sampling/importance_sampling_ratio/min']:.3f} / {m['sampling/importance_sampling_ratio/max']:.3f}; "
+                 f"{m['sampling/raw_importance_sampling_ratio/min']:.3f} / "
+                 f"{m['sampling/raw_importance_sampling_ratio/max']:.3f}; "
                  f"{m['sampling/capped_frac']:.2%}; {seq.min():.2f} / {seq.max():.2f}; "
                  f"{int((seq > math.log(2)).sum())} of {len(seq)}")
         if hook is not None:
