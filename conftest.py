@@ -48,8 +48,10 @@ def sharp_pipe():
 @pytest.fixture(scope="module")
 def random_pipe():
     """The randomly initialised tiny model built in code: its samples differ from one seed to the next (the trained
-    one draws the same blank picture for a prompt it cannot read, whatever the seed)."""
-    return tiny_glm_image(0).to(DEVICE)
+    one draws the same blank picture for a prompt it cannot read, whatever the seed). Frozen and in eval mode as
+    load_glm_image leaves a model (built in code it starts in train mode, where its DiT and VAE draw from the global
+    RNG: the same tokens would decode to other pictures)."""
+    return grpo.only_ar_trains(tiny_glm_image(0)).to(DEVICE)
 
 
 # ---- helpers ------------------------------------------------------------------------------------

@@ -108,6 +108,8 @@ class Config:
                              ("group", "batch", "none"))
     kl_beta: float | None = arg(None, "weight of the k3 KL to the reference (default 0 tiny, 0.04 real)")
     mu: int = arg(1, "policy updates per batch of rollouts")
+    diversity: float = arg(0.0, "share a positive advantage among the group's samples with the same large grid: "
+                                "divided by their count ** diversity (0: off, 1: each distinct layout one share)")
     temperature: float = arg(0.9, "sampling temperature (GLM-Image: 0.9)")
     top_p: float | None = arg(None, "nucleus sampling, scored exactly: the fewest codes with probability >= p "
                                     "(default 1.0 tiny: off; 0.75 real: GLM-Image's)")
@@ -614,11 +616,17 @@ def token_logits(model, inputs: dict, tokens: torch.Tensor) -> torch.Tensor:
 
 # ---- 5. Decoding tokens to images ---------------------------------------------------------------
 
+def large_grid(tokens: torch.Tensor, large_hw: tuple[int, int]) -> torch.Tensor:
+    """(G, N) AR tokens -> (G, hw) the large grid: the last h*w tokens, the only ones the DiT sees (in the tiny
+    world, one token a cell: the picture's layout)."""
+    return tokens[:, -large_hw[0] * large_hw[1]:]
+
+
 def prior_ids(tokens: torch.Tensor, large_hw: tuple[int, int]) -> torch.Tensor:
-    """(G, N) AR tokens -> (G, 4hw) the DiT's prior ids: the large grid (the last h*w tokens; the preview never
-    reaches the DiT), upsampled 2x (nearest) to the DiT's H/16 x W/16 grid."""
+    """(G, N) AR tokens -> (G, 4hw) the DiT's prior ids: the large grid (the preview never reaches the DiT),
+    upsampled 2x (nearest) to the DiT's H/16 x W/16 grid."""
     G, (h, w) = tokens.shape[0], large_hw
-    large = tokens[:, -h * w:].reshape(G, 1, h, w)  # (G, 1, H/32, W/32)
+    large = large_grid(tokens, large_hw).reshape(G, 1, h, w)  # (G, 1, H/32, W/32)
     return F.interpolate(large.float(), scale_factor=2, mode="nearest").long().reshape(G, -1)  # (G, 4hw) at H/16
 
 
@@ -730,12 +738,30 @@ def group_advantages(rewards: torch.Tensor, eps: float = 1e-6, scale: str = "gro
     return torch.where(spread, (rewards - mean) / std.clamp_min(torch.finfo(std.dtype).tiny), torch.zeros_like(rewards))
 
 
-def score(images: list[torch.Tensor], batch: list[dict], rewards: dict, scale: str = "group") -> tuple:
+def diversity_shaping(advantages: torch.Tensor, grids: list[torch.Tensor], strength: float) -> torch.Tensor:
+    """(P, G) advantages and each group's (G, n) large grids -> (P, G) advantages whose positive entries are divided
+    by c^strength, c the number of the group's samples that drew the same large grid (1 when unique).
+
+    Why: the policy gradient raises a layout's logit in proportion to how often it is sampled, so among equally right
+    layouts the likeliest gains most and the group collapses onto it (GRPO with beta 0: 7.7 distinct layouts of 8 ->
+    3.9). At strength 1 each distinct right layout gets the same total push however often it was drawn, so their
+    proportions are kept (DiverseGRPO's inverse cluster size; GARDO scales positive advantages by distinctness).
+    Negative advantages are left whole: a mistake drawn often is pushed down as often. Exact repeats only: for the
+    real model's 1024-token grids c is 1 and this does nothing; a feature-space clustering would be needed there."""
+    counts = torch.stack([(g[:, None] == g[None]).all(-1).sum(-1) for g in grids]).to(advantages)  # (P, G)
+    return torch.where(advantages > 0, advantages / counts ** strength, advantages)
+
+
+def score(images: list[torch.Tensor], batch: list[dict], rewards: dict, scale: str = "group",
+          grids: list[torch.Tensor] | None = None, diversity: float = 0.0) -> tuple:
     """Steps 3-4 for P groups of (G, 3, H, W) images and their P examples: the (P, G) rewards (and each reward's) and
     the (P, G) advantages, z-scored within each group (`scale` as group_advantages; "batch": by the std of every
-    process's rewards)."""
+    process's rewards), their positive entries shared among repeats of a large grid (`grids`, diversity_shaping) when
+    `diversity` > 0."""
     reward, each = group_rewards(images, batch, rewards)  # 3. score them: (P, G)
     advantages = group_advantages(reward, scale=scale, batch=gather_rows(reward) if scale == "batch" else None)  # 4.
+    if diversity > 0:
+        advantages = diversity_shaping(advantages, grids, diversity)
     return reward, each, advantages
 
 
@@ -979,14 +1005,15 @@ def merge_metrics(parts: list[tuple[dict, float]]) -> dict:
 
 @torch.no_grad()
 def evaluate(pipe, examples: list[dict], rewards: dict, n_samples: int, seed: int, cfg: Config, rank: int = 0,
-             world: int = 1, keep_images: int = 0) -> tuple[list[torch.Tensor], torch.Tensor, dict]:
+             world: int = 1, keep_images: int = 0) -> tuple[list[torch.Tensor], torch.Tensor, dict, torch.Tensor]:
     """`n_samples` images of each example, sampled and decoded exactly as in training but with fixed seeds (example
     i: AR seed `seed + i`, decoder noise --decode-seed): the same weights give the same images, whatever the step,
-    --seed or the number of processes. Scored by every reward of `rewards`.
+    --seed or the number of processes. Scored by every reward of `rewards`, and counted: how many distinct large
+    grids (layouts) its K samples hold, K where every sample differs, 1 where the policy collapsed onto one.
 
     Process r takes examples r, r + world, ...; the scores are gathered back in example order. Returns the images of
     the first `keep_images` examples ((K, 3, H, W) each, rounded to 8 bits, on every process), the (P, K) weighted
-    total and each reward's (P, K), P = len(examples).
+    total and each reward's (P, K), and the (P,) distinct large grids of each example, P = len(examples).
     """
     mine = list(range(rank, len(examples), world))
     chunk = max(1, cfg.prompts_per_step * cfg.group_size // n_samples)  # prompts a decode: a training step's rows
@@ -999,10 +1026,12 @@ def evaluate(pipe, examples: list[dict], rewards: dict, n_samples: int, seed: in
               for i, r in zip(mine, rollouts)]
     total, each = (group_rewards(images, [examples[i] for i in mine], rewards) if mine else  # more processes than
                    (torch.zeros(0, n_samples), {name: torch.zeros(0, n_samples) for name in rewards}))  # examples
+    layouts = torch.tensor([float(len(large_grid(r.tokens, r.large_hw).unique(dim=0))) for r in rollouts])
     order = torch.tensor(gather_list(mine)).argsort()  # rows arrive in rank order; back to example order
     total, each = gather_rows(total).cpu()[order], {name: gather_rows(v).cpu()[order] for name, v in each.items()}
+    layouts = gather_rows(layouts).cpu()[order]  # (P,)
     kept = gather_list([(i, (im * 255).round().to(torch.uint8).cpu()) for i, im in zip(mine, images) if i < keep_images])
-    return [im.float() / 255 for _, im in sorted(kept, key=lambda pair: pair[0])], total, each
+    return [im.float() / 255 for _, im in sorted(kept, key=lambda pair: pair[0])], total, each, layouts
 
 
 # ---- 11. Main -----------------------------------------------------------------------------------
@@ -1032,8 +1061,9 @@ def main(argv: list[str] | None = None) -> dict:
                 images = [decode_images(pipe, ex["prompt"], ro.tokens, ro.large_hw, cfg.height, cfg.width,
                                         cfg.num_inference_steps, cfg.decode_seed, cfg.guidance_scale, ro.source)
                           for ex, ro in zip(batch, rollouts)]
+            grids = [large_grid(ro.tokens, ro.large_hw) for ro in rollouts]  # (G, hw) each: what the DiT saw
             with run.timed(seconds, "reward", cfg):  # 3.-4. rewards, z-scored within each group
-                reward, each, advantages = score(images, batch, rewards, cfg.scale_rewards)
+                reward, each, advantages = score(images, batch, rewards, cfg.scale_rewards, grids, cfg.diversity)
             with interrupts_held():  # an update and its log line land together (or not at all)
                 with run.timed(seconds, "train", cfg), r.autocast:  # 5. the clipped policy-gradient update
                     metrics = train_step(policy, optimizer, rollouts, advantages, ref_model, kl_beta=cfg.kl_beta,
@@ -1042,8 +1072,7 @@ def main(argv: list[str] | None = None) -> dict:
                                          max_grad_norm=cfg.max_grad_norm, mu=cfg.mu, train_tokens=cfg.train_tokens,
                                          top_k=cfg.top_k, top_p=cfg.top_p, correction=cfg.sampler_correction,
                                          cap=cfg.sampler_cap, policy_dist=cfg.policy_dist)
-                run.log_step(r, step, groups, reward, each, advantages, [ro.tokens for ro in rollouts], metrics,
-                             seconds)
+                run.log_step(r, step, groups, reward, each, advantages, grids, metrics, seconds)
             run.after_step(r, step, batch, images, reward)  # an image grid, a checkpoint, an evaluation when due
     return run.finish(r)  # the last checkpoint, final/, curves.png, the after grid and the summary line
 

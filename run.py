@@ -51,7 +51,8 @@ class Run:
     autocast: object = contextlib.nullcontext()  # bf16 autocast on the device when --dtype is bf16
     policy: object = None  # the trained model and its optimizer, for checkpoints
     optimizer: object = None
-    evaluate: Callable | None = None  # (examples, rewards, n_samples, seed, keep_images) -> images, total, each
+    evaluate: Callable | None = None  # (examples, rewards, n_samples, seed, keep_images) -> images, total, each,
+    # layouts (grpo.evaluate)
     reporter: Reporter | None = None
     progress: object = None
     history: list = dataclasses.field(default_factory=list)  # the training metrics lines, this run's and before
@@ -589,16 +590,19 @@ def log_step(r: Run, step: int, groups: list[int], reward: torch.Tensor, each: d
 
 def step_record(step: int, groups: list[int], n_examples: int, reward: torch.Tensor, each: dict,
                 advantages: torch.Tensor, samples: list[torch.Tensor], metrics: dict, seconds: dict) -> dict:
-    """The metrics line of one step: reward statistics over the groups of every process, how many of each group's
-    samples (G rows: token grids, or the DiT's final latents) differ, the update's metrics, and the seconds of each
-    phase (this process)."""
+    """The metrics line of one step: reward and advantage statistics over the groups of every process,
+    `distinct_in_group` (how many of a group's G samples differ, on average: grpo.py passes the large grids, the
+    layouts in the tiny world; dit_grpo.py the final latents), the update's metrics, and the seconds of each phase
+    (this process)."""
     reward, advantages, groups = gather_rows(reward), gather_rows(advantages), gather_list(groups)
     distinct = gather_rows(torch.tensor([[len({tuple(t) for t in s.flatten(1).tolist()})] for s in samples]))
     return {"step": step, "prompts": [g % n_examples for g in groups], "reward_mean": reward.mean().item(),
             "reward_std": reward.std(dim=-1, unbiased=False).mean().item(),  # within groups
             **{f"reward/{name}": gather_rows(value).mean().item() for name, value in each.items()},
+            "advantage/max": advantages.max().item(), "advantage/min": advantages.min().item(),
+            "advantage/abs_mean": advantages.abs().mean().item(),
             "zero_std_groups": int((advantages == 0).all(dim=-1).sum()),  # groups that carry no signal
-            "distinct_samples": distinct.float().mean().item(), **reduce_metrics(metrics),
+            "distinct_in_group": distinct.float().mean().item(), **reduce_metrics(metrics),
             **{f"sec_{phase}": value for phase, value in seconds.items()}}
 
 
@@ -654,7 +658,7 @@ def show(r: Run, name: str, when: str) -> float:
     (rank 0); after training also images/before_after.png beside the grid from before. Returns the mean reward."""
     examples, path = r.examples[:r.cfg.before_after], r.out / "images" / name
     with timed({}, "show", r.cfg):
-        images, reward, _ = r.evaluate(examples, r.rewards, r.cfg.group_size, SHOW_SEED, len(examples))
+        images, reward, _, _ = r.evaluate(examples, r.rewards, r.cfg.group_size, SHOW_SEED, len(examples))
     if r.rank == 0:
         save_grid(path, examples, images, reward, [f"{ex['prompt']} ({when})" for ex in examples])
         with contextlib.suppress(OSError):  # the mean reward, for the summary line of a resumed run
@@ -677,8 +681,8 @@ def run_evaluation(r: Run, step: int) -> None:
     followed through training) and a line on the terminal (rank 0). Every process takes part."""
     (examples, rewards), seconds = r.evals, {}
     with timed(seconds, "eval", r.cfg):
-        images, total, each = r.evaluate(examples, rewards, r.cfg.eval_samples, EVAL_SEED, EVAL_GRID)
-    record = eval_record(step, examples, total, each, seconds["eval"])
+        images, total, each, layouts = r.evaluate(examples, rewards, r.cfg.eval_samples, EVAL_SEED, EVAL_GRID)
+    record = eval_record(step, examples, total, each, layouts, seconds["eval"])
     if r.rank == 0:
         append_metrics(r.out, record)
         r.reporter.log(record)
@@ -691,15 +695,27 @@ def run_evaluation(r: Run, step: int) -> None:
                    f"({seconds['eval']:.1f} s)")
 
 
-def eval_record(step: int, examples: list[dict], total: torch.Tensor, each: dict, seconds: float) -> dict:
+def eval_record(step: int, examples: list[dict], total: torch.Tensor, each: dict, layouts: torch.Tensor,
+                seconds: float) -> dict:
     """The metrics line of an evaluation: each reward's mean over prompts and samples ("eval/reward" is the weighted
-    total of --reward), and per category for the examples whose .jsonl line has a "category"."""
+    total of --reward), the diversity of the prompts that leave the layout free (all but the .jsonl lines that say
+    "free_layout": false): "eval/distinct_layouts", the mean number of distinct large grids among a prompt's K
+    samples, and "eval/one_layout", the share of prompts drawn with a single one; all per category too, for the
+    examples whose line has a "category"."""
     scores = {"reward": total, **each}
-    record = {"step": step, "eval": True, **{f"eval/{name}": v.mean().item() for name, v in scores.items()}}
+    free = torch.tensor([ex.get("free_layout", True) is not False for ex in examples])
+
+    def measured(rows: torch.Tensor, suffix: str = "") -> dict:  # rows: (P,) bool, the examples measured
+        record = {f"eval/{name}{suffix}": v[rows].mean().item() for name, v in scores.items()}
+        if (rows & free).any():
+            record |= {f"eval/distinct_layouts{suffix}": layouts[rows & free].mean().item(),
+                       f"eval/one_layout{suffix}": (layouts[rows & free] == 1).float().mean().item()}
+        return record
+
+    record = {"step": step, "eval": True, **measured(torch.ones(len(examples), dtype=torch.bool))}
     categories = [str(ex["category"]) if "category" in ex else None for ex in examples]
     for category in sorted(set(categories) - {None}):
-        rows = [i for i, c in enumerate(categories) if c == category]
-        record.update({f"eval/{name}/{category}": v[rows].mean().item() for name, v in scores.items()})
+        record |= measured(torch.tensor([c == category for c in categories]), f"/{category}")
     return {**record, "sec_eval": seconds}
 
 

@@ -168,15 +168,17 @@ def image_grid(rows: list[list[tuple[str, torch.Tensor | None]]], rewards: torch
 def plot_curves(out: Path) -> Path:
     """out/curves.png from out/metrics.jsonl, one panel each, per step (x: the updates the policy has had): the
     training reward (each step's mean, its mean over 20 steps, and the step's mean within-group std as a band), the
-    eval rewards (overall, and per category of the eval reward), the KL to the reference, the clip fraction, and the
-    share of groups with no spread (zero advantage: no signal). Returns the path; ValueError if there are no lines."""
+    eval rewards (overall, and per category of the eval reward), the eval's diversity (distinct layouts of K, and the
+    share of prompts drawn with one), the KL to the reference (the loss's and the untruncated one), the clip
+    fraction, the share of groups with no spread (zero advantage: no signal) and the distinct samples in a training
+    group. Returns the path; ValueError if there are no lines."""
     from matplotlib.figure import Figure  # not pyplot: no global backend, so a notebook's plots are left alone
     records = read_metrics(out)
     train, evals = [r for r in records if not r.get("eval")], [r for r in records if r.get("eval")]
     if not records:
         raise ValueError(f"{out / 'metrics.jsonl'} has no steps yet; plot a run that has trained")
-    figure = Figure(figsize=(15, 7.5), layout="constrained")
-    axes = figure.subplots(2, 3).ravel()
+    figure = Figure(figsize=(20, 7.5), layout="constrained")
+    axes = figure.subplots(2, 4).ravel()
     x = np.array([r["step"] for r in train])
 
     def smooth(values):  # the mean of the last 20 steps: steps differ by prompt, so single steps are noisy
@@ -187,14 +189,18 @@ def plot_curves(out: Path) -> Path:
         axes[0].fill_between(x, mean - spread, mean + spread, alpha=0.2, label="± std within groups")
         axes[0].plot(x, mean, lw=0.8, alpha=0.6, label="mean of the step")
         axes[0].plot(x, smooth(mean), lw=2, label="mean of the last 20 steps")
-    for panel, keys in ((1, [k for k in (evals[0] if evals else {}) if k.count("/") == 1]),
-                        (2, [k for k in (evals[0] if evals else {}) if k.startswith("eval/reward/")])):
-        for key in keys:
-            axes[panel].plot([r["step"] for r in evals], [r[key] for r in evals], marker="o", label=key[5:])
+    diversity = ("eval/distinct_layouts", "eval/one_layout")
+    keys = {k for r in evals for k in r}
+    for panel, shown in ((1, [k for k in keys if k.count("/") == 1 and k not in diversity]),
+                         (2, [k for k in keys if k.startswith("eval/reward/")]), (3, [k for k in diversity if k in keys])):
+        for key in sorted(shown):
+            axes[panel].plot([r["step"] for r in evals if key in r], [r[key] for r in evals if key in r], marker="o",
+                             label=key[5:])
     # the KL panel: the loss's (over the trained distribution) and, where logged, the full softmaxes' (which a one-code
     # nucleus does not hide)
-    for panel, key, scale, name in ((3, "kl", 1, "the loss's"), (3, "kl_untruncated", 1, "untruncated"),
-                                    (4, "clip_frac", 1, ""), (5, "zero_std_groups", None, "")):
+    for panel, key, scale, name in ((4, "kl", 1, "the loss's"), (4, "kl_untruncated", 1, "untruncated"),
+                                    (5, "clip_frac", 1, ""), (6, "zero_std_groups", None, ""),
+                                    (7, "distinct_in_group", 1, "")):
         values = np.array([r.get(key, np.nan) / (scale or len(r["prompts"])) for r in train], dtype=float)
         if key == "kl_untruncated" and np.isnan(values).all():
             continue
@@ -203,7 +209,8 @@ def plot_curves(out: Path) -> Path:
         axes[panel].plot(x, values, lw=0.8, alpha=0.6, label=f"{name}, each step".lstrip(", "))
         axes[panel].plot(x, smooth(values), lw=2, label=f"{name}, mean of the last 20 steps".lstrip(", "))
     titles = ["training reward", "eval reward (held-out prompts, fixed seeds)", "eval reward by category",
-              "KL to the reference (k3 per token)", "clip fraction", "share of groups with no spread (no signal)"]
+              "eval diversity: distinct layouts of K; share with one", "KL to the reference (k3 per token)",
+              "clip fraction", "share of groups with no spread (no signal)", "distinct samples in a training group"]
     for ax, title in zip(axes, titles):
         ax.set_title(title, fontsize=10)
         ax.set_xlabel("step")

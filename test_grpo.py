@@ -1177,7 +1177,7 @@ def test_main_end_to_end(tmp_path):
     lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert [x["step"] for x in lines] == [0, 1, 2] and [x["prompts"] for x in lines] == [[0], [1], [0]]
     for key in ["reward_mean", "reward_std", "loss", "kl", "clip_frac", "ratio_min", "ratio_max", "sec_sample",
-                "sec_decode", "sec_train", "distinct_samples", "sampler_gap"]:
+                "sec_decode", "sec_train", "distinct_in_group", "sampler_gap"]:
         assert all(math.isfinite(x[key]) for x in lines), key
     assert lines[0]["ratio_min"] == lines[0]["ratio_max"] == 1.0
     assert sorted(p.name for p in (out / "images").iterdir()) == ["step_00000.png", "step_00002.png"]
@@ -1212,23 +1212,37 @@ def test_main_truncated_sampling(tmp_path, flags):
     assert first["ratio_min"] == first["ratio_max"] == 1.0 and first["sampler_gap"] <= 1e-5
 
 
-def test_evaluate(pipe, tmp_path):
+def test_evaluate(random_pipe, tmp_path, monkeypatch):
     """Example i is sampled with seed + i whatever else is evaluated or the global RNG: the same weights give the same
-    images and rewards; rows come back in example order; the kept images are the first ones, rounded to 8 bits."""
+    images, rewards and layout counts; rows come back in example order; the kept images are the first ones, rounded
+    to 8 bits; an example's distinct large grids are counted (K where every sample differs, 1 for one layout)."""
+    pipe = random_pipe
     cfg = grpo.parse_config([*TINY, "--num-inference-steps", "1"])
     examples = run.load_examples(run.read_prompts(write_evals(tmp_path)), {"ssim": (grpo.ssim_reward, 1.0)}, 64, 64)
     examples = [{**e, "target": e["target"].to(DEVICE)} for e in examples]  # as main moves them
     rewards = {"ssim": (grpo.ssim_reward, 1.0), "mse": (grpo.mse_reward, 0.0)}
-    images, total, each = grpo.evaluate(pipe, examples, rewards, 2, 7, cfg, keep_images=2)
+    images, total, each, layouts = grpo.evaluate(pipe, examples, rewards, 3, 7, cfg, keep_images=2)
     torch.manual_seed(123)  # the global RNG must not matter
-    again_images, again, _ = grpo.evaluate(pipe, examples, rewards, 2, 7, cfg, keep_images=2)
-    assert total.shape == (3, 2) and torch.equal(total, again) and torch.equal(total, each["ssim"])
+    again_images, again, _, again_layouts = grpo.evaluate(pipe, examples, rewards, 3, 7, cfg, keep_images=2)
+    assert total.shape == (3, 3) and torch.equal(total, again) and torch.equal(total, each["ssim"])
     assert len(images) == 2 and all(torch.equal(a, b) for a, b in zip(images, again_images))
     assert all(torch.equal(im, (im * 255).round() / 255) for im in images)  # 8-bit exact
-    _, last, last_each = grpo.evaluate(pipe, examples[2:], rewards, 2, 9, cfg)  # example 2 alone, seed 7 + 2
+    assert layouts.tolist() == again_layouts.tolist() == [3.0, 3.0, 3.0]  # the random model: every sample differs
+    _, last, last_each, last_layouts = grpo.evaluate(pipe, examples[2:], rewards, 3, 9, cfg)  # example 2 alone
     assert torch.equal(last[0], total[2]) and torch.equal(last_each["mse"][0], each["mse"][2])
-    _, other, _ = grpo.evaluate(pipe, examples, rewards, 2, 8, cfg)
+    _, other, _, _ = grpo.evaluate(pipe, examples, rewards, 3, 8, cfg)
     assert not torch.equal(other, total)  # another seed, other samples
+    sample_groups = grpo.sample_groups
+
+    def repeats(*args, **kw):  # the large grids of example 0: three copies of one; 1: two of one, one other; 2: as
+        rollouts = sample_groups(*args, **kw)  # drawn. Previews untouched: they differ, and are not the layout
+        for r, rows in zip(rollouts, ([0, 0, 0], [1, 1, 2], [0, 1, 2])):
+            n = r.large_hw[0] * r.large_hw[1]
+            r.tokens[:, -n:] = r.tokens[rows, -n:]
+        return rollouts
+    monkeypatch.setattr(grpo, "sample_groups", repeats)
+    cfg1 = dataclasses.replace(cfg, prompts_per_step=3, group_size=3)  # the three examples in one decode
+    assert grpo.evaluate(pipe, examples, rewards, 3, 7, cfg1)[3].tolist() == [1.0, 2.0, 3.0]
 
 
 def test_main_eval(tmp_path):

@@ -123,9 +123,9 @@ def test_plot_curves(tmp_path):
     lines[3:3] = [{"step": 0, "eval": True, "eval/reward": 0.3, "eval/reward/a": 0.2},
                   {"step": 5, "eval": True, "eval/reward": 0.5, "eval/reward/a": 0.4}]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
-    assert Image.open(run_io.plot_curves(tmp_path)).size == (1200, 600)
+    assert Image.open(run_io.plot_curves(tmp_path)).size == (1600, 600)
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines if "eval" not in x))
-    assert Image.open(run_io.plot_curves(tmp_path)).size == (1200, 600)
+    assert Image.open(run_io.plot_curves(tmp_path)).size == (1600, 600)
     (tmp_path / "metrics.jsonl").write_text("")
     with pytest.raises(ValueError, match="no steps yet"):
         run_io.plot_curves(tmp_path)
@@ -169,13 +169,18 @@ def test_main_before_after(tmp_path):
 
 
 def test_eval_record():
-    """Means over prompts and samples per reward, and per category over the examples that have one."""
-    examples = [{"category": "a"}, {"category": "b"}, {"category": "a"}, {}]
+    """Means over prompts and samples per reward, and per category over the examples that have one; the diversity of
+    the prompts that leave the layout free (not "free_layout": false): mean distinct layouts, share with one."""
+    examples = [{"category": "a"}, {"category": "b"}, {"category": "a", "free_layout": False}, {}]
     total = torch.tensor([[1.0, 0.0], [0.5, 0.5], [0.0, 0.0], [2.0, 2.0]])
-    record = run.eval_record(5, examples, total, {"x": total * 2}, 1.5)
+    layouts = torch.tensor([2.0, 1.0, 1.0, 1.0])
+    record = run.eval_record(5, examples, total, {"x": total * 2}, layouts, 1.5)
     assert record["step"] == 5 and record["eval"] is True and record["sec_eval"] == 1.5
     assert record["eval/reward"] == pytest.approx(0.75) and record["eval/x"] == pytest.approx(1.5)
     assert record["eval/reward/a"] == pytest.approx(0.25) and record["eval/x/b"] == pytest.approx(1.0)
+    assert record["eval/distinct_layouts"] == pytest.approx(4 / 3) and record["eval/one_layout"] == pytest.approx(2 / 3)
+    assert record["eval/distinct_layouts/a"] == 2.0 and record["eval/one_layout/a"] == 0.0  # the fixed one left out
+    assert record["eval/one_layout/b"] == 1.0
     assert not any(k.endswith("/None") for k in record)
 
 

@@ -1,18 +1,24 @@
-"""Does GRPO make the tiny model draw better? Held-out accuracy before and after, over seeds.
+"""Does GRPO make the tiny model draw better, and does it keep its pictures diverse? Held-out accuracy and layout
+diversity before and after, per setting, over seeds.
 
-  OMP_NUM_THREADS=2 python tools/bench_learning.py       # 3 seeds, both demos (38 min on 2 cores, alone)
-  python tools/bench_learning.py --seeds 0 --demos shapes -- --lr 2e-4     # extra grpo.py flags after --
+  OMP_NUM_THREADS=2 python tools/bench_learning.py                        # every row, 3 seeds (~3 h on 2 cores, alone)
+  OMP_NUM_THREADS=2 python tools/bench_learning.py --rows default --seeds 0 1 2
+  python tools/bench_learning.py --rows default --seeds 5 -- --lr 2e-4    # extra grpo.py flags after --
+  python tools/bench_learning.py --table                                  # the table of the runs recorded so far
+  OMP_NUM_THREADS=2 python tools/bench_learning.py --demos ssim           # the SSIM demo (prompts.txt), 3 seeds
 
-shapes: `grpo.py --reward shapes --prompts examples/shapes.txt` (GRPO's training captions) for --steps steps, then
-  the held-out accuracy: the fraction of (caption, sample) pairs drawn fully right (shapes reward = 1), over every
-  caption of examples/shapes_heldout.jsonl (combinations never seen in pre-training or GRPO training) x --samples
-  samples with fixed seeds, through grpo.py's own sampling and decoding at the run's settings. Measured for the
-  pre-trained model once and for each run's final/ weights; also the training minutes and how many distinct samples
-  the groups of the last 10 steps hold (a policy collapsed to one image per prompt has 1).
-ssim: `grpo.py --prompts prompts.txt` (captions with rendered targets): the mean reward of the first and last steps
-  (grpo.py's summary) and of the same prompts and seeds before and after training (its before / after grids).
+shapes: each row trains `grpo.py --reward shapes --prompts examples/shapes.txt` (GRPO's 643 training captions) for
+--steps steps with the row's flags, and grpo.py's own evaluation (--eval-prompts examples/shapes_heldout.jsonl
+--eval-samples 8 --eval-reward shapes_exact, fixed seeds) reads the 161 held-out captions (combinations never seen in
+pre-training or in GRPO training) before and after: "fully right" is the share of (caption, sample) pairs the shapes
+reward scores 1; "distinct layouts" the mean number of different large grids (a cell per token: the layout) among a
+caption's 8 samples over the 139 captions that leave the place free; "one layout" the share of those drawn the same
+way 8 times. Also the training minutes (evaluation excluded) and the share of the loss's tokens whose trained
+distribution is one code (no gradient: --policy-dist truncated with top-p). The rejection-sampling row is
+tools/rejection_sampling.py (fine-tuning on each group's best sample) with the same samples.
 
-Accuracies are printed per caption kind too. Run it alone: two CPU-heavy processes on 2 cores slow each other down.
+Each run appends one line to --results (default runs/bench_learning.jsonl), so rows can be run one at a time and the
+table printed from all of them. Run it alone: two CPU-heavy processes on 2 cores slow each other down many times.
 """
 
 import argparse
@@ -32,18 +38,32 @@ import grpo  # noqa: E402
 import run  # noqa: E402
 import world  # noqa: E402
 from rewards import shapes_reward  # noqa: E402
+from tools import rejection_sampling  # noqa: E402
+
+# the rows of the table: a name, what it is, and the grpo.py flags it adds to the tiny defaults
+ROWS = {
+    "beta0": ("GRPO, beta 0, mu 1 (the previous default)", ["--kl-beta", "0", "--mu", "1", "--diversity", "0"]),
+    "kl": ("GRPO, beta 0.04, mu 2", ["--kl-beta", "0.04", "--mu", "2", "--diversity", "0"]),
+    "shaping": ("GRPO, beta 0, mu 2, diversity shaping 1", ["--kl-beta", "0", "--mu", "2", "--diversity", "1"]),
+    "both": ("GRPO, beta 0.04, mu 2, diversity shaping 1", ["--kl-beta", "0.04", "--mu", "2", "--diversity", "1"]),
+    "default": ("GRPO, the tiny defaults", []),
+    "rs": ("rejection sampling (best of 8, supervised)", []),
+}
+HELD_OUT = ["--eval-prompts", str(ROOT / "examples" / "shapes_heldout.jsonl"), "--eval-every", "0",
+            "--eval-samples", "8", "--eval-reward", "shapes_exact"]
 
 
 def shapes_accuracy(pipe, captions: list[str], samples: int = 8, seed: int = 0, cfg: grpo.Config | None = None) -> dict:
     """`samples` images per caption (the sampling seed fixed per caption), through grpo.sample_group and
     grpo.decode_images at cfg's settings (default: the tiny model's), scored by the shapes reward ->
-    {"accuracy": fraction drawn fully right, "reward": mean score, and the accuracy of each caption kind}."""
+    {"accuracy": fraction drawn fully right, "reward": mean score, and the accuracy of each caption kind}. The quick
+    reader of tools/train_tiny.py's report and tools/bench_kl_cap.py; the table below reads grpo.py's own evaluation."""
     cfg = cfg or grpo.parse_config(["--model", "tiny"])
     right, scores, kinds = [], [], []
     for i, caption in enumerate(captions):
         with torch.no_grad():
             rollout = grpo.sample_group(pipe, caption, samples, cfg.height, cfg.width, cfg.temperature,
-                                        seed * 1_000_003 + i)
+                                        seed * 1_000_003 + i, top_k=cfg.top_k, top_p=cfg.top_p)
             images = grpo.decode_images(pipe, caption, rollout.tokens, rollout.large_hw, cfg.height, cfg.width,
                                         cfg.num_inference_steps, cfg.decode_seed, cfg.guidance_scale)
         score = shapes_reward(images, {"prompt": caption})
@@ -56,78 +76,113 @@ def shapes_accuracy(pipe, captions: list[str], samples: int = 8, seed: int = 0, 
 
 def held_out_captions() -> list[str]:
     """The 161 held-out captions in world.caption_split()'s order (examples/shapes_heldout.jsonl holds the same ones,
-    dealt by kind): the order the README's numbers were measured in, as sampling seeds follow the position."""
+    dealt by kind)."""
     return world.caption_split()[1]
 
 
-def trained_pipe(run: Path):
+def trained_pipe(out: Path):
     """The tiny pipeline with the AR of a run's final/ (full fine-tuning)."""
     from transformers import GlmImageForConditionalGeneration
     pipe = grpo.load_glm_image("tiny")
-    pipe.vision_language_encoder.load_state_dict(GlmImageForConditionalGeneration.from_pretrained(run / "final")
+    pipe.vision_language_encoder.load_state_dict(GlmImageForConditionalGeneration.from_pretrained(out / "final")
                                                  .state_dict())
     return pipe
 
 
-def run_shapes(seed: int, steps: int, samples: int, extra: list[str]) -> dict:
+def run_shapes(row: str, seed: int, steps: int, extra: list[str]) -> dict:
+    """One training run of `row` with `seed`; its held-out numbers before and after, read from its eval lines."""
+    train = rejection_sampling.main if row == "rs" else grpo.main
     with tempfile.TemporaryDirectory() as out:
         start = time.perf_counter()
-        summary = grpo.main(["--prompts", str(ROOT / "examples" / "shapes.txt"), "--reward", "shapes=1", "--steps",
-                             str(steps), "--seed", str(seed), "--out", out, "--image-every", "0", *extra])
-        minutes = (time.perf_counter() - start) / 60
-        lines = [json.loads(x) for x in (Path(out) / "metrics.jsonl").read_text().splitlines()]
-        cfg = grpo.parse_config(["--model", "tiny", *extra])
-        after = shapes_accuracy(trained_pipe(Path(out)), held_out_captions(), samples, cfg=cfg)
-    return {"seed": seed, "after": after, "minutes": minutes, "train_first": summary["reward_first"],
-            "train_last": summary["reward_last"],
-            "distinct": float(np.mean([x["distinct_samples"] for x in lines[-10:]])), "group_size": cfg.group_size}
+        train(["--prompts", str(ROOT / "examples" / "shapes.txt"), "--reward", "shapes=1", "--steps", str(steps),
+               "--seed", str(seed), "--out", out, "--image-every", "0", "--save-every", "0", *HELD_OUT,
+               *ROWS[row][1], *extra])
+        seconds = time.perf_counter() - start
+        lines = run.read_metrics(Path(out))
+    evals, training = [x for x in lines if x.get("eval")], [x for x in lines if not x.get("eval")]
+
+    def held_out(x):
+        return {"right": x["eval/shapes_exact"], "layouts": x["eval/distinct_layouts"], "one": x["eval/one_layout"],
+                **{k[len("eval/shapes_exact/"):]: v for k, v in x.items() if k.startswith("eval/shapes_exact/")}}
+    return {"row": row, "seed": seed, "steps": steps, "flags": ROWS[row][1] + extra, "before": held_out(evals[0]),
+            "after": held_out(evals[-1]), "minutes": (seconds - sum(x["sec_eval"] for x in evals)) / 60,
+            "no_gradient": float(np.mean([x.get("no_gradient_frac", 0.0) for x in training])),
+            "kl": float(np.mean([x["kl"] for x in training[-50:]])),
+            "clip_frac_max": max(x["clip_frac"] for x in training)}
+
+
+def table(results: list[dict]) -> str:
+    """Rows in ROWS order (and any other flags after them): the mean over seeds, each seed's value in brackets."""
+    groups = {}
+    for r in results:
+        groups.setdefault((r["row"], " ".join(r["flags"]), r["steps"]), []).append(r)
+    order = list(ROWS)
+    lines = ["| setting | seeds | held-out fully right | distinct layouts of 8 (free place) | captions with one layout "
+             "| no-gradient tokens | training min |", "|---|---|---|---|---|---|---|"]
+    base = results[0]["before"] if results else None
+    if base:
+        lines.append(f"| pre-trained tiny model | - | {base['right']:.3f} | {base['layouts']:.2f} | {base['one']:.1%} "
+                     "| - | - |")
+    for (row, flags, steps), rs in sorted(groups.items(), key=lambda kv: (order.index(kv[0][0]), kv[0][1])):
+        def cell(f, fmt):
+            values = [f(r) for r in rs]
+            return f"{fmt(np.mean(values))} ({', '.join(fmt(v) for v in values)})"
+        name = ROWS[row][0] + (f" + `{flags}`" if flags != " ".join(ROWS[row][1]) else "")
+        lines.append(f"| {name}, {steps} steps | {', '.join(str(r['seed']) for r in rs)} | "
+                     f"{cell(lambda r: r['after']['right'], '{:.3f}'.format)} | "
+                     f"{cell(lambda r: r['after']['layouts'], '{:.2f}'.format)} | "
+                     f"{cell(lambda r: r['after']['one'], '{:.1%}'.format)} | "
+                     f"{np.mean([r['no_gradient'] for r in rs]):.1%} | {np.mean([r['minutes'] for r in rs]):.1f} |")
+    return "\n".join(lines)
 
 
 def run_ssim(seed: int, steps: int, extra: list[str]) -> dict:
+    """The README's first command with `seed`: grpo.py's summary (first / last training reward, before / after)."""
     with tempfile.TemporaryDirectory() as out:
         start = time.perf_counter()
         summary = grpo.main(["--prompts", str(ROOT / "prompts.txt"), "--steps", str(steps), "--seed", str(seed),
                              "--out", out, "--image-every", "0", *extra])
-    return {"seed": seed, **summary, "minutes": (time.perf_counter() - start) / 60}
+        lines = run.read_metrics(Path(out))
+    return {"seed": seed, **summary, "minutes": (time.perf_counter() - start) / 60,
+            "kl_max": max(x["kl"] for x in lines), "clip_frac_max": max(x["clip_frac"] for x in lines)}
 
 
 def main() -> None:
     argv = sys.argv[1:]
     extra = argv[argv.index("--") + 1:] if "--" in argv else []
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rows", nargs="+", default=list(ROWS), choices=list(ROWS))
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    parser.add_argument("--steps", type=int, default=400, help="GRPO steps of the shapes demo")
+    parser.add_argument("--steps", type=int, default=400, help="GRPO steps of the shapes runs")
     parser.add_argument("--ssim-steps", type=int, default=100, help="GRPO steps of the SSIM demo")
-    parser.add_argument("--samples", type=int, default=8, help="samples per held-out caption")
-    parser.add_argument("--demos", nargs="+", default=["shapes", "ssim"], choices=["shapes", "ssim"])
+    parser.add_argument("--demos", nargs="+", default=["shapes"], choices=["shapes", "ssim"])
+    parser.add_argument("--results", type=Path, default=ROOT / "runs" / "bench_learning.jsonl")
+    parser.add_argument("--table", action="store_true", help="only print the table of --results")
     args = parser.parse_args(argv[: argv.index("--")] if "--" in argv else argv)
     run.quiet_libraries()
-    flags = " ".join(extra)
-    if "shapes" in args.demos:
-        start = time.perf_counter()
-        cfg = grpo.parse_config(["--model", "tiny", *extra])
-        base = shapes_accuracy(grpo.load_glm_image("tiny"), held_out_captions(), args.samples, cfg=cfg)
-        print(f"pre-trained tiny model: held-out accuracy {base['accuracy']:.3f} ({len(held_out_captions())} captions x "
-              f"{args.samples} samples, {(time.perf_counter() - start) / 60:.1f} min to measure)", flush=True)
-        rows = [run_shapes(seed, args.steps, args.samples, extra) for seed in args.seeds]
-        print(f"\ngrpo.py --reward shapes --prompts examples/shapes.txt --steps {args.steps} {flags}")
-        print("| seed | held-out before | held-out after | gain | train reward first -> last | distinct samples "
-              "(of G) | training min |")
-        print("|---|---|---|---|---|---|---|")
-        for r in rows:
-            print(f"| {r['seed']} | {base['accuracy']:.3f} | {r['after']['accuracy']:.3f} | "
-                  f"{r['after']['accuracy'] - base['accuracy']:+.3f} | {r['train_first']:.3f} -> {r['train_last']:.3f} |"
-                  f" {r['distinct']:.1f} of {r['group_size']} | {r['minutes']:.1f} |")
-        print("\nheld-out accuracy per kind: " + ", ".join(
-            f"{k} {base[k]:.2f} -> {np.mean([r['after'][k] for r in rows]):.2f}" for k in world.KINDS))
-    if "ssim" in args.demos:
+    if "shapes" in args.demos and not args.table:
+        args.results.parent.mkdir(parents=True, exist_ok=True)
+        for row in args.rows:
+            for seed in args.seeds:
+                result = run_shapes(row, seed, args.steps, extra)
+                with open(args.results, "a") as f:
+                    f.write(json.dumps(result) + "\n")
+                print(f"{row} seed {seed}: held-out fully right {result['before']['right']:.3f} -> "
+                      f"{result['after']['right']:.3f}, distinct layouts {result['before']['layouts']:.2f} -> "
+                      f"{result['after']['layouts']:.2f}, {result['minutes']:.1f} min", flush=True)
+    if "shapes" in args.demos and args.results.exists():
+        results = [json.loads(x) for x in args.results.read_text().splitlines()]
+        print(f"\ngrpo.py --reward shapes --prompts examples/shapes.txt (tools/bench_learning.py; {args.results})")
+        print(table(results))
+    if "ssim" in args.demos and not args.table:
         rows = [run_ssim(seed, args.ssim_steps, extra) for seed in args.seeds]
-        print(f"\ngrpo.py --prompts prompts.txt --steps {args.ssim_steps} {flags}")
-        print("| seed | reward first steps | last steps | same seeds before | after | minutes |")
-        print("|---|---|---|---|---|---|")
+        print(f"\ngrpo.py --prompts prompts.txt --steps {args.ssim_steps} {' '.join(extra)}")
+        print("| seed | reward first steps | last steps | same seeds before | after | max KL | max clip fraction | "
+              "minutes |")
+        print("|---|---|---|---|---|---|---|---|")
         for r in rows:
             print(f"| {r['seed']} | {r['reward_first']:.3f} | {r['reward_last']:.3f} | {r['shown_before']:.3f} | "
-                  f"{r['shown_after']:.3f} | {r['minutes']:.1f} |")
+                  f"{r['shown_after']:.3f} | {r['kl_max']:.4f} | {r['clip_frac_max']:.3f} | {r['minutes']:.1f} |")
 
 
 if __name__ == "__main__":

@@ -77,9 +77,9 @@ def compare(path: Path, eval_prompts: str | None = None, eval_samples: int | Non
         if name == "trained":
             result["step"] = load_trained(policy, optimizer, path, cfg.train)
         with autocast:
-            images, total, each = grpo.evaluate(pipe, examples, evals[1], cfg.eval_samples, run.EVAL_SEED, cfg,
-                                                keep_images=run.EVAL_GRID)
-        result[name] = run.eval_record(0, examples, total, each, 0.0)
+            images, total, each, layouts = grpo.evaluate(pipe, examples, evals[1], cfg.eval_samples, run.EVAL_SEED,
+                                                         cfg, keep_images=run.EVAL_GRID)
+        result[name] = run.eval_record(0, examples, total, each, layouts, 0.0)
         grids.append((images, total))
     with tempfile.TemporaryDirectory() as tmp:
         for (images, total), name in zip(grids, ("base", "trained")):

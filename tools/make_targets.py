@@ -1,6 +1,7 @@
 """Make the demos' prompts files from world.py: `prompts.txt` (captions with rendered targets, for the SSIM demo),
 `examples/shapes.txt` and `examples/shapes_heldout.jsonl` (the training and held-out captions, no targets, for the
-`shapes` reward; the held-out lines carry their kind as "category"), and `examples/edits.jsonl` (editing).
+`shapes` reward; the held-out lines carry their kind as "category", and position captions "free_layout": false),
+and `examples/edits.jsonl` (editing).
 
 prompts.txt: training captions, each with a target the world renders for it (shapes centred in their cells). SSIM to
 the target rewards the samples that put the asked shapes where the target has them.
@@ -59,8 +60,10 @@ def main(seed: int = 1234) -> None:
     by_kind = {k: [c for c in held_out if world.parse_caption(c)["kind"] == k]
                for k in ("relation", "counting", "two_objects", "position", "single")}  # most room for GRPO first
     dealt = [c for row in itertools.zip_longest(*by_kind.values()) for c in row if c is not None]  # kinds in turn,
+    fixed = {"free_layout": False}  # a position caption names its cell: its diversity is not measured
     Path("examples/shapes_heldout.jsonl").write_text("".join(  # so an eval grid's first prompts show every kind
-        json.dumps({"prompt": c, "category": world.parse_caption(c)["kind"]}) + "\n" for c in dealt))
+        json.dumps({"prompt": c, "category": kind, **(fixed if kind == "position" else {})}) + "\n"
+        for c in dealt for kind in [world.parse_caption(c)["kind"]]))
 
     pipe = grpo.load_glm_image("tiny")
     cfg = grpo.parse_config(["--model", "tiny"])
