@@ -18,9 +18,10 @@ Where this departs from the paper:
     (H/32 x W/32). Only the large grid reaches the DiT, so by default the loss covers only those tokens
     (`--train-tokens large`); the preview tokens still condition them.
   - Sampling (grpo.py's own decode loop, a CUDA graph per step on a GPU) is restricted to the VQ codebook ids and
-    never stops early, so every sample has exactly N tokens; sampler and trainer share one definition of the
-    distribution (`code_logprobs`: softmax(logits / T) over the codebook, truncated by --top-k / --top-p as
-    deployed: GLM-Image samples with top-p 0.75), which is what makes pi / pi_old exactly 1 on the first update.
+    never stops early, so every sample of a prompt has the same N tokens (an edit's N has no preview grid); sampler
+    and trainer share one definition of the distribution (`code_logprobs`: softmax(logits / T) over the codebook,
+    truncated by --top-k / --top-p as deployed: GLM-Image samples with top-p 0.75), which is what makes pi / pi_old
+    exactly 1 on the first update.
     Peers that sample with top-p but score the full softmax break that ratio; here the trainer scores over the very
     codes the sampler's truncation kept (`Rollout.support`), so no sampled token falls outside.
   - In bf16 the KV-cached sampler and the full-sequence trainer round differently (up to 0.12 nats a token at full
@@ -98,7 +99,7 @@ class Config:
     seed: int = arg(0, "seed of the AR sampling")
     group_size: int | None = arg(None, "samples per prompt (G) (default 8 tiny, 4 real)")
     prompts_per_step: int | None = arg(None, "prompts (groups) per optimizer step (default 2 tiny, 1 real)")
-    micro_batch_size: int | None = arg(None, "sequences per forward/backward (default 4 tiny, 1 real)")
+    micro_batch_size: int | None = arg(None, "sequences per forward/backward (default: the group size tiny, 1 real)")
     lr: float | None = arg(None, "AdamW lr (default 1e-4 tiny, 1e-5 real)")
     weight_decay: float = arg(0.01, "AdamW weight decay")
     max_grad_norm: float = arg(1.0, "gradient-norm clip")
@@ -110,6 +111,8 @@ class Config:
     mu: int = arg(1, "policy updates per batch of rollouts")
     diversity: float = arg(0.0, "share a positive advantage among the group's samples with the same large grid: "
                                 "divided by their count ** diversity (0: off, 1: each distinct layout one share)")
+    diversity_bonus: float = arg(0.0, "add bonus / c to each reward before the advantages, c the group's samples with "
+                                      "the same large grid (DiverseGRPO; 0: off)")
     temperature: float = arg(0.9, "sampling temperature (GLM-Image: 0.9)")
     top_p: float | None = arg(None, "nucleus sampling, scored exactly: the fewest codes with probability >= p "
                                     "(default 1.0 tiny: off; 0.75 real: GLM-Image's)")
@@ -159,7 +162,7 @@ class Config:
 
 MODEL_DEFAULTS = {  # filled in where the command line left a field at None
     "tiny": dict(lr=1e-4, kl_beta=0.0, height=96, width=96, num_inference_steps=2, guidance_scale=1.0, top_p=1.0,
-                 group_size=8, prompts_per_step=2, micro_batch_size=4, lora_rank=0, before_after=4),
+                 group_size=8, prompts_per_step=2, lora_rank=0, before_after=4),  # micro-batch: a group
     # LoRA r=16 with micro-batches of 1 fits one 80 GB GPU (about 46 GiB estimated, see tools/memory_plan.py)
     "real": dict(lr=1e-5, kl_beta=0.04, height=1024, width=1024, num_inference_steps=50, guidance_scale=1.5, top_p=0.75,
                  group_size=4, prompts_per_step=1, micro_batch_size=1, lora_rank=16, before_after=0),
@@ -170,7 +173,8 @@ def parse_config(argv: list[str] | None = None) -> Config:
     """Command line -> Config. Flags are the field names with dashes; None fields get MODEL_DEFAULTS."""
     cfg = Config(**vars(run.config_parser(Config).parse_args(argv)))
     defaults = MODEL_DEFAULTS["tiny" if cfg.model == "tiny" else "real"]
-    defaults = {**defaults, "gradient_checkpointing": cfg.model != "tiny" and cfg.train == "dit"}  # tools/memory_plan
+    defaults = {"micro_batch_size": cfg.group_size or defaults["group_size"], **defaults,  # tiny: a group at once
+                "gradient_checkpointing": cfg.model != "tiny" and cfg.train == "dit"}  # tools/memory_plan
     return dataclasses.replace(cfg, **{k: v for k, v in defaults.items() if getattr(cfg, k) is None})
 
 
@@ -752,14 +756,20 @@ def diversity_shaping(advantages: torch.Tensor, grids: list[torch.Tensor], stren
     return torch.where(advantages > 0, advantages / counts ** strength, advantages)
 
 
+def repeats(grids: list[torch.Tensor]) -> torch.Tensor:
+    """Each group's (G, n) large grids -> (P, G): how many of its group's samples drew the same grid (itself too)."""
+    return torch.stack([(g[:, None] == g[None]).all(-1).sum(-1) for g in grids])
+
+
 def score(images: list[torch.Tensor], batch: list[dict], rewards: dict, scale: str = "group",
-          grids: list[torch.Tensor] | None = None, diversity: float = 0.0) -> tuple:
+          grids: list[torch.Tensor] | None = None, diversity: float = 0.0, bonus: float = 0.0) -> tuple:
     """Steps 3-4 for P groups of (G, 3, H, W) images and their P examples: the (P, G) rewards (and each reward's) and
     the (P, G) advantages, z-scored within each group (`scale` as group_advantages; "batch": by the std of every
     process's rewards), their positive entries shared among repeats of a large grid (`grids`, diversity_shaping) when
     `diversity` > 0."""
     reward, each = group_rewards(images, batch, rewards)  # 3. score them: (P, G)
-    advantages = group_advantages(reward, scale=scale, batch=gather_rows(reward) if scale == "batch" else None)  # 4.
+    shaped = reward + bonus / repeats(grids).to(reward) if bonus > 0 else reward
+    advantages = group_advantages(shaped, scale=scale, batch=gather_rows(shaped) if scale == "batch" else None)  # 4.
     if diversity > 0:
         advantages = diversity_shaping(advantages, grids, diversity)
     return reward, each, advantages
@@ -1063,7 +1073,8 @@ def main(argv: list[str] | None = None) -> dict:
                           for ex, ro in zip(batch, rollouts)]
             grids = [large_grid(ro.tokens, ro.large_hw) for ro in rollouts]  # (G, hw) each: what the DiT saw
             with run.timed(seconds, "reward", cfg):  # 3.-4. rewards, z-scored within each group
-                reward, each, advantages = score(images, batch, rewards, cfg.scale_rewards, grids, cfg.diversity)
+                reward, each, advantages = score(images, batch, rewards, cfg.scale_rewards, grids, cfg.diversity,
+                                                 cfg.diversity_bonus)
             with interrupts_held():  # an update and its log line land together (or not at all)
                 with run.timed(seconds, "train", cfg), r.autocast:  # 5. the clipped policy-gradient update
                     metrics = train_step(policy, optimizer, rollouts, advantages, ref_model, kl_beta=cfg.kl_beta,

@@ -9,11 +9,21 @@ trains, so a bad line stops the run before anything is written.
   shapes   a rule-based checker of world.py's captions (counts, colours, shapes, positions), GenEval-style
   shapes_exact   1 where shapes is 1 (the picture is fully right), else 0: GenEval's accuracy, to watch in evaluation
   size     how large the caption's objects are painted (a detail only the DiT decides: the --train dit demo)
+  clip       image-text alignment: CLIP's cosine of image and prompt embeddings times its logit scale
+  pickscore  human preference (Pick-a-Pic): the same formula with PickScore's CLIP-H checkpoint
+  dino       closeness to the target: cosine of DINOv2 features of the image and of example["target"]
+  aesthetic  LAION's aesthetic predictor: an MLP head on CLIP ViT-L/14's normalised image embedding
   module:function   any function of yours (`import_reward`)
+
+The learned rewards (clip, pickscore, dino, aesthetic) load a checkpoint through transformers, once a process, when
+first called: `name@hub-id-or-folder` picks it (--reward pickscore@yuvalkirstain/PickScore_v1=1,ocr=0.5), the name
+alone its documented default (LEARNED).
 """
 
+import contextlib
 import functools
 import math
+import socket
 import sys
 from pathlib import Path
 
@@ -125,7 +135,200 @@ def size_reward(images: torch.Tensor, example: dict) -> torch.Tensor:
     return (painted.flatten(1).float().sum(1) / (n * FULL_SIZE * scale)).clamp(max=1.0)
 
 
-MORE_REWARDS = {"ocr": ocr_reward, "shapes": shapes_reward, "shapes_exact": shapes_exact_reward, "size": size_reward}
+# ---- learned rewards -----------------------------------------------------------------------------
+# Each scores a whole group in one batch through a checkpoint loaded once a process (load_scorer) and moved to the
+# images' device. The processor comes from the checkpoint (a default processor only where the checkpoint's authors
+# publish it apart, as PickScore does), and gets the pictures as 8-bit arrays, as it would get files.
+
+LEARNED = {  # name: (default checkpoint, processor to use when the checkpoint has none, what it loads)
+    "clip": ("openai/clip-vit-large-patch14", None, "CLIPModel"),
+    "pickscore": ("yuvalkirstain/PickScore_v1", "laion/CLIP-ViT-H-14-laion2B-s32B-b79K", "CLIPModel"),
+    "dino": ("facebook/dinov2-base", None, "AutoModel"),
+    "aesthetic": ("openai/clip-vit-large-patch14", None, "CLIPModel"),  # + its head, AESTHETIC_HEAD
+}
+MODEL_TYPES = {"CLIPModel": ("clip",), "AutoModel": ("dinov2", "dinov2_with_registers")}  # what each may load
+AESTHETIC_HEAD = ("trl-lib/ddpo-aesthetic-predictor", "aesthetic-model.pth")  # LAION's sac+logos+ava1-l14-linearMSE
+
+
+class CheckpointError(ValueError):
+    """A learned reward's checkpoint that cannot be loaded; the message is the one line a user reads."""
+
+
+def hub_file(where: str, filename: str) -> str:
+    """The path of `filename` in a folder, or in a hub repo (downloaded once into the hub cache)."""
+    if Path(where).is_dir():
+        if not (Path(where) / filename).is_file():
+            raise FileNotFoundError(f"{where} has no {filename}")
+        return str(Path(where) / filename)
+    from huggingface_hub import hf_hub_download  # installed with transformers
+    return hf_hub_download(where, filename)
+
+
+def located(name: str, where: str) -> bool:
+    """Where a checkpoint can come from: True if from this machine (a folder, or a hub id already in the hub cache),
+    False if the hub must be asked. Raises CheckpointError at once for a folder that is not there and for a hub id
+    neither cached nor reachable (rather than after huggingface_hub's minute of retries)."""
+    path = Path(where).expanduser()
+    if path.exists() or where.startswith((".", "/", "~")) or where.count("/") != 1:
+        if not path.is_dir():
+            raise CheckpointError(f"reward '{name}@{where}': no such folder; give a folder saved by save_pretrained "
+                                  "or a hub id (owner/name)")
+        return True
+    from huggingface_hub import constants, try_to_load_from_cache
+    if isinstance(try_to_load_from_cache(where, "config.json"), str):
+        return True
+    host = constants.ENDPOINT.split("://")[-1].split("/")[0]
+    try:
+        socket.create_connection((host, 443), timeout=3).close()
+    except OSError:
+        raise CheckpointError(f"reward '{name}@{where}': not in the hub cache and {host} cannot be reached (offline?); "
+                              f"download it where there is a network (hf download {where}) or give a folder") from None
+    return False
+
+
+@functools.lru_cache(maxsize=None)
+def load_scorer(name: str, where: str) -> tuple:
+    """(model, processor, head) of learned reward `name` from `where` (hub id or folder), frozen, in eval mode, on the
+    CPU until first used; head is the aesthetic MLP (else None). Raises CheckpointError, one line naming the fix."""
+    import transformers
+    default, fallback, kind = LEARNED[name]
+    verbosity = transformers.logging.get_verbosity()
+    transformers.logging.set_verbosity_error()  # what is missing is reported below, in one line
+    offline = located(name, where)  # a folder, a hub id in the local cache, or a hub id to download
+    transformers.utils.logging.disable_progress_bar()  # no "Loading weights" bar between a run's lines
+    try:
+        try:
+            config = transformers.AutoConfig.from_pretrained(where, local_files_only=offline)
+            if config.model_type not in MODEL_TYPES[kind]:
+                raise CheckpointError(f"reward '{name}@{where}' holds a {config.model_type} model, not "
+                                      f"{' or '.join(MODEL_TYPES[kind])}: give a checkpoint of that kind")
+            model = getattr(transformers, kind).from_pretrained(where, local_files_only=offline)
+            model = model.eval().requires_grad_(False)
+        except (OSError, ValueError, KeyError) as error:
+            if isinstance(error, CheckpointError):
+                raise
+            raise CheckpointError(f"reward '{name}@{where}': cannot load a model from it ({first_line(error)}); give "
+                                  f"a hub id this machine can reach or a folder saved by save_pretrained (default "
+                                  f"{default})") from None
+        processor, kinds = None, transformers.AutoProcessor if kind == "CLIPModel" else transformers.AutoImageProcessor
+        for source in [where, fallback] if where == default and fallback else [where]:  # PickScore's is apart
+            with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+                processor = kinds.from_pretrained(source, local_files_only=offline and source == where)
+                break
+        if processor is None or (kind == "CLIPModel" and not hasattr(processor, "tokenizer")):
+            wanted = "processor (tokenizer and image processor)" if kind == "CLIPModel" else "image processor"
+            raise CheckpointError(f"reward '{name}@{where}': no {wanted} in it; save the checkpoint's processor "
+                                  "beside the model (processor.save_pretrained(folder))")
+        head = None
+        if name == "aesthetic":
+            try:
+                head = aesthetic_head(torch.load(hub_file(AESTHETIC_HEAD[0] if where == default else where,
+                                                          AESTHETIC_HEAD[1]), map_location="cpu", weights_only=True))
+            except Exception as error:
+                raise CheckpointError(f"reward 'aesthetic@{where}': no aesthetic head ({first_line(error)}); put "
+                                      f"LAION's head as {AESTHETIC_HEAD[1]} in the folder") from None
+    finally:
+        transformers.logging.set_verbosity(verbosity)
+    return model, processor, head
+
+
+def first_line(error: Exception) -> str:
+    text = str(error).strip()
+    return f"{type(error).__name__}: {text.splitlines()[0] if text else ''}"
+
+
+def aesthetic_head(state: dict) -> torch.nn.Sequential:
+    """LAION's improved aesthetic predictor from its state dict: Linear layers at the indices the keys give (768 ->
+    1024 -> 128 -> 64 -> 16 -> 1 for ViT-L/14), its dropouts (identities in eval) and nothing else between them."""
+    shapes = {int(k.split(".")[1]): v.shape for k, v in state.items() if k.endswith(".weight")}  # "layers.<i>.weight"
+    head = torch.nn.Sequential(*[torch.nn.Linear(shapes[i][1], shapes[i][0]) if i in shapes else torch.nn.Identity()
+                                 for i in range(max(shapes) + 1)])
+    head.load_state_dict({k.removeprefix("layers."): v for k, v in state.items()})
+    return head.eval().requires_grad_(False)
+
+
+def scorer_on(name: str, where: str, device: torch.device) -> tuple:
+    """load_scorer's (model, processor, head), the model and head moved to `device` (once: later calls find them)."""
+    model, processor, head = load_scorer(name, where)
+    model.to(device)
+    if head is not None:
+        head.to(device)
+    return model, processor, head
+
+
+def clip_embeddings(images: torch.Tensor, texts: list[str] | None, where: str, name: str) -> tuple:
+    """(G, 3, H, W) in [0, 1] (and texts) -> their L2-normalised CLIP image (G, D) (and text (T, D)) embeddings in
+    float32, the logit scale exp(s), and the head (aesthetic)."""
+    model, processor, head = scorer_on(name, where, images.device)
+    pixels = processor(images=list(to_uint8(images)), return_tensors="pt")["pixel_values"]
+    image = model.get_image_features(pixel_values=pixels.to(images.device, model.dtype))
+    image = getattr(image, "pooler_output", image).float()
+    text = None
+    if texts is not None:
+        tokens = processor(text=texts, padding=True, truncation=True, max_length=77, return_tensors="pt")
+        text = model.get_text_features(**{k: v.to(images.device) for k, v in tokens.items()})
+        text = torch.nn.functional.normalize(getattr(text, "pooler_output", text).float(), dim=-1)
+    return torch.nn.functional.normalize(image, dim=-1), text, model.logit_scale.exp().float(), head
+
+
+@needs("prompt")
+@torch.no_grad()
+def clip_reward(images: torch.Tensor, example: dict, checkpoint: str = LEARNED["clip"][0],
+                name: str = "clip") -> torch.Tensor:
+    """(G, 3, H, W) in [0, 1], example["prompt"] -> (G,) CLIP score: exp(logit_scale) * cos(image, prompt) of the
+    normalised embeddings (PickScore's formula; ~100 x the cosine for OpenAI's CLIP, ~20 for PickScore's)."""
+    image, text, scale, _ = clip_embeddings(images, [example["prompt"]], checkpoint, name)
+    return scale * (image @ text[0])
+
+
+@needs("prompt")
+@torch.no_grad()
+def pickscore_reward(images: torch.Tensor, example: dict, checkpoint: str = LEARNED["pickscore"][0]) -> torch.Tensor:
+    """(G,) PickScore (Kirstain et al. 2023): clip_reward with PickScore's checkpoint, a CLIP-H fine-tuned on human
+    preferences between pictures of one prompt; about 18-23 on real pictures."""
+    return clip_reward(images, example, checkpoint, "pickscore")
+
+
+@torch.no_grad()
+def aesthetic_reward(images: torch.Tensor, example: dict, checkpoint: str = LEARNED["aesthetic"][0]) -> torch.Tensor:
+    """(G,) LAION's aesthetic score (about 1-10): its MLP head on the normalised CLIP ViT-L/14 image embedding. Takes
+    no prompt."""
+    image, _, _, head = clip_embeddings(images, None, checkpoint, "aesthetic")
+    return head(image).squeeze(-1)
+
+
+def dino_features(images: torch.Tensor, checkpoint: str = LEARNED["dino"][0]) -> torch.Tensor:
+    """(G, 3, H, W) in [0, 1] -> (G, D) L2-normalised DINOv2 features (the CLS token after the final norm)."""
+    model, processor, _ = scorer_on("dino", checkpoint, images.device)
+    pixels = processor(images=list(to_uint8(images)), return_tensors="pt")["pixel_values"]
+    out = model(pixel_values=pixels.to(images.device, model.dtype))
+    return torch.nn.functional.normalize(out.pooler_output.float(), dim=-1)
+
+
+@needs("target")
+@torch.no_grad()
+def dino_reward(images: torch.Tensor, example: dict, checkpoint: str = LEARNED["dino"][0]) -> torch.Tensor:
+    """(G, 3, H, W), example["target"] (3, H, W) -> (G,) cosine similarity in [-1, 1] of their DINOv2 features: a
+    perceptual closeness to the target (what SSIM measures in pixels, measured in what a vision model sees)."""
+    features = dino_features(torch.cat([images, example["target"][None].to(images)]), checkpoint)
+    return features[:-1] @ features[-1]
+
+
+MORE_REWARDS = {"ocr": ocr_reward, "shapes": shapes_reward, "shapes_exact": shapes_exact_reward, "size": size_reward,
+                "clip": clip_reward, "pickscore": pickscore_reward, "dino": dino_reward,
+                "aesthetic": aesthetic_reward}
+
+
+def with_checkpoint(name: str, fn, where: str):
+    """`name@where`: the learned reward `fn` bound to the checkpoint `where` (hub id or folder), keeping its needs."""
+    if name not in LEARNED:
+        raise ValueError(f"reward '{name}@{where}': only the learned rewards ({', '.join(LEARNED)}) take a checkpoint "
+                         "after @")
+    if not where:
+        raise ValueError(f"reward '{name}@': give a hub id or folder after @, or drop the @")
+    bound = functools.partial(fn, checkpoint=where)
+    bound.needs, bound.check = getattr(fn, "needs", ()), getattr(fn, "check", None)
+    return bound
 
 
 # ---- plug-ins ------------------------------------------------------------------------------------

@@ -26,7 +26,7 @@ from tqdm.auto import tqdm
 
 from parallel import (INTERRUPT, final_weights, gather_list, gather_rows, interrupts_caught, load_trainable_state,
                       reduce_metrics, start_processes, stop_processes, stop_requested, trainable_state)
-from rewards import import_reward
+from rewards import CheckpointError, import_reward, with_checkpoint
 from run_io import (RUN_FILES, Reporter, append_metrics, atomic_write, check_out_dir, check_reporter, image_grid,
                     open_run_dir, plot_curves, read_checkpoint, read_metrics, read_resume, save_checkpoint, save_image,
                     save_pretrained_atomic, side_by_side)
@@ -134,8 +134,9 @@ def load_image(path: str | Path, height: int, width: int, role: str = "target") 
 
 
 def parse_rewards(spec: str, table: dict, flag: str = "--reward") -> dict[str, tuple]:
-    """'ssim=1,ocr=0.5,mypkg.rewards:clip=1' -> {name: (fn, weight)} (a name alone weighs 1): names of `table`
-    (grpo.REWARDS) or import paths module:function (found like `python -m` finds modules: installed, or in the current
+    """'ssim=1,ocr=0.5,pickscore@yuvalkirstain/PickScore_v1=1,mypkg.rewards:clip=1' -> {name: (fn, weight)} (a name
+    alone weighs 1): names of `table` (grpo.REWARDS; a learned one may name its checkpoint after @) or import paths
+    module:function (found like `python -m` finds modules: installed, or in the current
     directory). Every reward listed is computed and logged; weight 0 only keeps it out of the sum. Raises ValueError
     naming the problem."""
     rewards = {}
@@ -147,10 +148,15 @@ def parse_rewards(spec: str, table: dict, flag: str = "--reward") -> dict[str, t
             raise ValueError(f"reward weight '{part}' is not name=number; write e.g. {flag} ssim=1,mse=0") from None
         if not weight >= 0:
             raise ValueError(f"reward weight '{part}' is negative; weights must be >= 0")
+        name, at, where = name.partition("@")  # a learned reward's checkpoint: name@hub-id-or-folder
+        if name in rewards:
+            raise ValueError(f"reward '{name}' is listed twice in {flag} '{spec}'; list it once")
         rewards[name] = (import_reward(name) if ":" in name else table.get(name), weight)
         if rewards[name][0] is None:
             raise ValueError(f"unknown reward '{name}' in {flag} '{spec}'; use {', '.join(table)} or an import "
                              "path module:function")
+        if at:
+            rewards[name] = (with_checkpoint(name, rewards[name][0], where.strip()), weight)
     if sum(w for _, w in rewards.values()) <= 0:
         raise ValueError(f"{flag} '{spec}' gives every reward weight 0; give at least one a positive weight")
     return rewards
@@ -201,7 +207,8 @@ def validate(cfg) -> None:
                            ("clip-eps-high", cfg.clip_eps_high is None or cfg.clip_eps_high > 0, "> 0"),
                            ("lr", 0 < cfg.lr < 1, "in (0, 1)"), ("temperature", cfg.temperature > 0, "> 0"),
                            ("max-grad-norm", cfg.max_grad_norm > 0, "> 0"), ("lora-rank", cfg.lora_rank >= 0, ">= 0"),
-                           ("top-p", 0 < cfg.top_p <= 1, "in (0, 1]"), ("top-k", cfg.top_k >= 0, ">= 0")]:
+                           ("top-p", 0 < cfg.top_p <= 1, "in (0, 1]"), ("top-k", cfg.top_k >= 0, ">= 0"),
+                           ("diversity", cfg.diversity >= 0, ">= 0")]:
         if not ok:
             raise ValueError(f"--{name} {getattr(cfg, name.replace('-', '_'))} is out of range; it must be {rule}")
     for name in ("steps", "mu", "prompts_per_step", "num_inference_steps", "eval_samples"):
@@ -257,6 +264,8 @@ def check_rewards(rewards: dict, example: dict, height: int, width: int) -> None
             value = fn(torch.full((2, 3, height, width), 0.5), example)
         except ImportError as error:  # an optional package (e.g. EasyOCR for ocr): the message says what to install
             raise ValueError(f"reward '{name}': {error}") from None
+        except CheckpointError:  # a learned reward's checkpoint that does not load: its own line names the fix
+            raise
         except Exception as error:
             raise ValueError(f"reward '{name}' failed on two gray test images: {type(error).__name__}: "
                              f"{str(error).strip().splitlines()[0] if str(error).strip() else ''}") from None

@@ -30,6 +30,7 @@ from offline_model import tiny_glm_image
 from conftest import (DEVICE, HERE, PARITY, T, TINY, TINY_CPU, as_line, assert_same_metrics, assert_same_weights,
                       eval_lines, expect_exit, fresh_pipe, run_record, tiny_run, torchrun,
                       write_evals, write_example)  # shared helpers and settings
+from tools import rejection_sampling  # the baseline GRPO has to beat, from grpo.py's own pieces
 from tools.generate_reference import generate_group  # grpo.py's sampler before its decode loop
 
 
@@ -776,6 +777,43 @@ def test_score():
     assert torch.allclose(spread[0] / spread[1], raw[0] / raw[1], rtol=1e-4) and spread[0] > 5 * spread[1]
 
 
+def test_diversity_shaping():
+    """--diversity by hand: a positive advantage is divided by c^strength, c the group's samples with the same large
+    grid (itself included); negative ones stay whole; strength 0 changes nothing; score applies it to the z-scores."""
+    grids = [torch.tensor([[1, 2, 3], [1, 2, 3], [1, 2, 3], [4, 5, 6]]),  # three alike, one apart
+             torch.tensor([[1, 0, 0], [0, 1, 0], [0, 0, 1], [0, 1, 0]])]  # rows 1 and 3 alike
+    adv = torch.tensor([[1.0, 1.0, -1.0, 0.5], [-0.5, 2.0, 1.0, 2.0]])
+    want = torch.tensor([[1 / 3, 1 / 3, -1.0, 0.5], [-0.5, 1.0, 1.0, 1.0]])
+    assert torch.allclose(grpo.diversity_shaping(adv, grids, 1.0), want)
+    half = torch.tensor([[3 ** -0.5, 3 ** -0.5, -1.0, 0.5], [-0.5, 2 * 2 ** -0.5, 1.0, 2 * 2 ** -0.5]])
+    assert torch.allclose(grpo.diversity_shaping(adv, grids, 0.5), half)
+    assert torch.equal(grpo.diversity_shaping(adv, grids, 0.0), adv)
+    images = [torch.rand(4, 3, 8, 8, generator=torch.Generator().manual_seed(i)) for i in range(2)]
+    rewards = {"mean": (lambda im, ex: im.mean(dim=(1, 2, 3)), 1.0)}
+    reward, _, plain = grpo.score(images, [{}, {}], rewards)
+    _, _, shaped = grpo.score(images, [{}, {}], rewards, grids=grids, diversity=1.0)
+    assert torch.allclose(shaped, grpo.diversity_shaping(plain, grids, 1.0)) and not torch.equal(shaped, plain)
+
+
+def test_diversity_bonus():
+    """--diversity-bonus by hand: bonus / c added to each reward before the z-scores, c the samples of the group with
+    the same large grid: in a group where every sample is right, repeats of one layout fall below the layouts drawn
+    once (the signal a right-but-collapsing group lacks), and a unique wrong sample stays below every right one."""
+    grids = [torch.tensor([[1, 2], [1, 2], [1, 2], [3, 4]]), torch.tensor([[1, 0], [0, 1], [1, 0], [2, 2]])]
+    assert grpo.repeats(grids).tolist() == [[3, 3, 3, 1], [2, 1, 2, 1]]
+    reward = torch.tensor([[1.0, 1.0, 1.0, 1.0], [1.0, 1.0, 1.0, 0.4]])
+    images = [torch.zeros(4, 3, 8, 8), torch.zeros(4, 3, 8, 8)]
+    rewards = {"given": (lambda im, ex: ex["r"], 1.0)}
+    batch = [{"r": reward[0]}, {"r": reward[1]}]
+    logged, _, plain = grpo.score(images, batch, rewards, grids=grids)
+    assert torch.equal(logged, reward) and plain[0].eq(0).all()  # all right: no signal without the bonus
+    logged, _, adv = grpo.score(images, batch, rewards, grids=grids, bonus=0.3)
+    assert torch.equal(logged, reward)  # the logged reward is the reward's, without the bonus
+    assert torch.allclose(adv, grpo.group_advantages(reward + 0.3 / grpo.repeats(grids).float()))
+    assert (adv[0, :3] < 0).all() and adv[0, 3] > 0  # three repeats below the one drawn once
+    assert adv[1, 1] > adv[1, 0] == adv[1, 2] > adv[1, 3]  # the unique right one first, the wrong one last
+
+
 def test_group_advantages_scale():
     """--scale-rewards by hand: group (each group's std), batch (the std of every reward of the step, also when the
     batch is given from all processes), none (Dr. GRPO: centred only); a group with no spread stays zero."""
@@ -1166,6 +1204,22 @@ def test_disable_dropout():
     grpo.disable_dropout(ar)
     with torch.no_grad():
         assert (grpo.token_logprobs(ar, r.inputs, r.tokens, T) - r.logprobs).abs().max() <= 1e-5
+
+
+def test_rejection_sampling(tmp_path):
+    """tools/rejection_sampling.py: advantage 1 for each group's best sample (the first of a tie), 0 for the others;
+    through grpo.main it trains with those advantages (one update, no KL, no clip: a supervised step on the best of
+    G), and leaves grpo.score as it was."""
+    r = torch.tensor([[0.1, 0.9, 0.3, 0.9], [0.5, 0.5, 0.5, 0.5]])
+    assert torch.equal(rejection_sampling.best_of_group(r), torch.tensor([[0.0, 1, 0, 0], [1.0, 0, 0, 0]]))
+    score = grpo.score
+    rejection_sampling.main([*TINY, "--prompts", str(write_example(tmp_path, ["a gray square | t.png"])), "--out",
+                             str(tmp_path / "rs"), "--steps", "2", "--image-every", "0", "--kl-beta", "0.1"])
+    assert grpo.score is score
+    lines = run_record(tmp_path / "rs")
+    assert all(x["advantage/max"] == 1.0 and x["advantage/min"] == 0.0 for x in lines)
+    assert all(x["advantage/abs_mean"] == pytest.approx(1 / 4) for x in lines)  # one sample of G = 4
+    assert all(x["kl"] == 0.0 and x["clip_frac"] == 0.0 and x["ratio_max"] == 1.0 for x in lines)
 
 
 def test_main_end_to_end(tmp_path):

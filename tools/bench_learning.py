@@ -47,6 +47,11 @@ ROWS = {
     "shaping": ("GRPO, beta 0, mu 2, diversity shaping 1", ["--kl-beta", "0", "--mu", "2", "--diversity", "1"]),
     "both": ("GRPO, beta 0.04, mu 2, diversity shaping 1", ["--kl-beta", "0.04", "--mu", "2", "--diversity", "1"]),
     "default": ("GRPO, the tiny defaults", []),
+    # issue 35: a code holding more than top-p of the mass is its own nucleus (log pi = 0, no gradient) under the
+    # truncated policy; the full softmax corrected by importance weights (TRL's way) still trains it
+    "top_p_truncated": ("top-p 0.75 as deployed, --policy-dist truncated", ["--top-p", "0.75", "--policy-dist",
+                                                                             "truncated"]),
+    "top_p_full": ("top-p 0.75 as deployed, --policy-dist full", ["--top-p", "0.75", "--policy-dist", "full"]),
     "rs": ("rejection sampling (best of 8, supervised)", []),
 }
 HELD_OUT = ["--eval-prompts", str(ROOT / "examples" / "shapes_heldout.jsonl"), "--eval-every", "0",
@@ -89,45 +94,62 @@ def trained_pipe(out: Path):
     return pipe
 
 
-def run_shapes(row: str, seed: int, steps: int, extra: list[str]) -> dict:
-    """One training run of `row` with `seed`; its held-out numbers before and after, read from its eval lines."""
+def run_shapes(row: str, seed: int, steps: int, extra: list[str], runs: Path) -> dict:
+    """One training run of `row` with `seed` (kept in runs/<row>-seed<seed>: metrics, curves, final weights, the
+    before/after grid); its held-out numbers before and after, read from its eval lines."""
     train = rejection_sampling.main if row == "rs" else grpo.main
-    with tempfile.TemporaryDirectory() as out:
-        start = time.perf_counter()
-        train(["--prompts", str(ROOT / "examples" / "shapes.txt"), "--reward", "shapes=1", "--steps", str(steps),
-               "--seed", str(seed), "--out", out, "--image-every", "0", "--save-every", "0", *HELD_OUT,
-               *ROWS[row][1], *extra])
-        seconds = time.perf_counter() - start
-        lines = run.read_metrics(Path(out))
+    out = runs / "_".join([row, *(x.lstrip("-") for x in extra), f"seed{seed}"])
+    argv = ["--prompts", str(ROOT / "examples" / "shapes.txt"), "--reward", "shapes=1", "--steps", str(steps),
+            "--seed", str(seed), "--out", str(out), "--overwrite", "--image-every", "0", "--save-every", "0",
+            *HELD_OUT, *ROWS[row][1], *extra]
+    start = time.perf_counter()
+    train(argv)
+    seconds = time.perf_counter() - start
+    lines = run.read_metrics(out)
+    cfg = grpo.parse_config(argv)
+    settings = {k: getattr(cfg, k) for k in ("kl_beta", "mu", "diversity", "lr", "top_p", "policy_dist")}
     evals, training = [x for x in lines if x.get("eval")], [x for x in lines if not x.get("eval")]
 
     def held_out(x):
         return {"right": x["eval/shapes_exact"], "layouts": x["eval/distinct_layouts"], "one": x["eval/one_layout"],
                 **{k[len("eval/shapes_exact/"):]: v for k, v in x.items() if k.startswith("eval/shapes_exact/")}}
-    return {"row": row, "seed": seed, "steps": steps, "flags": ROWS[row][1] + extra, "before": held_out(evals[0]),
+    return {"row": row, "seed": seed, "steps": steps, "flags": ROWS[row][1] + extra, "settings": settings,
+            "before": held_out(evals[0]),
             "after": held_out(evals[-1]), "minutes": (seconds - sum(x["sec_eval"] for x in evals)) / 60,
             "no_gradient": float(np.mean([x.get("no_gradient_frac", 0.0) for x in training])),
             "kl": float(np.mean([x["kl"] for x in training[-50:]])),
-            "clip_frac_max": max(x["clip_frac"] for x in training)}
+            "clip_frac_max": max(x["clip_frac"] for x in training), "threads": torch.get_num_threads()}
+
+
+def describe(r: dict) -> tuple:
+    """A run's setting, from the flags it ran with (a later flag wins, as on grpo.py's command line)."""
+    cfg = grpo.parse_config(["--prompts", "x", *r["flags"]])
+    if r["row"] == "rs":
+        return ("rejection sampling: fine-tuning on each group's best sample (mu 1, no KL)",)
+    parts = [f"beta {cfg.kl_beta:g}", f"mu {cfg.mu}"]
+    parts += [f"diversity {cfg.diversity:g}"] if cfg.diversity else []
+    parts += [f"diversity bonus {cfg.diversity_bonus:g}"] if cfg.diversity_bonus else []
+    parts += [f"--scale-rewards {cfg.scale_rewards}"] if cfg.scale_rewards != "group" else []
+    parts += [f"top-p {cfg.top_p:g}, --policy-dist {cfg.policy_dist}"] if cfg.top_p < 1 else []
+    parts += [f"lr {cfg.lr:g}"] if cfg.lr != grpo.MODEL_DEFAULTS["tiny"]["lr"] else []
+    return ("GRPO, " + ", ".join(parts),)
 
 
 def table(results: list[dict]) -> str:
-    """Rows in ROWS order (and any other flags after them): the mean over seeds, each seed's value in brackets."""
+    """One row per setting (the mean over its seeds, each seed's value in brackets), the pre-trained model first."""
     groups = {}
     for r in results:
-        groups.setdefault((r["row"], " ".join(r["flags"]), r["steps"]), []).append(r)
-    order = list(ROWS)
+        groups.setdefault((*describe(r), r["steps"]), []).append(r)
     lines = ["| setting | seeds | held-out fully right | distinct layouts of 8 (free place) | captions with one layout "
              "| no-gradient tokens | training min |", "|---|---|---|---|---|---|---|"]
     base = results[0]["before"] if results else None
     if base:
         lines.append(f"| pre-trained tiny model | - | {base['right']:.3f} | {base['layouts']:.2f} | {base['one']:.1%} "
                      "| - | - |")
-    for (row, flags, steps), rs in sorted(groups.items(), key=lambda kv: (order.index(kv[0][0]), kv[0][1])):
+    for (name, steps), rs in sorted(groups.items(), key=lambda kv: -np.mean([r["after"]["right"] for r in kv[1]])):
         def cell(f, fmt):
             values = [f(r) for r in rs]
-            return f"{fmt(np.mean(values))} ({', '.join(fmt(v) for v in values)})"
-        name = ROWS[row][0] + (f" + `{flags}`" if flags != " ".join(ROWS[row][1]) else "")
+            return f"{fmt(np.mean(values))} ({', '.join(fmt(v) for v in values)})" if len(rs) > 1 else fmt(values[0])
         lines.append(f"| {name}, {steps} steps | {', '.join(str(r['seed']) for r in rs)} | "
                      f"{cell(lambda r: r['after']['right'], '{:.3f}'.format)} | "
                      f"{cell(lambda r: r['after']['layouts'], '{:.2f}'.format)} | "
@@ -164,7 +186,7 @@ def main() -> None:
         args.results.parent.mkdir(parents=True, exist_ok=True)
         for row in args.rows:
             for seed in args.seeds:
-                result = run_shapes(row, seed, args.steps, extra)
+                result = run_shapes(row, seed, args.steps, extra, args.results.parent / "bench_learning")
                 with open(args.results, "a") as f:
                     f.write(json.dumps(result) + "\n")
                 print(f"{row} seed {seed}: held-out fully right {result['before']['right']:.3f} -> "
