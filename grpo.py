@@ -108,11 +108,10 @@ class Config:
     scale_rewards: str = arg("group", "advantages divided by the std of the group, the batch, or none (Dr. GRPO)",
                              ("group", "batch", "none"))
     kl_beta: float | None = arg(None, "weight of the k3 KL to the reference (default 0 tiny, 0.04 real)")
-    mu: int = arg(1, "policy updates per batch of rollouts")
-    diversity: float = arg(0.0, "share a positive advantage among the group's samples with the same large grid: "
-                                "divided by their count ** diversity (0: off, 1: each distinct layout one share)")
-    diversity_bonus: float = arg(0.0, "add bonus / c to each reward before the advantages, c the group's samples with "
-                                      "the same large grid (DiverseGRPO; 0: off)")
+    mu: int | None = arg(None, "policy updates per batch of rollouts: > 1 lets the clip act (default 2 tiny, 1 real)")
+    diversity: float | None = arg(None, "bonus / c added to each reward before the advantages, c the samples of the "
+                                        "group that drew the same large grid: repeats earn less (default 0.2 tiny, "
+                                        "0 real: 1024-token grids never repeat)")
     temperature: float = arg(0.9, "sampling temperature (GLM-Image: 0.9)")
     top_p: float | None = arg(None, "nucleus sampling, scored exactly: the fewest codes with probability >= p "
                                     "(default 1.0 tiny: off; 0.75 real: GLM-Image's)")
@@ -161,11 +160,14 @@ class Config:
 
 
 MODEL_DEFAULTS = {  # filled in where the command line left a field at None
-    "tiny": dict(lr=1e-4, kl_beta=0.0, height=96, width=96, num_inference_steps=2, guidance_scale=1.0, top_p=1.0,
-                 group_size=8, prompts_per_step=2, lora_rank=0, before_after=4),  # micro-batch: a group
+    # the tiny demo runs the whole loss: the KL to a reference, the clip (mu 2) and the diversity bonus
+    # (tools/bench_learning.py: the trade-off between held-out accuracy and layouts kept)
+    "tiny": dict(lr=1e-4, kl_beta=0.1, mu=2, diversity=0.2, height=96, width=96, num_inference_steps=2,
+                 guidance_scale=1.0, top_p=1.0, group_size=8, prompts_per_step=2, lora_rank=0, before_after=4),
     # LoRA r=16 with micro-batches of 1 fits one 80 GB GPU (about 46 GiB estimated, see tools/memory_plan.py)
-    "real": dict(lr=1e-5, kl_beta=0.04, height=1024, width=1024, num_inference_steps=50, guidance_scale=1.5, top_p=0.75,
-                 group_size=4, prompts_per_step=1, micro_batch_size=1, lora_rank=16, before_after=0),
+    "real": dict(lr=1e-5, kl_beta=0.04, mu=1, diversity=0.0, height=1024, width=1024, num_inference_steps=50,
+                 guidance_scale=1.5, top_p=0.75, group_size=4, prompts_per_step=1, micro_batch_size=1, lora_rank=16,
+                 before_after=0),
 }
 
 
@@ -175,6 +177,8 @@ def parse_config(argv: list[str] | None = None) -> Config:
     defaults = MODEL_DEFAULTS["tiny" if cfg.model == "tiny" else "real"]
     defaults = {"micro_batch_size": cfg.group_size or defaults["group_size"], **defaults,  # tiny: a group at once
                 "gradient_checkpointing": cfg.model != "tiny" and cfg.train == "dit"}  # tools/memory_plan
+    if cfg.train == "dit":  # dit_grpo.py: one update per batch of chains, its own KL, chains that share tokens
+        defaults |= dict(mu=1, diversity=0.0, kl_beta=0.0 if cfg.model == "tiny" else defaults["kl_beta"])
     return dataclasses.replace(cfg, **{k: v for k, v in defaults.items() if getattr(cfg, k) is None})
 
 
@@ -742,36 +746,28 @@ def group_advantages(rewards: torch.Tensor, eps: float = 1e-6, scale: str = "gro
     return torch.where(spread, (rewards - mean) / std.clamp_min(torch.finfo(std.dtype).tiny), torch.zeros_like(rewards))
 
 
-def diversity_shaping(advantages: torch.Tensor, grids: list[torch.Tensor], strength: float) -> torch.Tensor:
-    """(P, G) advantages and each group's (G, n) large grids -> (P, G) advantages whose positive entries are divided
-    by c^strength, c the number of the group's samples that drew the same large grid (1 when unique).
-
-    Why: the policy gradient raises a layout's logit in proportion to how often it is sampled, so among equally right
-    layouts the likeliest gains most and the group collapses onto it (GRPO with beta 0: 7.7 distinct layouts of 8 ->
-    3.9). At strength 1 each distinct right layout gets the same total push however often it was drawn, so their
-    proportions are kept (DiverseGRPO's inverse cluster size; GARDO scales positive advantages by distinctness).
-    Negative advantages are left whole: a mistake drawn often is pushed down as often. Exact repeats only: for the
-    real model's 1024-token grids c is 1 and this does nothing; a feature-space clustering would be needed there."""
-    counts = torch.stack([(g[:, None] == g[None]).all(-1).sum(-1) for g in grids]).to(advantages)  # (P, G)
-    return torch.where(advantages > 0, advantages / counts ** strength, advantages)
-
-
 def repeats(grids: list[torch.Tensor]) -> torch.Tensor:
-    """Each group's (G, n) large grids -> (P, G): how many of its group's samples drew the same grid (itself too)."""
+    """Each group's (G, n) large grids -> (P, G) c: how many of its group's samples drew the same grid (itself too).
+
+    The diversity bonus (`score`, DiverseGRPO's bonus inversely proportional to a sample's cluster in its group) adds
+    diversity / c to each reward: a layout drawn once earns the whole bonus, a repeat of one drawn c times a c-th.
+    Without it a group whose samples are all right carries no signal, however few layouts it holds, and GRPO lets the
+    likeliest right layout take over (held-out layouts 7.6 -> 3.2 of 8 with beta 0.04); with it, the repeats fall
+    below the layouts drawn once. A bonus below the gap between a right and a wrong picture never ranks a wrong one
+    first. Exact repeats only: the real model's 1024-token grids never repeat, so there it does nothing (a feature
+    distance, GARDO's, would be needed)."""
     return torch.stack([(g[:, None] == g[None]).all(-1).sum(-1) for g in grids])
 
 
 def score(images: list[torch.Tensor], batch: list[dict], rewards: dict, scale: str = "group",
-          grids: list[torch.Tensor] | None = None, diversity: float = 0.0, bonus: float = 0.0) -> tuple:
+          grids: list[torch.Tensor] | None = None, diversity: float = 0.0) -> tuple:
     """Steps 3-4 for P groups of (G, 3, H, W) images and their P examples: the (P, G) rewards (and each reward's) and
     the (P, G) advantages, z-scored within each group (`scale` as group_advantages; "batch": by the std of every
-    process's rewards), their positive entries shared among repeats of a large grid (`grids`, diversity_shaping) when
-    `diversity` > 0."""
+    process's rewards), from the rewards plus the diversity bonus diversity / c (`grids`: each group's (G, n) large
+    grids; `repeats`). The rewards returned are the rewards alone."""
     reward, each = group_rewards(images, batch, rewards)  # 3. score them: (P, G)
-    shaped = reward + bonus / repeats(grids).to(reward) if bonus > 0 else reward
+    shaped = reward + diversity / repeats(grids).to(reward) if diversity > 0 else reward  # repeats earn less
     advantages = group_advantages(shaped, scale=scale, batch=gather_rows(shaped) if scale == "batch" else None)  # 4.
-    if diversity > 0:
-        advantages = diversity_shaping(advantages, grids, diversity)
     return reward, each, advantages
 
 
@@ -1073,8 +1069,7 @@ def main(argv: list[str] | None = None) -> dict:
                           for ex, ro in zip(batch, rollouts)]
             grids = [large_grid(ro.tokens, ro.large_hw) for ro in rollouts]  # (G, hw) each: what the DiT saw
             with run.timed(seconds, "reward", cfg):  # 3.-4. rewards, z-scored within each group
-                reward, each, advantages = score(images, batch, rewards, cfg.scale_rewards, grids, cfg.diversity,
-                                                 cfg.diversity_bonus)
+                reward, each, advantages = score(images, batch, rewards, cfg.scale_rewards, grids, cfg.diversity)
             with interrupts_held():  # an update and its log line land together (or not at all)
                 with run.timed(seconds, "train", cfg), r.autocast:  # 5. the clipped policy-gradient update
                     metrics = train_step(policy, optimizer, rollouts, advantages, ref_model, kl_beta=cfg.kl_beta,

@@ -777,26 +777,8 @@ def test_score():
     assert torch.allclose(spread[0] / spread[1], raw[0] / raw[1], rtol=1e-4) and spread[0] > 5 * spread[1]
 
 
-def test_diversity_shaping():
-    """--diversity by hand: a positive advantage is divided by c^strength, c the group's samples with the same large
-    grid (itself included); negative ones stay whole; strength 0 changes nothing; score applies it to the z-scores."""
-    grids = [torch.tensor([[1, 2, 3], [1, 2, 3], [1, 2, 3], [4, 5, 6]]),  # three alike, one apart
-             torch.tensor([[1, 0, 0], [0, 1, 0], [0, 0, 1], [0, 1, 0]])]  # rows 1 and 3 alike
-    adv = torch.tensor([[1.0, 1.0, -1.0, 0.5], [-0.5, 2.0, 1.0, 2.0]])
-    want = torch.tensor([[1 / 3, 1 / 3, -1.0, 0.5], [-0.5, 1.0, 1.0, 1.0]])
-    assert torch.allclose(grpo.diversity_shaping(adv, grids, 1.0), want)
-    half = torch.tensor([[3 ** -0.5, 3 ** -0.5, -1.0, 0.5], [-0.5, 2 * 2 ** -0.5, 1.0, 2 * 2 ** -0.5]])
-    assert torch.allclose(grpo.diversity_shaping(adv, grids, 0.5), half)
-    assert torch.equal(grpo.diversity_shaping(adv, grids, 0.0), adv)
-    images = [torch.rand(4, 3, 8, 8, generator=torch.Generator().manual_seed(i)) for i in range(2)]
-    rewards = {"mean": (lambda im, ex: im.mean(dim=(1, 2, 3)), 1.0)}
-    reward, _, plain = grpo.score(images, [{}, {}], rewards)
-    _, _, shaped = grpo.score(images, [{}, {}], rewards, grids=grids, diversity=1.0)
-    assert torch.allclose(shaped, grpo.diversity_shaping(plain, grids, 1.0)) and not torch.equal(shaped, plain)
-
-
 def test_diversity_bonus():
-    """--diversity-bonus by hand: bonus / c added to each reward before the z-scores, c the samples of the group with
+    """--diversity by hand: bonus / c added to each reward before the z-scores, c the samples of the group with
     the same large grid: in a group where every sample is right, repeats of one layout fall below the layouts drawn
     once (the signal a right-but-collapsing group lacks), and a unique wrong sample stays below every right one."""
     grids = [torch.tensor([[1, 2], [1, 2], [1, 2], [3, 4]]), torch.tensor([[1, 0], [0, 1], [1, 0], [2, 2]])]
@@ -807,7 +789,7 @@ def test_diversity_bonus():
     batch = [{"r": reward[0]}, {"r": reward[1]}]
     logged, _, plain = grpo.score(images, batch, rewards, grids=grids)
     assert torch.equal(logged, reward) and plain[0].eq(0).all()  # all right: no signal without the bonus
-    logged, _, adv = grpo.score(images, batch, rewards, grids=grids, bonus=0.3)
+    logged, _, adv = grpo.score(images, batch, rewards, grids=grids, diversity=0.3)
     assert torch.equal(logged, reward)  # the logged reward is the reward's, without the bonus
     assert torch.allclose(adv, grpo.group_advantages(reward + 0.3 / grpo.repeats(grids).float()))
     assert (adv[0, :3] < 0).all() and adv[0, 3] > 0  # three repeats below the one drawn once

@@ -42,18 +42,17 @@ from tools import rejection_sampling  # noqa: E402
 
 # the rows of the table: a name, what it is, and the grpo.py flags it adds to the tiny defaults
 ROWS = {
-    "beta0": ("GRPO, beta 0, mu 1 (the previous default)", ["--kl-beta", "0", "--mu", "1", "--diversity", "0"]),
-    "kl": ("GRPO, beta 0.04, mu 2", ["--kl-beta", "0.04", "--mu", "2", "--diversity", "0"]),
-    "shaping": ("GRPO, beta 0, mu 2, diversity shaping 1", ["--kl-beta", "0", "--mu", "2", "--diversity", "1"]),
-    "both": ("GRPO, beta 0.04, mu 2, diversity shaping 1", ["--kl-beta", "0.04", "--mu", "2", "--diversity", "1"]),
-    "default": ("GRPO, the tiny defaults", []),
+    "beta0": ("GRPO without the KL or the diversity bonus", ["--kl-beta", "0", "--diversity", "0"]),
+    "kl": ("GRPO with the KL, no diversity bonus", ["--kl-beta", "0.1", "--diversity", "0"]),
+    "shaping": ("GRPO with the diversity bonus, no KL", ["--kl-beta", "0", "--diversity", "0.2"]),
+    "default": ("GRPO, the tiny defaults (KL and diversity bonus)", []),
+    "rs": ("rejection sampling (best of 8, supervised)", []),
     # issue 35: a code holding more than top-p of the mass is its own nucleus (log pi = 0, no gradient) under the
     # truncated policy; the full softmax corrected by importance weights (TRL's way) still trains it
     "top_p_truncated": ("top-p 0.75 as deployed, --policy-dist truncated", ["--top-p", "0.75", "--policy-dist",
                                                                              "truncated"]),
     "top_p_full": ("top-p 0.75 as deployed, --policy-dist full", ["--top-p", "0.75", "--policy-dist", "full"]),
-    "rs": ("rejection sampling (best of 8, supervised)", []),
-}
+}  # every GRPO row has the tiny defaults' mu 2 (the clip acts); rows of other flags come from `-- flags`
 HELD_OUT = ["--eval-prompts", str(ROOT / "examples" / "shapes_heldout.jsonl"), "--eval-every", "0",
             "--eval-samples", "8", "--eval-reward", "shapes_exact"]
 
@@ -107,7 +106,8 @@ def run_shapes(row: str, seed: int, steps: int, extra: list[str], runs: Path) ->
     seconds = time.perf_counter() - start
     lines = run.read_metrics(out)
     cfg = grpo.parse_config(argv)
-    settings = {k: getattr(cfg, k) for k in ("kl_beta", "mu", "diversity", "lr", "top_p", "policy_dist")}
+    settings = {k: getattr(cfg, k) for k in ("kl_beta", "mu", "diversity", "lr", "top_p", "policy_dist",
+                                             "scale_rewards")}
     evals, training = [x for x in lines if x.get("eval")], [x for x in lines if not x.get("eval")]
 
     def held_out(x):
@@ -123,12 +123,16 @@ def run_shapes(row: str, seed: int, steps: int, extra: list[str], runs: Path) ->
 
 def describe(r: dict) -> tuple:
     """A run's setting, from the flags it ran with (a later flag wins, as on grpo.py's command line)."""
-    cfg = grpo.parse_config(["--prompts", "x", *r["flags"]])
+    flags, share = list(r["flags"]), None
+    while "--diversity-share" in flags:  # an earlier variant, tried and not kept: positive advantages divided by c^s
+        k = flags.index("--diversity-share")
+        share, flags = float(flags[k + 1]), flags[:k] + flags[k + 2:]
+    cfg = grpo.parse_config(["--prompts", "x", *flags])
     if r["row"] == "rs":
         return ("rejection sampling: fine-tuning on each group's best sample (mu 1, no KL)",)
     parts = [f"beta {cfg.kl_beta:g}", f"mu {cfg.mu}"]
-    parts += [f"diversity {cfg.diversity:g}"] if cfg.diversity else []
-    parts += [f"diversity bonus {cfg.diversity_bonus:g}"] if cfg.diversity_bonus else []
+    parts += [f"diversity bonus {cfg.diversity:g}"] if cfg.diversity else []
+    parts += [f"positive advantages / c^{share:g} (a variant, not kept)"] if share else []
     parts += [f"--scale-rewards {cfg.scale_rewards}"] if cfg.scale_rewards != "group" else []
     parts += [f"top-p {cfg.top_p:g}, --policy-dist {cfg.policy_dist}"] if cfg.top_p < 1 else []
     parts += [f"lr {cfg.lr:g}"] if cfg.lr != grpo.MODEL_DEFAULTS["tiny"]["lr"] else []
