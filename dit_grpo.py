@@ -41,8 +41,8 @@ from diffusers import FlowMatchEulerDiscreteScheduler
 from diffusers.schedulers.scheduling_flow_match_euler_discrete import FlowMatchEulerDiscreteSchedulerOutput
 
 import grpo  # the AR's sampler, the decoder, rewards, the loss and the set-up: shared with the AR's GRPO
-import run  # the run's plumbing, as grpo.py's
-from parallel import all_agree, interrupts_held, sync_gradients, unsharded
+from helpers import run  # the run's plumbing, as grpo.py's
+from helpers.parallel import all_agree, interrupts_held, sync_gradients, unsharded
 
 
 def sde_step(x: torch.Tensor, v: torch.Tensor, sigma: torch.Tensor, sigma_next: torch.Tensor,
@@ -270,7 +270,7 @@ def main(argv: list[str] | None = None) -> dict:
     def evaluate_policy(examples: list[dict], rewards: dict, n_samples: int, seed: int, keep_images: int):
         with r.autocast, unsharded(policy), grpo.decoder_on(pipe, r.device, cfg.offload):  # the pipeline's ODE
             return grpo.evaluate(pipe, examples, rewards, n_samples, seed, cfg, r.rank, r.world, keep_images)
-    r.evaluate = evaluate_policy
+    r.evaluate, r.extreme = evaluate_policy, grpo.extreme
 
     with run.training(r):
         for step, groups, batch, seconds in run.steps(r):

@@ -73,10 +73,18 @@ import torch
 import torch.nn.functional as F
 from PIL import Image
 
-import run  # the run's plumbing: checks, files, logging, checkpoints, evaluation output (main uses it, nothing above)
-from parallel import (all_agree, distributed, extreme, gather_list, gather_rows, interrupts_held, shard,  # many GPUs
-                      sync_gradients, unsharded)
-from rewards import MORE_REWARDS, needs  # ocr, shapes
+try:  # helpers/, beside this file: main's plumbing, many processes (torchrun, FSDP2), rewards beyond pixels
+    from helpers import run
+    from helpers.parallel import (all_agree, distributed, gather_list, gather_rows, interrupts_held, shard,
+                                  sync_gradients, unsharded)
+    from helpers.rewards import MORE_REWARDS
+except ModuleNotFoundError as missing:  # grpo.py copied alone: every section above main, in one process
+    if missing.name != "helpers":
+        raise
+    run, shard, MORE_REWARDS = None, None, {}  # main, FSDP2 and the extra rewards need helpers/
+    unsharded = interrupts_held = contextlib.nullcontext
+    distributed, sync_gradients = (lambda: False), (lambda model, last: None)
+    all_agree = gather_rows = gather_list = lambda x: x  # one process: every collective is the identity
 
 
 # ---- 1. Config ----------------------------------------------------------------------------------
@@ -172,8 +180,12 @@ MODEL_DEFAULTS = {  # filled in where the command line left a field at None
 
 
 def parse_config(argv: list[str] | None = None) -> Config:
-    """Command line -> Config. Flags are the field names with dashes; None fields get MODEL_DEFAULTS."""
-    cfg = Config(**vars(run.config_parser(Config).parse_args(argv)))
+    """Command line -> Config (helpers/run.py builds the parser): flags are the field names with dashes."""
+    return with_defaults(Config(**vars(run.config_parser(Config).parse_args(argv))))
+
+
+def with_defaults(cfg: Config) -> Config:
+    """`cfg` with its None fields from MODEL_DEFAULTS: the tiny model's, or the real one's for any other model."""
     defaults = MODEL_DEFAULTS["tiny" if cfg.model == "tiny" else "real"]
     defaults = {"micro_batch_size": cfg.group_size or defaults["group_size"], **defaults,  # tiny: a group at once
                 "gradient_checkpointing": cfg.model != "tiny" and cfg.train == "dit"}  # tools/memory_plan
@@ -194,7 +206,7 @@ def load_glm_image(name: str, device: str = "cpu", dtype: torch.dtype = torch.fl
     with L layers in each of its parts. Everything but the AR frozen."""
     from diffusers import GlmImagePipeline
     if name.split(":")[0] == "random":
-        from offline_model import PUBLISHED, glm_image, with_depths
+        from helpers.offline_model import PUBLISHED, glm_image, with_depths
         layers = int(name[len("random:"):]) if ":" in name else None
         default = torch.get_default_dtype()
         torch.set_default_dtype(dtype)
@@ -674,16 +686,15 @@ def decode_images(pipe, prompt: str, tokens: torch.Tensor, large_hw: tuple[int, 
 # ---- 6. Rewards ---------------------------------------------------------------------------------
 # A reward is any function fn(images, example) -> (G,) float tensor, higher is better: images (G, 3, H, W) float32 in
 # [0, 1], example the dict of one prompts line (read_prompts) with "target" loaded as a (3, H, W) tensor (or None).
-# `@needs(...)` names the example fields a reward cannot do without, so a missing one stops the run before it starts.
+# `fn.needs = ("target",)` names the example fields a reward cannot do without: a missing one stops the run before it
+# starts.
 # The card's rewards (SSIM, -MSE against a target) are here; OCR, the shapes checker and plug-in loading in rewards.py.
 
-@needs("target")
 def mse_reward(images: torch.Tensor, example: dict) -> torch.Tensor:
     """(G, 3, H, W) in [0, 1], example["target"] (3, H, W) -> (G,) negative mean squared error, in [-1, 0]."""
     return -((images - example["target"]) ** 2).mean(dim=(1, 2, 3))
 
 
-@needs("target")
 def ssim_reward(images: torch.Tensor, example: dict) -> torch.Tensor:
     """(G, 3, H, W) in [0, 1], example["target"] (3, H, W) -> (G,) SSIM (Wang et al. 2004), in [-1, 1].
 
@@ -707,6 +718,7 @@ def ssim_reward(images: torch.Tensor, example: dict) -> torch.Tensor:
     return ssim_map.mean(dim=(1, 2, 3))
 
 
+mse_reward.needs = ssim_reward.needs = ("target",)  # checked in every example before a run starts
 REWARDS = {"ssim": ssim_reward, "mse": mse_reward, **MORE_REWARDS}  # MORE_REWARDS: ocr, shapes (rewards.py)
 
 
@@ -996,10 +1008,19 @@ def train_step(policy, optimizer, rollouts: list[Rollout], advantages: torch.Ten
     return {**totals, **{k: v for k, v in merge_metrics(parts).items() if extreme(k)}, "skipped": skipped}
 
 
+EXTREMES = {"ratio_min": min, "ratio_max": max, "sampler_gap": max, "skipped": max,  # and names ending /max, /min
+            "outside_truncation": sum}  # the rest: means
+
+
+def extreme(key: str):
+    """How a metric that is an extreme or a count combines over micro-batches or processes (min, max, sum), or None
+    for a mean."""
+    return EXTREMES.get(key) or (max if key.endswith("/max") else min if key.endswith("/min") else None)
+
+
 def merge_metrics(parts: list[tuple[dict, float]]) -> dict:
     """Micro-batches' metrics with their shares of the sequences -> one dict: extremes and counts by their rule
-    (parallel.extreme: min, max, sum), the rest the mean over the sequences that have the metric (an editing group has
-    no preview region)."""
+    (extreme), the rest the mean over the sequences that have the metric (an editing group has no preview region)."""
     keys = dict.fromkeys(k for m, _ in parts for k in m)
     return {k: extreme(k)([m[k] for m, _ in parts if k in m]) if extreme(k) else
             sum(m[k] * s for m, s in parts if k in m) / sum(s for m, s in parts if k in m) for k in keys}
@@ -1055,7 +1076,7 @@ def main(argv: list[str] | None = None) -> dict:
     def evaluate_policy(examples: list[dict], rewards: dict, n_samples: int, seed: int, keep_images: int):
         with r.autocast, unsharded(policy), decoder_on(pipe, r.device, cfg.offload):  # 10. fixed seeds, no update
             return evaluate(pipe, examples, rewards, n_samples, seed, cfg, r.rank, r.world, keep_images)
-    r.evaluate = evaluate_policy  # the before / after grids and --eval-prompts
+    r.evaluate, r.extreme = evaluate_policy, extreme  # the before / after grids, --eval-prompts; metrics over processes
 
     with run.training(r):  # Ctrl-C: a checkpoint, exit 130; a full disk: one line, exit 1
         for step, groups, batch, seconds in run.steps(r):  # a group's number picks its prompt and seeds it

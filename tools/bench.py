@@ -48,8 +48,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # grpo.py and the files it imports live in the repository root
 
 import grpo  # noqa: E402
-import run  # noqa: E402
-import rewards  # noqa: E402
+from helpers import run  # noqa: E402
+from helpers import rewards  # noqa: E402
 from tools.generate_reference import generate_group  # noqa: E402  grpo.py's sampler before its decode loop
 
 G, H, W, T, PROMPT = 4, 96, 96, 0.9, "a red square on the left"  # the pre-trained tiny model at its own size
@@ -218,7 +218,7 @@ def real_shapes_step(pipe, policy, precision: str, rows, height=1024, width=1024
 
 
 def real_shapes(rows):
-    from offline_model import real_shapes_glm_image
+    from helpers.offline_model import real_shapes_glm_image
     t = time.perf_counter()
     pipe = grpo.only_ar_trains(real_shapes_glm_image())
     n = {name: sum(p.numel() for p in m.parameters()) for name, m in
@@ -298,7 +298,7 @@ def sampler_compare(pipe, name, device, group, height, width, prefix=0, repeats=
 
 
 def sampler_cpu(emit_row):
-    from offline_model import TINY, glm_image, with_depths
+    from helpers.offline_model import TINY, glm_image, with_depths
     deep = grpo.only_ar_trains(glm_image(with_depths(TINY, ar=40)))
     sampler_compare(deep, "40-layer tiny-width AR, 1024x1024", "cpu", 4, 1024, 1024, emit_row=emit_row)
     pipe = grpo.load_glm_image("tiny")
@@ -339,7 +339,7 @@ def copy_bandwidth(device) -> float:
 
 
 def sampler_gpu(emit_row):
-    from offline_model import PUBLISHED, TINY, glm_image
+    from helpers.offline_model import PUBLISHED, TINY, glm_image
     emit_row("GPU", f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
     start = time.perf_counter()
     torch.set_default_dtype(torch.bfloat16)
@@ -435,7 +435,7 @@ def gap(device):
     row("machine", f"{torch.get_num_threads()} CPU threads, torch {torch.__version__}" +
         (f", {torch.cuda.get_device_name()}" if device == "cuda" else ""))
     if device == "cuda":
-        from offline_model import PUBLISHED, glm_image
+        from helpers.offline_model import PUBLISHED, glm_image
         torch.set_default_dtype(torch.bfloat16)
         try:
             pipe = grpo.only_ar_trains(glm_image(PUBLISHED, device="cuda"))
@@ -443,7 +443,7 @@ def gap(device):
             torch.set_default_dtype(torch.float32)
         attempt(lambda: gap_rows(pipe, "full depth, 1024x1024, G = 4, top-p 0.75", 4, 1024, 0.75, row), row)
         return
-    from offline_model import real_shapes_glm_image
+    from helpers.offline_model import real_shapes_glm_image
     tiny = grpo.load_glm_image("tiny", dtype=torch.bfloat16)
     gap_rows(tiny, "tiny model bf16, 96x96, G = 8, top-p 0.75", 8, 96, 0.75, row)
     real = grpo.only_ar_trains(real_shapes_glm_image(ar=2))

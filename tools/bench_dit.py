@@ -20,7 +20,7 @@ sys.path.insert(0, str(ROOT))  # grpo.py and the files it imports live in the re
 
 import dit_grpo  # noqa: E402
 import grpo  # noqa: E402
-import run  # noqa: E402
+from helpers import run  # noqa: E402
 
 SETTINGS = [(2, 0), (2, 1), (4, 0), (4, 1), (8, 0), (8, 2)]  # (denoising steps in training, window; 0 = all)
 CAPTIONS = ["two red circles", "a blue square left of a yellow triangle"]

@@ -26,7 +26,7 @@ sys.path.insert(0, str(ROOT))
 
 import dit_grpo  # noqa: E402
 import grpo  # noqa: E402
-import run  # noqa: E402
+from helpers import run  # noqa: E402
 from tools import memory_plan  # noqa: E402
 
 GiB = 2**30

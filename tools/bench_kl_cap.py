@@ -37,7 +37,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # grpo.py and the files it imports live in the repository root
 
 import grpo  # noqa: E402
-import run  # noqa: E402
+from helpers import run  # noqa: E402
 from bench_learning import held_out_captions, shapes_accuracy, trained_pipe  # noqa: E402  (tools/, beside this file)
 
 ORIGINAL = grpo.grpo_loss

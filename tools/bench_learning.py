@@ -35,9 +35,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # grpo.py and the files it imports live in the repository root
 
 import grpo  # noqa: E402
-import run  # noqa: E402
-import world  # noqa: E402
-from rewards import shapes_reward  # noqa: E402
+from helpers import run  # noqa: E402
+from helpers import world  # noqa: E402
+from helpers.rewards import shapes_reward  # noqa: E402
 from tools import rejection_sampling  # noqa: E402
 
 # the rows of the table: a name, what it is, and the grpo.py flags it adds to the tiny defaults

@@ -22,7 +22,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # rewards.py lives in the repository root
 
-import rewards  # noqa: E402
+from helpers import rewards  # noqa: E402
 
 # the published architectures (their config.json), the parts a score runs through
 CLIP_L14 = dict(text_config=dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12),

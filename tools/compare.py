@@ -24,9 +24,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # grpo.py and i
 
 import dit_grpo  # noqa: E402
 import grpo  # noqa: E402
-import run_io  # noqa: E402
-import run  # noqa: E402
-from parallel import load_trainable_state, start_processes  # noqa: E402
+from helpers import run_io  # noqa: E402
+from helpers import run  # noqa: E402
+from helpers.parallel import load_trainable_state, start_processes  # noqa: E402
 
 
 def load_trained(policy, optimizer, path: Path, train: str = "ar") -> int | None:

@@ -32,7 +32,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # grpo.py and the files it imports live in the repository root
 
 import grpo  # noqa: E402
-import world  # noqa: E402
+from helpers import world  # noqa: E402
 
 # captions whose target fixes the layout (or nearly): with a caption that leaves the places free ("a green triangle
 # above a yellow circle"), SSIM to one rendering of it rates a blank picture (0.88) above a right one drawn elsewhere

@@ -106,7 +106,7 @@ GiB = 2**30
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # grpo.py and the files it imports live in the repository root
-from offline_model import PUBLISHED, SOURCES  # noqa: E402  (the one copy of the published configs)
+from helpers.offline_model import PUBLISHED, SOURCES  # noqa: E402  (the one copy of the published configs)
 
 AR_CONFIG, DIT_CONFIG, VAE_CONFIG, T5_CONFIG = PUBLISHED["ar"], PUBLISHED["dit"], PUBLISHED["vae"], PUBLISHED["t5"]
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_up_proj", "down_proj"]
@@ -1270,7 +1270,7 @@ def measure_dit(log=print) -> dict:
     out), per call, in hidden-widths. About a minute on 2 CPU cores."""
     import dit_grpo
     import grpo
-    from offline_model import glm_image, with_depths
+    from helpers.offline_model import glm_image, with_depths
     started = time.time()
     torch.set_default_dtype(torch.bfloat16)
     try:

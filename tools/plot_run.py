@@ -10,7 +10,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run_io.py lives in the repository root
 
-from run_io import plot_curves  # noqa: E402
+from helpers.run_io import plot_curves  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> None:

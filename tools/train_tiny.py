@@ -54,10 +54,10 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # grpo.py and the files it imports live in the repository root
 
 import grpo  # noqa: E402
-import run  # noqa: E402
-import run_io  # noqa: E402
-import offline_model  # noqa: E402
-import world  # noqa: E402
+from helpers import run  # noqa: E402
+from helpers import run_io  # noqa: E402
+from helpers import offline_model  # noqa: E402
+from helpers import world  # noqa: E402
 from bench_learning import shapes_accuracy  # noqa: E402  (tools/, beside this file)
 
 SIZE, N_LARGE = world.SIZE, world.GRID * world.GRID

@@ -20,10 +20,10 @@ import torch
 from PIL import Image
 
 import grpo
-import parallel
-import run
-import run_io
-from conftest import (HERE, TINY, TINY_CPU, assert_same_metrics, assert_same_weights, error_lines, eval_lines,
+from helpers import parallel
+from helpers import run
+from helpers import run_io
+from conftest import (ROOT, TINY, TINY_CPU, assert_same_metrics, assert_same_weights, error_lines, eval_lines,
                       expect_exit, fresh_pipe, run_cli, run_record, snapshot, tiny_run, torchrun,
                       write_evals, write_example)  # shared helpers and settings
 
@@ -132,7 +132,7 @@ def test_plot_curves(tmp_path):
     (tmp_path / "metrics.jsonl").write_text("")
     with pytest.raises(ValueError, match="no steps yet"):
         run_io.plot_curves(tmp_path)
-    proc = subprocess.run([sys.executable, str(HERE / "tools" / "plot_run.py"), str(tmp_path / "nope")],
+    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "plot_run.py"), str(tmp_path / "nope")],
                           capture_output=True, text=True)
     assert proc.returncode != 0 and proc.stderr.strip().count("\n") == 0 and "no metrics.jsonl" in proc.stderr
 
@@ -278,13 +278,13 @@ def test_prepare_bad_input(tmp_path, capsys):
              (["--clip-eps", "1.5"], "--clip-eps"), (["--kl-beta", "-0.1"], "--kl-beta"), (["--lr", "0"], "--lr"),
              (["--clip-eps-high", "0"], "--clip-eps-high"), (["--scale-rewards", "mean"], "group, batch or none"),
              (["--top-p", "0"], "--top-p"), (["--top-k", "-1"], "--top-k"),
-             (["--reward", "clip=1"], "unknown reward"), (["--reward", "ssim=-1"], "negative"),
+             (["--reward", "clipscore=1"], "unknown reward"), (["--reward", "ssim=-1"], "negative"),
              (["--steps", "0"], "--steps"), (["--resume", str(tmp_path / "none")], "no checkpoint.pt"),
              (P("no_target.txt"), "no_target.txt:1: reward 'ssim' needs a target"),
              (["--reward", "nosuchmodule:f=1"], "cannot import"),
              (["--eval-prompts", str(tmp_path / "nothere.jsonl")], "cannot read --eval-prompts .*nothere.jsonl"),
              (["--eval-prompts", str(tmp_path / "no_target.txt")], "no_target.txt:1: reward 'ssim' needs a target"),
-             (["--eval-prompts", str(good), "--eval-reward", "clip"], "unknown reward 'clip' in --eval-reward"),
+             (["--eval-prompts", str(good), "--eval-reward", "clipscore"], "unknown reward 'clipscore' in --eval-reward"),
              (["--eval-prompts", str(good), "--eval-reward", "ocr"], "reward 'ocr' needs a text"),
              (["--eval-reward", "mse"], "--eval-reward is measured on --eval-prompts"),
              (["--eval-every", "-1"], "--eval-every -1 must be >= 0"), (["--eval-samples", "0"], "--eval-samples")]
@@ -560,7 +560,8 @@ def test_main_disk_full(tmp_path, capsys, monkeypatch):
 KILLED_SAVE = """
 import os, sys, time, torch
 sys.path.insert(0, {here!r})
-import grpo, parallel, run_io
+import grpo
+from helpers import parallel, run_io
 from pathlib import Path
 policy = grpo.load_glm_image("tiny").vision_language_encoder
 opt = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad])
@@ -582,7 +583,7 @@ run_io.save_checkpoint(path, *parallel.trainable_state(policy, opt), 2, cfg)
 def test_checkpoint_survives_kill(tmp_path):
     """kill -9 while a checkpoint is being written (a real process, killed half-way): the previous one loads."""
     path = tmp_path / "checkpoint.pt"
-    proc = subprocess.Popen([sys.executable, "-c", KILLED_SAVE.format(here=str(HERE), path=str(path))],
+    proc = subprocess.Popen([sys.executable, "-c", KILLED_SAVE.format(here=str(ROOT), path=str(path))],
                             stdout=subprocess.PIPE, text=True)
     assert proc.stdout.readline().strip() == "writing"
     proc.kill()  # SIGKILL: no handler, no cleanup
@@ -688,7 +689,7 @@ def test_torchrun_rank_dies(tmp_path):
     prompts = write_example(tmp_path, ["a gray square | t.png", "another | t.png"])
     out = tmp_path / "run"
     script = tmp_path / "dies.py"
-    script.write_text(RANK_DIES.format(here=str(HERE), metrics=str(out / "metrics.jsonl")))
+    script.write_text(RANK_DIES.format(here=str(ROOT), metrics=str(out / "metrics.jsonl")))
     proc = torchrun(*TINY_CPU, "--prompts", str(prompts), "--out", str(out), "--steps", "4",
                     "--save-every", "1", "--image-every", "0", script=script, timeout=300)
     assert proc.returncode != 0
@@ -705,8 +706,8 @@ def test_torchrun_interrupt(tmp_path):
     prompts = write_example(tmp_path, ["a gray square | t.png", "another | t.png"])
     out = tmp_path / "run"
     proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                             str(HERE / "grpo.py"), *TINY_CPU, "--prompts", str(prompts), "--out", str(out),
-                             "--steps", "100", "--image-every", "0"], cwd=HERE, stdout=subprocess.PIPE,
+                             str(ROOT / "grpo.py"), *TINY_CPU, "--prompts", str(prompts), "--out", str(out),
+                             "--steps", "100", "--image-every", "0"], cwd=ROOT, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
     while not (out / "metrics.jsonl").exists() or len(run_record(out)) < 2:
         assert proc.poll() is None, proc.communicate()

@@ -8,7 +8,7 @@ import torch
 
 import dit_grpo
 import grpo
-from conftest import run_record as records  # a run's metrics.jsonl lines without the timings
+from conftest import ROOT, run_record as records  # a run's metrics.jsonl lines without the timings
 
 SIZE = 96  # the tiny model's world: 3x3 large tokens
 
@@ -215,10 +215,10 @@ def test_train_step_learns():
 
 def run(tmp_path, out, *extra):
     import json
-    target = str(Path(__file__).parent / "examples" / "target_0.png")
+    target = str(ROOT / "examples" / "target_0.png")
     (tmp_path / "evals.jsonl").write_text(json.dumps({"prompt": "a red circle at the top left", "target": target,
                                                       "category": "position"}) + "\n")
-    return dit_grpo.main(["--prompts", str(Path(__file__).parent / "prompts.txt"), "--out", str(tmp_path / out),
+    return dit_grpo.main(["--prompts", str(ROOT / "prompts.txt"), "--out", str(tmp_path / out),
                           "--image-every", "0", "--before-after", "0", "--eval-prompts",
                       str(tmp_path / "evals.jsonl"), "--eval-samples", "2", "--eval-every", "2", "--eval-reward",
                       "shapes_exact", *extra])
@@ -265,7 +265,7 @@ def test_main_train_dit_bad_input(tmp_path, capsys):
     number of steps, --mu > 1 (one update per batch for now), prompts with source images (editing is the AR's for
     now), and an unknown --train; grpo.py refuses --train dit and names dit_grpo.py, and dit_grpo.py --train ar
     names grpo.py."""
-    here = Path(__file__).parent
+    here = ROOT
     for args, needle in [(["--sde-noise", "0"], "--sde-noise 0.0"), (["--sde-window", "-1"], "--sde-window -1"),
                          (["--sde-steps", "-2"], "--sde-steps -2"), (["--mu", "2"], "--mu 2"),
                          (["--prompts", str(here / "examples" / "edits.jsonl")], "text-to-image only"),
@@ -297,7 +297,7 @@ def test_torchrun_train_dit_equals_one_process(tmp_path, extra):
     common = ["--prompts", str(prompts), "--reward", "size", "--steps", "3", "--group-size", "4",
               "--micro-batch-size", "2", "--sde-window", "1", "--lr", "1e-3", "--image-every", "0",
               "--before-after", "0", *extra]
-    script = Path(__file__).parent / "dit_grpo.py"
+    script = ROOT / "dit_grpo.py"
     one = torchrun(*common, "--out", str(tmp_path / "one"), "--prompts-per-step", "2", nproc=1, script=script)
     assert one.returncode == 0, one.stderr[-3000:]
     two = torchrun(*common, "--out", str(tmp_path / "two"), "--prompts-per-step", "1", script=script)

@@ -12,10 +12,12 @@ import pytest
 import torch
 from PIL import Image
 
-import grpo
-from offline_model import sharpen, tiny_glm_image
+ROOT = Path(__file__).resolve().parent.parent  # the repository: grpo.py, tools/, examples/
+sys.path.insert(0, str(ROOT))  # grpo.py, helpers/ and tools/, however pytest was started
 
-HERE = Path(__file__).resolve().parent
+import grpo  # noqa: E402
+from helpers.offline_model import sharpen, tiny_glm_image  # noqa: E402
+
 DEVICE = os.environ.get("GRPO_TEST_DEVICE", "cpu")  # where the models run: cpu (CI), or cuda on a machine with a GPU
 # sampler vs trainer in float32: 1e-5 on the CPU; on CUDA their attention kernels differ (the decode step's masked one,
 # the trainer's causal one) and the sharpened model (logits x 16) reached 1.0e-5 on an H100 (2026-11-24)
@@ -23,7 +25,9 @@ PARITY = 1e-5 if DEVICE == "cpu" else 2e-5
 T = 0.9  # GLM-Image's sampling temperature
 # the tiny model at small settings, so that the tests run in minutes (the demo's defaults: G 8, 2 prompts a step, 96x96)
 TINY = ["--model", "tiny", "--device", DEVICE, "--group-size", "4", "--prompts-per-step", "1", "--height", "64",
-        "--width", "64", "--before-after", "0"]
+        "--width", "64", "--before-after", "0",
+        "--mu", "1", "--kl-beta", "0", "--diversity", "0"]  # one update, no KL, no bonus: a step's metrics show the
+# first ratio (exactly 1), unless a test asks for more; test_main_defaults runs the tiny defaults (mu 2, KL, bonus)
 TINY_CPU = [*TINY[:2], "--device", "cpu", *TINY[4:]]  # torchrun tests: gloo on the CPU (one GPU cannot host 2 ranks)
 
 
@@ -82,8 +86,8 @@ def as_line(record, step):
     return {k: v for k, v in record.items() if not k.startswith("sec_")} | {"step": step}
 
 
-def run_cli(*args, cwd=HERE):
-    return subprocess.run([sys.executable, str(HERE / "grpo.py"), *args], capture_output=True, text=True, cwd=cwd,
+def run_cli(*args, cwd=ROOT):
+    return subprocess.run([sys.executable, str(ROOT / "grpo.py"), *args], capture_output=True, text=True, cwd=cwd,
                           timeout=300)
 
 
@@ -118,11 +122,11 @@ def expect_exit(argv, code, needle, capsys):
     return err
 
 
-def torchrun(*args, script: Path = HERE / "grpo.py", timeout: int = 600, nproc: int = 2):
+def torchrun(*args, script: Path = ROOT / "grpo.py", timeout: int = 600, nproc: int = 2):
     """Run `script` under torchrun with `nproc` processes; returns the CompletedProcess."""
     env = {**__import__("os").environ, "OMP_NUM_THREADS": "1"}
     return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-                           str(nproc), str(script), *args], capture_output=True, text=True, cwd=HERE, env=env,
+                           str(nproc), str(script), *args], capture_output=True, text=True, cwd=ROOT, env=env,
                           timeout=timeout)
 
 def zero_gradient_entries(name: str, config) -> torch.Tensor | None:

@@ -24,10 +24,10 @@ import torch
 from PIL import Image
 from tqdm.auto import tqdm
 
-from parallel import (INTERRUPT, final_weights, gather_list, gather_rows, interrupts_caught, load_trainable_state,
+from .parallel import (INTERRUPT, final_weights, gather_list, gather_rows, interrupts_caught, load_trainable_state,
                       reduce_metrics, start_processes, stop_processes, stop_requested, trainable_state)
-from rewards import CheckpointError, import_reward, with_checkpoint
-from run_io import (RUN_FILES, Reporter, append_metrics, atomic_write, check_out_dir, check_reporter, image_grid,
+from .rewards import CheckpointError, import_reward, with_checkpoint
+from .run_io import (RUN_FILES, Reporter, append_metrics, atomic_write, check_out_dir, check_reporter, image_grid,
                     open_run_dir, plot_curves, read_checkpoint, read_metrics, read_resume, save_checkpoint, save_image,
                     save_pretrained_atomic, side_by_side)
 
@@ -53,6 +53,7 @@ class Run:
     optimizer: object = None
     evaluate: Callable | None = None  # (examples, rewards, n_samples, seed, keep_images) -> images, total, each,
     # layouts (grpo.evaluate)
+    extreme: Callable | None = None  # how a metric combines over processes: min, max, sum or None (grpo.extreme)
     reporter: Reporter | None = None
     progress: object = None
     history: list = dataclasses.field(default_factory=list)  # the training metrics lines, this run's and before
@@ -377,7 +378,7 @@ def parameter_counts(model: str) -> dict[str, int] | None:
     of --model: 'random[:L]' counted on the meta device (no memory), a folder (or the hub's local cache) from its
     safetensors headers; None where it cannot be told without loading (a hub id not downloaded yet, 'tiny')."""
     if model.split(":")[0] == "random":
-        from offline_model import PUBLISHED, glm_image, with_depths
+        from .offline_model import PUBLISHED, glm_image, with_depths
         layers = int(model[len("random:"):]) if ":" in model else None
         pipe = glm_image(with_depths(PUBLISHED, layers, layers, layers, layers) if layers else PUBLISHED, device="meta")
         named = {part: dict(getattr(pipe, part).named_parameters()) for part in COMPONENTS}
@@ -582,7 +583,8 @@ def log_step(r: Run, step: int, groups: list[int], reward: torch.Tensor, each: d
     """The step's metrics line (step_record, every process) into metrics.jsonl and --report-to, the progress bar,
     and a warning for a skipped update (rank 0). The bar shows the step's reward, its mean over the last 20 steps
     (steps differ by prompt) and, when there is a KL term, the KL."""
-    record = step_record(step, groups, len(r.examples), reward, each, advantages, samples, metrics, seconds)
+    record = step_record(step, groups, len(r.examples), reward, each, advantages, samples,
+                         reduce_metrics(metrics, r.extreme), seconds)
     r.skipped, r.done = r.skipped + record["skipped"], step + 1
     r.history.append(record)
     if r.rank != 0:
@@ -611,7 +613,7 @@ def step_record(step: int, groups: list[int], n_examples: int, reward: torch.Ten
             "advantage/max": advantages.max().item(), "advantage/min": advantages.min().item(),
             "advantage/abs_mean": advantages.abs().mean().item(),
             "zero_std_groups": int((advantages == 0).all(dim=-1).sum()),  # groups that carry no signal
-            "distinct_in_group": distinct.float().mean().item(), **reduce_metrics(metrics),
+            "distinct_in_group": distinct.float().mean().item(), **metrics,
             **{f"sec_{phase}": value for phase, value in seconds.items()}}
 
 

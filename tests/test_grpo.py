@@ -23,11 +23,11 @@ import torch.nn.functional as F
 from PIL import Image
 
 import grpo
-import rewards
-import run
-import run_io
-from offline_model import tiny_glm_image
-from conftest import (DEVICE, HERE, PARITY, T, TINY, TINY_CPU, as_line, assert_same_metrics, assert_same_weights,
+from helpers import rewards
+from helpers import run
+from helpers import run_io
+from helpers.offline_model import tiny_glm_image
+from conftest import (DEVICE, ROOT, PARITY, T, TINY, TINY_CPU, as_line, assert_same_metrics, assert_same_weights,
                       eval_lines, expect_exit, fresh_pipe, run_record, tiny_run, torchrun,
                       write_evals, write_example)  # shared helpers and settings
 from tools import rejection_sampling  # the baseline GRPO has to beat, from grpo.py's own pieces
@@ -609,7 +609,7 @@ def test_real_resolution_decode(real_size_rollout, sharp_pipe):
 
 def test_real_shapes_glm_image():
     """The reduced-depth builder keeps every published width, head count, vocabulary, special id and rope setting."""
-    from offline_model import PUBLISHED, real_shapes_glm_image
+    from helpers.offline_model import PUBLISHED, real_shapes_glm_image
     pipe = real_shapes_glm_image(ar=1, vision=1, dit=1, t5=1, device="meta")
     ar, tok = pipe.vision_language_encoder, pipe.processor.tokenizer
     text = ar.config.text_config
@@ -1204,6 +1204,42 @@ def test_rejection_sampling(tmp_path):
     assert all(x["kl"] == 0.0 and x["clip_frac"] == 0.0 and x["ratio_max"] == 1.0 for x in lines)
 
 
+COPIED_ALONE = """
+import math, sys, torch
+import grpo
+assert grpo.run is None and "helpers" not in sys.modules  # nothing but grpo.py and the packages
+cfg = grpo.with_defaults(grpo.Config(model="tiny", group_size=4, height=64, width=64, num_inference_steps=1))
+pipe = grpo.load_glm_image({tiny!r})  # a model folder
+policy, ref, opt = grpo.setup_training(pipe, cfg, torch.float32, world=1)
+prompts = ["a red circle", "two blue squares"]
+rollouts = grpo.sample_groups(pipe, prompts, 4, 64, 64, cfg.temperature, [1, 2])
+images = [grpo.decode_images(pipe, p, r.tokens, r.large_hw, 64, 64, 1, 0, 1.0) for p, r in zip(prompts, rollouts)]
+target = torch.zeros(3, 64, 64)
+grids = [grpo.large_grid(r.tokens, r.large_hw) for r in rollouts]
+reward, each, adv = grpo.score(images, [dict(target=target)] * 2, {{"ssim": (grpo.ssim_reward, 1.0)}}, "group", grids,
+                               cfg.diversity)
+m = grpo.train_step(policy, opt, rollouts, adv, ref, temperature=cfg.temperature, clip_eps=0.2, kl_beta=cfg.kl_beta,
+                    micro_batch_size=4, max_grad_norm=1.0, mu=cfg.mu)
+assert math.isfinite(m["loss"]) and m["skipped"] == 0 and m["kl"] >= 0 and m["ratio_min"] <= 1 <= m["ratio_max"], m
+print("copied alone:", reward.shape, adv.shape, round(m["loss"], 4))
+"""
+
+
+def test_grpo_copied_alone(tmp_path):
+    """grpo.py copied alone into an empty folder (no helpers/, no tools/): `import grpo` works and one process runs
+    every section above main on a model folder: load, sample, decode, score (the card's SSIM), advantages, train_step
+    with the tiny defaults (KL, mu 2, diversity bonus)."""
+    import shutil
+    import subprocess
+    import sys
+    shutil.copy(ROOT / "grpo.py", tmp_path / "grpo.py")
+    (tmp_path / "step.py").write_text(COPIED_ALONE.format(tiny=str(ROOT / "tiny_glm_image")))
+    env = {k: v for k, v in __import__("os").environ.items() if k != "PYTHONPATH"}
+    done = subprocess.run([sys.executable, "step.py"], cwd=tmp_path, capture_output=True, text=True, env=env,
+                          timeout=300)
+    assert done.returncode == 0 and "copied alone: torch.Size([2, 4])" in done.stdout, done.stderr[-3000:]
+
+
 def test_main_end_to_end(tmp_path):
     """A short tiny run writes metrics, image grids and a checkpoint that loads back with the trained weights."""
     prompts = write_example(tmp_path, ["a gray square | t.png", "another | t.png"])
@@ -1494,7 +1530,8 @@ def test_torchrun_equals_one_process(tmp_path, extra):
 COLLECTIVES = """
 import copy, json, math, sys, torch, torch.distributed as dist
 sys.path.insert(0, {here!r})
-import grpo, parallel
+import grpo
+from helpers import parallel
 counts = {{"all_gather": 0, "reduce_scatter": 0}}
 for op, name in [(op, op.split("_")[0] + "_" + op.split("_")[1]) for op in ("all_gather_into_tensor",
                  "all_gather_single", "reduce_scatter_tensor", "reduce_scatter_single") if hasattr(dist, op)]:
@@ -1539,7 +1576,7 @@ def test_torchrun_collectives(tmp_path, lora):
     reduce gradients once (after the last), with full fine-tuning once per micro-batch (gradients stay sharded);
     either way the gradient is the mean over every sequence of both processes (within 1e-5 of one process's)."""
     script = tmp_path / "count.py"
-    script.write_text(COLLECTIVES.format(here=str(HERE), lora=lora))
+    script.write_text(COLLECTIVES.format(here=str(ROOT), lora=lora))
     proc = torchrun(script=script)
     assert proc.returncode == 0, proc.stderr[-3000:]
     c = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -1553,7 +1590,7 @@ def test_readme_commands():
     """Every grpo.py command in the README's code blocks parses; those that run as written here (the tiny model on the
     shipped prompts) write to different --out directories, so they run in any order without "holds another run"."""
     import shlex
-    blocks = re.findall(r"```bash\n(.*?)```", (HERE / "README.md").read_text().replace("\\\n", " "), flags=re.S)
+    blocks = re.findall(r"```bash\n(.*?)```", (ROOT / "README.md").read_text().replace("\\\n", " "), flags=re.S)
     code = [line.split("#")[0] for block in blocks for line in block.splitlines()]  # continued lines joined
     commands = [line.split("grpo.py", 1)[1] for line in code if "grpo.py" in line and "..." not in line]
     assert len(commands) >= 8
@@ -1561,6 +1598,6 @@ def test_readme_commands():
     for command in commands:
         argv = shlex.split(command)
         cfg = grpo.parse_config(argv)  # a bad flag would exit 2 here
-        if cfg.model == "tiny" and not cfg.resume and (HERE / cfg.prompts).is_file():
+        if cfg.model == "tiny" and not cfg.resume and (ROOT / cfg.prompts).is_file():
             outs.append(cfg.out)
     assert len(outs) >= 3 and len(set(outs)) == len(outs), outs

@@ -14,8 +14,8 @@ import pytest
 from nbclient import NotebookClient
 
 
-HERE = Path(__file__).resolve().parent
-NOTEBOOK = HERE / "walkthrough.ipynb"
+ROOT = Path(__file__).resolve().parent.parent  # the repository: grpo.py, tools/, examples/
+NOTEBOOK = ROOT / "walkthrough.ipynb"
 
 
 def code_cells(nb):
@@ -47,7 +47,7 @@ def executed(committed):
     for cell in code_cells(nb):
         cell.outputs, cell.execution_count = [], None
     client = NotebookClient(nb, timeout=300, kernel_name="python3", record_timing=False,
-                            resources={"metadata": {"path": str(HERE)}})
+                            resources={"metadata": {"path": str(ROOT)}})
     client.execute()  # raises CellExecutionError, naming the cell, on the first cell that fails
     return nb
 
@@ -63,7 +63,7 @@ def test_notebook_committed_outputs(committed):
 
 def test_notebook_declares_no_grpo_function(committed):
     """The notebook imports grpo.py's functions; it never re-declares one."""
-    tree = ast.parse((HERE / "grpo.py").read_text())
+    tree = ast.parse((ROOT / "grpo.py").read_text())
     grpo_functions = {node.name for node in tree.body if isinstance(node, ast.FunctionDef)}
     source = "\n".join(cell.source for cell in code_cells(committed))
     declared = set(re.findall(r"^\s*def (\w+)\(", source, flags=re.M))

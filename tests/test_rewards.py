@@ -12,8 +12,8 @@ import torch
 from PIL import Image
 
 import grpo
-import rewards
-import run
+from helpers import rewards
+from helpers import run
 from conftest import DEVICE, TINY, expect_exit, write_example
 
 

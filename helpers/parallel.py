@@ -129,13 +129,10 @@ def gather_list(items: list) -> list:
     return [x for part in parts for x in part]
 
 
-REDUCE = {"ratio_min": min, "ratio_max": max, "sampler_gap": max, "skipped": max,  # and names ending /max, /min;
-          "outside_truncation": sum}  # the rest: means over processes
-
-
-def reduce_metrics(metrics: dict) -> dict:
-    """train_step's metrics of every process -> one dict: extremes stay extremes, the rest are averaged (every
-    process trains on the same number of sequences, so the mean of means is the mean over all sequences)."""
+def reduce_metrics(metrics: dict, extreme) -> dict:
+    """train_step's metrics of every process -> one dict: extremes and counts by their rule (`extreme`, grpo.extreme:
+    min, max or sum), the rest averaged (every process trains on the same number of sequences, so the mean of means is
+    the mean over all sequences)."""
     if not distributed():
         return metrics
     parts = [None] * dist.get_world_size()
@@ -143,12 +140,6 @@ def reduce_metrics(metrics: dict) -> dict:
     keys = dict.fromkeys(k for part in parts for k in part)  # a process that only edits has no preview/ metrics
     mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
     return {k: (extreme(k) or mean)([p[k] for p in parts if k in p]) for k in keys}
-
-
-def extreme(key: str):
-    """How a metric that is an extreme or a count combines over processes or micro-batches (min, max, sum), or None
-    for a mean."""
-    return REDUCE.get(key) or (max if key.endswith("/max") else min if key.endswith("/min") else None)
 
 
 # ---- State: the same checkpoint format for one process and for many ------------------------------

@@ -14,11 +14,11 @@ import pytest
 import torch
 
 import grpo
-import rewards
-import run
-import world
+from helpers import rewards
+from helpers import run
+from helpers import world
 
-HERE = Path(__file__).resolve().parent
+ROOT = Path(__file__).resolve().parent.parent  # the repository: grpo.py, tools/, examples/
 
 
 def picture(scene: dict, rng=None) -> torch.Tensor:
@@ -190,16 +190,16 @@ def test_shapes_reward_bad_prompt(tmp_path, capsys):
 def test_demo_files():
     """prompts.txt holds world captions with their rendered targets (each read back as its caption says); the shapes
     demo trains on training captions only and the held-out file holds the rest."""
-    examples = run.read_prompts(str(HERE / "prompts.txt"))
+    examples = run.read_prompts(str(ROOT / "prompts.txt"))
     assert len(examples) >= 3
     for example in examples:
         target = run.load_image(example["target"], world.SIZE, world.SIZE)
         assert rewards.shapes_reward(target[None], example).item() == 1.0
     train, held = world.caption_split()
-    shapes = [e["prompt"] for e in run.read_prompts(str(HERE / "examples" / "shapes.txt"))]
-    held_file = [e["prompt"] for e in run.read_prompts(str(HERE / "examples" / "shapes_heldout.jsonl"))]
+    shapes = [e["prompt"] for e in run.read_prompts(str(ROOT / "examples" / "shapes.txt"))]
+    held_file = [e["prompt"] for e in run.read_prompts(str(ROOT / "examples" / "shapes_heldout.jsonl"))]
     assert sorted(shapes) == sorted(train) and sorted(held_file) == sorted(held)
-    kinds = {e["category"] for e in run.read_prompts(str(HERE / "examples" / "shapes_heldout.jsonl"))
+    kinds = {e["category"] for e in run.read_prompts(str(ROOT / "examples" / "shapes_heldout.jsonl"))
              if e["category"] == world.parse_caption(e["prompt"])["kind"]}
     assert kinds == set(world.KINDS)  # every line's category is its caption's kind, and every kind is there
     assert all(e["prompt"] in train for e in examples)
@@ -209,7 +209,7 @@ def test_train_tiny_quick(tmp_path):
     """tools/train_tiny.py runs every stage for a few steps and writes a checkpoint folder that
     GlmImagePipeline.from_pretrained loads, as --model tiny loads tiny_glm_image/."""
     out = tmp_path / "tiny"
-    result = subprocess.run([sys.executable, str(HERE / "tools" / "train_tiny.py"), "--quick", "--out", str(out)],
+    result = subprocess.run([sys.executable, str(ROOT / "tools" / "train_tiny.py"), "--quick", "--out", str(out)],
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-2000:]
     assert "6. saved" in result.stdout and not (tmp_path / "tiny.tmp").exists()
@@ -223,11 +223,11 @@ def test_train_tiny_quick(tmp_path):
 def test_tiny_model_draws_what_it_is_asked():
     """The shipped tiny_glm_image/ is the pre-trained model: it draws held-out captions of the easier kinds fully
     right far more often than by chance (a random model: never), and its training report says how it was made."""
-    sys.path.insert(0, str(HERE / "tools"))
+    sys.path.insert(0, str(ROOT / "tools"))
     from bench_learning import shapes_accuracy
     held = world.caption_split()[1]  # the held-out captions (examples/shapes_heldout.jsonl deals them by kind)
     easy = [c for c in held if world.parse_caption(c)["kind"] in ("single", "position")][:8]
     result = shapes_accuracy(grpo.load_glm_image("tiny"), easy, samples=4)
     assert result["accuracy"] >= 0.4, result
-    report = json.loads((HERE / "tiny_glm_image" / "training_report.json").read_text())
+    report = json.loads((ROOT / "tiny_glm_image" / "training_report.json").read_text())
     assert report["held_out"]["accuracy"] > 0.3 and report["size_mb"] < 30

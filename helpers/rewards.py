@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-import world
+from . import world
 
 
 def needs(*fields: str, check=None):

@@ -1,0 +1,3 @@
+"""The helpers grpo.py's main and dit_grpo.py run on (the algorithm itself is grpo.py, which runs without them):
+run.py (the run's plumbing), run_io.py (what a run writes), parallel.py (many processes), rewards.py (rewards beyond
+pixels), world.py (the tiny model's world of shapes), offline_model.py (GLM-Image built in code)."""
