@@ -1240,6 +1240,21 @@ def test_grpo_copied_alone(tmp_path):
     assert done.returncode == 0 and "copied alone: torch.Size([2, 4])" in done.stdout, done.stderr[-3000:]
 
 
+def test_main_defaults(tmp_path):
+    """The tiny defaults run the whole loss (beta 0.1, mu 2, diversity bonus 0.2): the reference is built and the KL
+    grows from 0 once the policy moves, the second update's ratios leave 1, and the clip acts (here at lr 1e-3, so
+    that it shows within 3 steps; the demo's 100 steps show it at the default lr)."""
+    cfg = grpo.parse_config(["--model", "tiny"])
+    assert (cfg.kl_beta, cfg.mu, cfg.diversity) == (0.1, 2, 0.2)
+    defaults = TINY[:TINY.index("--mu")]  # TINY without the tests' pinned algorithm
+    prompts = write_example(tmp_path, ["a red circle", "two blue squares"])
+    grpo.main([*defaults, "--prompts", str(prompts), "--out", str(tmp_path / "run"), "--steps", "3", "--reward",
+               "shapes", "--lr", "1e-3", "--image-every", "0"])
+    lines = run_record(tmp_path / "run")
+    assert lines[0]["kl"] > 0 and all(x["kl"] >= 0 and math.isfinite(x["kl_untruncated"]) for x in lines)
+    assert all(x["ratio_max"] > x["ratio_min"] for x in lines) and max(x["clip_frac"] for x in lines) > 0
+
+
 def test_main_end_to_end(tmp_path):
     """A short tiny run writes metrics, image grids and a checkpoint that loads back with the trained weights."""
     prompts = write_example(tmp_path, ["a gray square | t.png", "another | t.png"])
