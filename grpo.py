@@ -115,11 +115,11 @@ class Config:
     clip_eps_high: float | None = arg(None, "upper clip range (DAPO's clip-higher; default: --clip-eps)")
     scale_rewards: str = arg("group", "advantages divided by the std of the group, the batch, or none (Dr. GRPO)",
                              ("group", "batch", "none"))
-    kl_beta: float | None = arg(None, "weight of the k3 KL to the reference (default 0 tiny, 0.04 real)")
+    kl_beta: float | None = arg(None, "weight of the k3 KL to the reference (default 0.1 tiny, 0.04 real)")
     mu: int | None = arg(None, "policy updates per batch of rollouts: > 1 lets the clip act (default 2 tiny, 1 real)")
     diversity: float | None = arg(None, "bonus / c added to each reward before the advantages, c the samples of the "
-                                        "group that drew the same large grid: repeats earn less (default 0.2 tiny, "
-                                        "0 real: 1024-token grids never repeat)")
+                                        "group that drew the same large grid: repeats earn less (default 0; 0.2 keeps "
+                                        "layouts with --reward shapes, docs/evaluation.md)")
     temperature: float = arg(0.9, "sampling temperature (GLM-Image: 0.9)")
     top_p: float | None = arg(None, "nucleus sampling, scored exactly: the fewest codes with probability >= p "
                                     "(default 1.0 tiny: off; 0.75 real: GLM-Image's)")
@@ -168,9 +168,9 @@ class Config:
 
 
 MODEL_DEFAULTS = {  # filled in where the command line left a field at None
-    # the tiny demo runs the whole loss: the KL to a reference, the clip (mu 2) and the diversity bonus
-    # (tools/bench_learning.py: the trade-off between held-out accuracy and layouts kept)
-    "tiny": dict(lr=1e-4, kl_beta=0.1, mu=2, diversity=0.2, height=96, width=96, num_inference_steps=2,
+    # the tiny demo runs the whole loss: the KL to a reference and the clip (mu 2); the diversity bonus is a switch
+    # (docs/evaluation.md: it keeps layouts at a cost in accuracy, and works against a reward with one target)
+    "tiny": dict(lr=1e-4, kl_beta=0.1, mu=2, diversity=0.0, height=96, width=96, num_inference_steps=2,
                  guidance_scale=1.0, top_p=1.0, group_size=8, prompts_per_step=2, lora_rank=0, before_after=4),
     # LoRA r=16 with micro-batches of 1 fits one 80 GB GPU (about 46 GiB estimated, see tools/memory_plan.py)
     "real": dict(lr=1e-5, kl_beta=0.04, mu=1, diversity=0.0, height=1024, width=1024, num_inference_steps=50,

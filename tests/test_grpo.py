@@ -1228,7 +1228,7 @@ print("copied alone:", reward.shape, adv.shape, round(m["loss"], 4))
 def test_grpo_copied_alone(tmp_path):
     """grpo.py copied alone into an empty folder (no helpers/, no tools/): `import grpo` works and one process runs
     every section above main on a model folder: load, sample, decode, score (the card's SSIM), advantages, train_step
-    with the tiny defaults (KL, mu 2, diversity bonus)."""
+    with the tiny defaults (KL, mu 2)."""
     import shutil
     import subprocess
     import sys
@@ -1241,11 +1241,11 @@ def test_grpo_copied_alone(tmp_path):
 
 
 def test_main_defaults(tmp_path):
-    """The tiny defaults run the whole loss (beta 0.1, mu 2, diversity bonus 0.2): the reference is built and the KL
+    """The tiny defaults run the whole loss (beta 0.1, mu 2; the diversity bonus is off): the reference is built and the KL
     grows from 0 once the policy moves, the second update's ratios leave 1, and the clip acts (here at lr 1e-3, so
     that it shows within 3 steps; the demo's 100 steps show it at the default lr)."""
     cfg = grpo.parse_config(["--model", "tiny"])
-    assert (cfg.kl_beta, cfg.mu, cfg.diversity) == (0.1, 2, 0.2)
+    assert (cfg.kl_beta, cfg.mu, cfg.diversity) == (0.1, 2, 0.0)
     defaults = TINY[:TINY.index("--mu")]  # TINY without the tests' pinned algorithm
     prompts = write_example(tmp_path, ["a red circle", "two blue squares"])
     grpo.main([*defaults, "--prompts", str(prompts), "--out", str(tmp_path / "run"), "--steps", "3", "--reward",
@@ -1602,12 +1602,14 @@ def test_torchrun_collectives(tmp_path, lora):
 
 
 def test_readme_commands():
-    """Every grpo.py command in the README's code blocks parses; those that run as written here (the tiny model on the
-    shipped prompts) write to different --out directories, so they run in any order without "holds another run"."""
+    """Every grpo.py command in the code blocks of the README and docs/ parses; those that run as written here (the
+    tiny model on the shipped prompts) write to different --out directories, so they run in any order."""
     import shlex
-    blocks = re.findall(r"```bash\n(.*?)```", (ROOT / "README.md").read_text().replace("\\\n", " "), flags=re.S)
+    text = "\n".join(p.read_text() for p in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))])
+    blocks = re.findall(r"```bash\n(.*?)```", text.replace("\\\n", " "), flags=re.S)
     code = [line.split("#")[0] for block in blocks for line in block.splitlines()]  # continued lines joined
     commands = [line.split("grpo.py", 1)[1] for line in code if "grpo.py" in line and "..." not in line]
+    commands = list(dict.fromkeys(" ".join(shlex.split(c)) for c in commands))  # one page may repeat another's
     assert len(commands) >= 8
     outs = []
     for command in commands:

@@ -22,6 +22,7 @@ table printed from all of them. Run it alone: two CPU-heavy processes on 2 cores
 """
 
 import argparse
+import dataclasses
 import json
 import sys
 import tempfile
@@ -45,7 +46,8 @@ ROWS = {
     "beta0": ("GRPO without the KL or the diversity bonus", ["--kl-beta", "0", "--diversity", "0"]),
     "kl": ("GRPO with the KL, no diversity bonus", ["--kl-beta", "0.1", "--diversity", "0"]),
     "shaping": ("GRPO with the diversity bonus, no KL", ["--kl-beta", "0", "--diversity", "0.2"]),
-    "default": ("GRPO, the tiny defaults (KL and diversity bonus)", []),
+    "both": ("GRPO with the KL and the diversity bonus", ["--kl-beta", "0.1", "--diversity", "0.2"]),
+    "default": ("GRPO, the tiny defaults (the KL, mu 2, no bonus)", []),
     "rs": ("rejection sampling (best of 8, supervised)", []),
     # issue 35: a code holding more than top-p of the mass is its own nucleus (log pi = 0, no gradient) under the
     # truncated policy; the full softmax corrected by importance weights (TRL's way) still trains it
@@ -122,12 +124,12 @@ def run_shapes(row: str, seed: int, steps: int, extra: list[str], runs: Path) ->
 
 
 def describe(r: dict) -> tuple:
-    """A run's setting, from the flags it ran with (a later flag wins, as on grpo.py's command line)."""
-    flags, share = list(r["flags"]), None
-    while "--diversity-share" in flags:  # an earlier variant, tried and not kept: positive advantages divided by c^s
-        k = flags.index("--diversity-share")
-        share, flags = float(flags[k + 1]), flags[:k] + flags[k + 2:]
-    cfg = grpo.parse_config(["--prompts", "x", *flags])
+    """A run's setting: the settings it recorded, else its flags over today's defaults (a later flag wins)."""
+    if "settings" in r:
+        cfg = dataclasses.replace(grpo.parse_config(["--prompts", "x"]), **r["settings"])
+    else:  # an older record: its flags over today's defaults (a later flag wins, as on the command line)
+        cfg = grpo.parse_config(["--prompts", "x", *r["flags"]])
+    share = r.get("share")  # an earlier variant, tried and not kept: positive advantages divided by c^share
     if r["row"] == "rs":
         return ("rejection sampling: fine-tuning on each group's best sample (mu 1, no KL)",)
     parts = [f"beta {cfg.kl_beta:g}", f"mu {cfg.mu}"]
