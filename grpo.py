@@ -1003,9 +1003,11 @@ def train_step(policy, optimizer, rollouts: list[Rollout], advantages: torch.Ten
         else:  # a NaN / inf loss or gradient never reaches the weights: this update is skipped
             optimizer.zero_grad(set_to_none=True)
             skipped += 1
-    # extremes over all mu updates; sampler_gap is max |log pi_trainer - log pi_sampler| (0 up to float error
-    # before the first update: larger means sampler and trainer disagree on the distribution)
-    return {**totals, **{k: v for k, v in merge_metrics(parts).items() if extreme(k)}, "skipped": skipped}
+    # extremes over all mu updates, but sampler_gap (max |log pi_trainer - log pi_sampler|) of the first only: the
+    # weights the sampler used (0 up to float error; larger means sampler and trainer disagree on the distribution)
+    gap = max(m["sampler_gap"] for m, _ in parts[:len(batches)])
+    return {**totals, **{k: v for k, v in merge_metrics(parts).items() if extreme(k)}, "sampler_gap": gap,
+            "skipped": skipped}
 
 
 EXTREMES = {"ratio_min": min, "ratio_max": max, "sampler_gap": max, "skipped": max,  # and names ending /max, /min

@@ -1253,6 +1253,7 @@ def test_main_defaults(tmp_path):
     lines = run_record(tmp_path / "run")
     assert lines[0]["kl"] > 0 and all(x["kl"] >= 0 and math.isfinite(x["kl_untruncated"]) for x in lines)
     assert all(x["ratio_max"] > x["ratio_min"] for x in lines) and max(x["clip_frac"] for x in lines) > 0
+    assert all(x["sampler_gap"] <= 1e-5 for x in lines)  # the sampler's weights: not the second update's drift
 
 
 def test_main_end_to_end(tmp_path):
