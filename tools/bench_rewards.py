@@ -22,7 +22,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # rewards.py lives in the repository root
 
-from helpers import rewards  # noqa: E402
+from helpers import rewards, run  # noqa: E402
 
 # the published architectures (their config.json), the parts a score runs through
 CLIP_L14 = dict(text_config=dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12),
@@ -71,6 +71,7 @@ def main() -> None:
     parser.add_argument("--size", type=int, default=1024)
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
+    run.quiet_libraries()  # no "Writing model shards" bars between the table's rows
     images = torch.rand(args.group, 3, args.size, args.size, generator=torch.Generator().manual_seed(0))
     images = images.to(args.device)
     example = {"prompt": "a photo of a red circle above a blue square", "target": images[0]}
