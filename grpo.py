@@ -1,62 +1,46 @@
 """GRPO on GLM-Image, in one file you can read top to bottom.
 
-GLM-Image draws a picture in two stages: an autoregressive model (the AR, a 9B GLM) writes a grid of
-visual tokens, and a diffusion transformer (the DiT, 7B) paints pixels conditioned on those tokens.
-This file trains the AR with GRPO (Group Relative Policy Optimization, Shao et al. 2024):
-
-  for each prompt q (and, to edit, a source image), sample a group of G token sequences o_1..o_G from the
-  old policy, decode them to images, score them (SSIM / -MSE against a target, OCR of rendered text, or
-  any function of the images), and maximise
+GLM-Image draws in two stages: an autoregressive model (the AR, a 9B GLM) writes a grid of visual
+tokens, and a diffusion transformer (the DiT, 7B) paints pixels conditioned on them. This file
+trains the AR with GRPO (Group Relative Policy Optimization, Shao et al. 2024): for each prompt q
+(and, to edit, a source image), sample a group of G token sequences o_1..o_G, decode them to images,
+score them (SSIM / -MSE to a target, or any function of the images) and maximise
 
     J = 1/G sum_i 1/|o_i| sum_t [ min(r_it A_i, clip(r_it, 1-eps, 1+eps) A_i) - beta KL_it ]
 
-  with r_it = pi(o_it | q, o_i<t) / pi_old(o_it | q, o_i<t), A_i = (R_i - mean(R)) / std(R) over the
-  group, and KL_it the k3 estimator exp(ref - logp) - (ref - logp) - 1 against a frozen reference.
+with r_it = pi(o_it | q, o_i<t) / pi_old(o_it | q, o_i<t), A_i = (R_i - mean(R)) / std(R) over the
+group and KL_it the k3 estimator exp(ref - logp) - (ref - logp) - 1 against a frozen reference.
 
 Where this departs from the paper:
-  - The "sequence" is a visual-token grid, not text: a small preview grid (~16x16) then the large grid
-    (H/32 x W/32). Only the large grid reaches the DiT, so by default the loss covers only those tokens
-    (`--train-tokens large`); the preview tokens still condition them.
-  - Sampling (grpo.py's own decode loop, a CUDA graph per step on a GPU) is restricted to the VQ codebook ids and
-    never stops early, so every sample of a prompt has the same N tokens (an edit's N has no preview grid); sampler
-    and trainer share one definition of the distribution (`code_logprobs`: softmax(logits / T) over the codebook,
-    truncated by --top-k / --top-p as deployed: GLM-Image samples with top-p 0.75), which is what makes pi / pi_old
-    exactly 1 on the first update.
-    Peers that sample with top-p but score the full softmax break that ratio; here the trainer scores over the very
-    codes the sampler's truncation kept (`Rollout.support`), so no sampled token falls outside.
-  - In bf16 the KV-cached sampler and the full-sequence trainer round differently (up to 0.12 nats a token at full
-    depth): pi_old is the trainer's forward, and the policy-gradient term is weighted by pi_old / pi_sampler,
-    truncated at 2 per token (`--sampler-correction`, TRL's importance-sampling correction; 1 in float32).
-  - The AR uses 3D rotary positions. A teacher-forced forward must be given the positions that
-    generation used (`rope_positions`); the default forward gets them wrong for every image token.
-  - The DiT and VAE are frozen and run with the same latent noise for every sample of a group, so
-    reward differences come from the tokens alone.
-  - Advantages use the population std of the group (`--scale-rewards batch`: of the step's whole batch; `none`:
-    Dr. GRPO's centring only), and a group with no spread gets zero advantage. The clip range may be asymmetric
-    (`--clip-eps-high`, DAPO's clip-higher).
-  - `python dit_grpo.py` trains the DiT instead, on its denoising chain (Flow-GRPO's SDE step): the AR's tokens
-    are sampled once per prompt and the group differs by decoder noise alone.
-  - Editing: the source image is encoded once per group and its codes written into the prompt, so sampler
-    and trainer see the same tokens; the AR then writes the large grid only (no preview grid).
+  - A "sequence" is a preview grid (~16x16) then the large grid (H/32 x W/32); only the large grid
+    reaches the DiT, so only its tokens are in the loss (`--train-tokens large`).
+  - Sampling (our own decode loop, a CUDA graph per step on a GPU) is restricted to the codebook and
+    never stops early: every sample of a prompt has the same N tokens. Sampler and trainer share one
+    definition of the distribution (`code_logprobs`, with GLM-Image's top-p 0.75 replayed over the
+    codes the sampler kept), so pi / pi_old is exactly 1 on the first update; `--policy-dist full`
+    trains the whole softmax instead.
+  - In bf16 the sampler and the trainer round differently: pi_old is the trainer's forward and the
+    policy gradient is weighted by pi_old / pi_sampler (`--sampler-correction`, TRL's correction; 1
+    in float32).
+  - The AR uses 3D rotary positions: a teacher-forced forward must get those of generation
+    (`rope_positions`).
+  - The DiT and VAE are frozen and use the same noise for every sample of a group: rewards differ by
+    tokens.
+  - A group with no spread gets zero advantage; `--scale-rewards batch | none` (Dr. GRPO),
+    `--clip-eps-high` (DAPO), `--diversity` (a bonus for layouts a group draws once) are the usual
+    variants.
+  - Editing: the source is encoded once per group and its codes written into the prompt.
 
-Many GPUs the nanoGPT way: under torchrun each process takes whole groups of its own (the algorithm never
-sees the world size), FSDP2 shards the trained model (`parallel.shard`), rank 0 writes. Helpers live beside this file:
-run.py (the run's plumbing that `main` calls: input checks, logging, checkpoints, evaluation output; it never imports
-this file), offline_model.py (GLM-Image built in code), parallel.py (torch.distributed), run_io.py (files,
-curves.png), rewards.py (more rewards), world.py (the tiny model's world of shapes); tools/compare.py puts a run beside
-its base model.
+Helpers live in helpers/ (main's plumbing, torchrun and FSDP2, more rewards); copied alone, every
+section above `main` still runs in one process. `python dit_grpo.py` trains the DiT instead
+(Flow-GRPO). Commands:
 
-Commands:
-  pip install -r requirements.txt
-  python grpo.py --prompts prompts.txt                          # the pre-trained tiny GLM-Image, 2 CPU cores
-  python grpo.py --prompts examples/shapes.txt --reward shapes  # draw what the caption asks (a rule-based reward)
-  python grpo.py --prompts examples/shapes.txt --reward shapes --eval-prompts examples/shapes_heldout.jsonl  # held out
-  python grpo.py --prompts examples/edits.jsonl                 # editing: a source image in the prompt
-  python dit_grpo.py --prompts examples/shapes.txt --reward shapes,size=0.3  # GRPO on the DiT instead (Flow-GRPO)
-  python grpo.py --prompts my_prompts.txt --model zai-org/GLM-Image                  # the real model (GPU, bf16)
-  python grpo.py --prompts my_prompts.txt --model random --steps 1  # its published configs, random weights: speed
-  torchrun --nproc-per-node 8 grpo.py --prompts my_prompts.txt --model zai-org/GLM-Image  # 8 GPUs, FSDP2
-  python -m pytest -q                                           # tests, CPU, 8-14 minutes
+  python grpo.py --prompts prompts.txt                          # the tiny GLM-Image, on a CPU
+  python grpo.py --prompts examples/shapes.txt --reward shapes  # draw what the caption asks
+  python grpo.py --prompts examples/edits.jsonl                 # editing: a source image
+  python grpo.py --prompts my_prompts.txt --model zai-org/GLM-Image   # the real model (GPU, bf16)
+  torchrun --nproc-per-node 8 grpo.py --prompts my_prompts.txt --model zai-org/GLM-Image   # 8 GPUs
+
 """
 
 import contextlib
@@ -73,137 +57,141 @@ import torch
 import torch.nn.functional as F
 from PIL import Image
 
-try:  # helpers/, beside this file: main's plumbing, many processes (torchrun, FSDP2), rewards beyond pixels
+try:  # helpers/, beside this file: main's plumbing, torchrun and FSDP2, rewards beyond pixels
     from helpers import run
-    from helpers.parallel import (all_agree, distributed, gather_list, gather_rows, interrupts_held, shard,
-                                  sync_gradients, unsharded)
+    from helpers.parallel import (all_agree, distributed, gather_list, gather_rows, interrupts_held,
+                                  shard, sync_gradients, unsharded)
     from helpers.rewards import MORE_REWARDS
-except ModuleNotFoundError as missing:  # grpo.py copied alone: every section above main, in one process
+except ModuleNotFoundError as missing:  # grpo.py copied alone: all above main, one process
     if missing.name != "helpers":
         raise
     run, shard, MORE_REWARDS = None, None, {}  # main, FSDP2 and the extra rewards need helpers/
     unsharded = interrupts_held = contextlib.nullcontext
     distributed, sync_gradients = (lambda: False), (lambda model, last: None)
-    all_agree = gather_rows = gather_list = lambda x: x  # one process: every collective is the identity
+    all_agree = gather_rows = gather_list = lambda x: x  # one process: collectives are identities
 
 
 # ---- 1. Config ----------------------------------------------------------------------------------
 
 def arg(default, help: str, choices: tuple = ()):
-    """A config field whose one-line doc becomes its --help (and, if given, the values it may take)."""
+    """A config field whose doc becomes its --help (and, if given, the values it may take)."""
     return dataclasses.field(default=default, metadata={"help": help, "choices": choices})
 
 
-CORRECTIONS = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask", "none")  # TRL's modes, and off
+CORRECTIONS = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask", "none")
 
 
 @dataclasses.dataclass
 class Config:
-    prompts: str = arg("prompts.txt", "'prompt | target.png' lines, or .jsonl: {\"prompt\", \"target\", \"source\"}")
-    model: str = arg("tiny", "hub id (zai-org/GLM-Image), local path, 'tiny' (the pre-trained tiny_glm_image/), or "
-                             "'random' (the published configs, random weights: speed and memory without the download)")
+    prompts: str = arg("prompts.txt", "'prompt | target.png' lines, or .jsonl: {\"prompt\", "
+                                      "\"target\", \"source\"}")
+    model: str = arg("tiny", "hub id (zai-org/GLM-Image), local path, 'tiny' (tiny_glm_image/), or "
+                             "'random' (the published configs, random weights: no download)")
     out: str = arg("runs/grpo", "output directory")
     steps: int = arg(100, "optimizer steps")
     seed: int = arg(0, "seed of the AR sampling")
     group_size: int | None = arg(None, "samples per prompt (G) (default 8 tiny, 4 real)")
-    prompts_per_step: int | None = arg(None, "prompts (groups) per optimizer step (default 2 tiny, 1 real)")
-    micro_batch_size: int | None = arg(None, "sequences per forward/backward (default: the group size tiny, 1 real)")
+    prompts_per_step: int | None = arg(None, "prompts (groups) per step (default 2 tiny, 1 real)")
+    micro_batch_size: int | None = arg(None, "sequences per pass (default: G tiny, 1 real)")
     lr: float | None = arg(None, "AdamW lr (default 1e-4 tiny, 1e-5 real)")
     weight_decay: float = arg(0.01, "AdamW weight decay")
     max_grad_norm: float = arg(1.0, "gradient-norm clip")
-    clip_eps: float = arg(0.2, "PPO clip range eps: the ratio is clipped to [1 - eps, 1 + eps_high]")
-    clip_eps_high: float | None = arg(None, "upper clip range (DAPO's clip-higher; default: --clip-eps)")
-    scale_rewards: str = arg("group", "advantages divided by the std of the group, the batch, or none (Dr. GRPO)",
-                             ("group", "batch", "none"))
-    kl_beta: float | None = arg(None, "weight of the k3 KL to the reference (default 0.1 tiny, 0.04 real)")
-    mu: int | None = arg(None, "policy updates per batch of rollouts: > 1 lets the clip act (default 2 tiny, 1 real)")
-    diversity: float | None = arg(None, "bonus / c added to each reward before the advantages, c the samples of the "
-                                        "group that drew the same large grid: repeats earn less (default 0; 0.2 keeps "
-                                        "layouts with --reward shapes, docs/evaluation.md)")
+    clip_eps: float = arg(0.2, "PPO clip: the ratio is clipped to [1 - eps, 1 + eps_high]")
+    clip_eps_high: float | None = arg(None, "upper clip (DAPO's clip-higher; default: --clip-eps)")
+    scale_rewards: str = arg("group", "advantages divided by the std of the group, the batch, "
+                                      "or none (Dr. GRPO)", ("group", "batch", "none"))
+    kl_beta: float | None = arg(None, "weight of the k3 KL to the reference (default 0.1 tiny, "
+                                      "0.04 real)")
+    mu: int | None = arg(None, "updates per batch of rollouts: > 1 lets the clip act (default 2 "
+                               "tiny, 1 real)")
+    diversity: float | None = arg(None, "bonus / c added to each reward, c the samples of the "
+                                        "group that drew the same large grid (default 0)")
     temperature: float = arg(0.9, "sampling temperature (GLM-Image: 0.9)")
-    top_p: float | None = arg(None, "nucleus sampling, scored exactly: the fewest codes with probability >= p "
-                                    "(default 1.0 tiny: off; 0.75 real: GLM-Image's)")
+    top_p: float | None = arg(None, "nucleus sampling, scored exactly: the fewest codes with "
+                                    "probability >= p (default 1.0 tiny: off; 0.75 real)")
     top_k: int = arg(0, "sample from the k most likely codes only, scored exactly (0: off)")
-    sampler_correction: str = arg("token_truncate", "importance weights pi_old / pi_sampler on the policy-gradient "
-                                  "term for the sampler/trainer gap in bf16: token_truncate | token_mask | "
-                                  "sequence_truncate | sequence_mask (TRL's modes) | none", CORRECTIONS)
-    policy_dist: str = arg("truncated", "the distribution pi the loss trains: truncated (softmax over the codes "
-                           "the sampler's top-k / top-p kept, replayed) or full (the whole codebook's softmax; the "
-                           "sampler's truncation corrected by the --sampler-correction weights pi_old / pi_sampler, "
-                           "TRL's way)", ("truncated", "full"))
-    sampler_cap: float = arg(2.0, "the cap of --sampler-correction: weights above it are cut to it (truncate) or 0 "
-                                  "(mask)")
+    sampler_correction: str = arg("token_truncate", "importance weights pi_old / pi_sampler on the "
+                                  "policy gradient (TRL's modes, or none)", CORRECTIONS)
+    policy_dist: str = arg("truncated", "the distribution trained: truncated (over the codes "
+                           "the sampler's top-k / top-p kept) or full (the whole softmax, the "
+                           "truncation corrected by --sampler-correction, TRL's way)",
+                           ("truncated", "full"))
+    sampler_cap: float = arg(2.0, "--sampler-correction's cap: weights above it cut to it "
+                                  "(truncate) or 0 (mask)")
     height: int | None = arg(None, "image height (default 96 tiny, 1024 real)")
     width: int | None = arg(None, "image width (default 96 tiny, 1024 real)")
     num_inference_steps: int | None = arg(None, "DiT denoising steps (default 2 tiny, 50 real)")
-    guidance_scale: float | None = arg(None, "DiT classifier-free guidance (default 1.0 tiny, 1.5 real: GLM-Image's)")
+    guidance_scale: float | None = arg(None, "DiT guidance (default 1.0 tiny, 1.5 real)")
     decode_seed: int = arg(0, "seed of the DiT latent noise (fixed per run)")
-    reward: str = arg("ssim=1,mse=0", "rewards and weights: ssim, mse, ocr or module:function, e.g. ssim=1,ocr=0.5")
+    reward: str = arg("ssim=1,mse=0", "rewards and weights, e.g. ssim=1,ocr=0.5 (docs/rewards.md)")
     train_tokens: str = arg("large", "tokens in the loss: large | all", ("large", "all"))
     image_every: int = arg(10, "save an image grid every N steps (0: never)")
-    before_after: int | None = arg(None, "the first N prompts, sampled with fixed seeds before and after training: "
-                                         "images/before_after.png (default 4 tiny, 0 real)")
-    eval_prompts: str = arg("", "held-out prompts (formats as --prompts; .jsonl lines may carry a \"category\"), "
-                                "scored with fixed seeds at step 0, every --eval-every steps and at the end")
-    eval_every: int = arg(25, "evaluate every N steps (0: only before the first update and at the end)")
+    before_after: int | None = arg(None, "the first N prompts sampled with fixed seeds before and "
+                                         "after training (default 4 tiny, 0 real)")
+    eval_prompts: str = arg("", "held-out prompts (as --prompts; .jsonl lines may carry a "
+                                "\"category\"), scored with fixed seeds")
+    eval_every: int = arg(25, "evaluate every N steps (0: only before the first and after the end)")
     eval_samples: int = arg(4, "images per eval prompt")
-    eval_reward: str = arg("", "rewards only measured on the eval prompts, never optimised, e.g. shapes_exact")
+    eval_reward: str = arg("", "rewards only measured on the eval prompts, e.g. shapes_exact")
     save_every: int = arg(50, "save a checkpoint every N steps (0: only at the end)")
     resume: str = arg("", "run directory to continue (--steps is the total)")
     overwrite: bool = arg(False, "replace the run in --out")
-    train: str = arg("ar", "what GRPO trains: ar (the AR's visual tokens: grpo.py) or dit (the DiT's denoising chain, "
-                           "Flow-GRPO; text-to-image: python dit_grpo.py)", ("ar", "dit"))
+    train: str = arg("ar", "what GRPO trains: ar (grpo.py) or dit (the DiT's denoising chain: "
+                           "python dit_grpo.py)", ("ar", "dit"))
     sde_noise: float = arg(0.7, "dit_grpo.py: noise level of the SDE step (Flow-GRPO's a)")
-    sde_steps: int = arg(0, "dit_grpo.py: denoising steps of the training chains (0: --num-inference-steps; "
-                            "evaluation and pictures keep --num-inference-steps)")
-    sde_window: int = arg(0, "dit_grpo.py: SDE steps (trained) on the first N denoising steps, ODE after (0: all SDE)")
-    lora_rank: int | None = arg(None, "LoRA rank on the trained model, 0: train all its weights (default 0 tiny, 16 real)")
-    gradient_checkpointing: bool | None = arg(None, "recompute activations in the backward (default: on for --train "
-                                                    "dit with the real model, whose update does not fit without)")
+    sde_steps: int = arg(0, "dit_grpo.py: denoising steps of the training chains (0: "
+                            "--num-inference-steps, which evaluation keeps)")
+    sde_window: int = arg(0, "dit_grpo.py: SDE (trained) steps first, ODE after (0: all SDE)")
+    lora_rank: int | None = arg(None, "LoRA rank, 0: train every weight (default 0 tiny, 16 real)")
+    gradient_checkpointing: bool | None = arg(None, "recompute activations in the backward "
+                                                    "(default: on for --train dit, real model)")
     offload: bool = arg(False, "keep DiT, VAE, T5 on CPU except to decode")
     device: str = arg("auto", "cpu | cuda | auto", ("auto", "cpu", "cuda"))
-    report_to: str = arg("none", "also send the metrics and image grids to tensorboard (<out>/tensorboard) or wandb "
-                                 "(offline, <out>/wandb): none | tensorboard | wandb")
+    report_to: str = arg("none", "also send metrics and grids to tensorboard or wandb (offline): "
+                                 "none | tensorboard | wandb")
     dtype: str = arg("auto", "float32 | bfloat16 | auto", ("auto", "float32", "bfloat16"))
 
 
 MODEL_DEFAULTS = {  # filled in where the command line left a field at None
-    # the tiny demo runs the whole loss: the KL to a reference and the clip (mu 2); the diversity bonus is a switch
-    # (docs/evaluation.md: it keeps layouts at a cost in accuracy, and works against a reward with one target)
-    "tiny": dict(lr=1e-4, kl_beta=0.1, mu=2, diversity=0.0, height=96, width=96, num_inference_steps=2,
-                 guidance_scale=1.0, top_p=1.0, group_size=8, prompts_per_step=2, lora_rank=0, before_after=4),
-    # LoRA r=16 with micro-batches of 1 fits one 80 GB GPU (about 46 GiB estimated, see tools/memory_plan.py)
-    "real": dict(lr=1e-5, kl_beta=0.04, mu=1, diversity=0.0, height=1024, width=1024, num_inference_steps=50,
-                 guidance_scale=1.5, top_p=0.75, group_size=4, prompts_per_step=1, micro_batch_size=1, lora_rank=16,
-                 before_after=0),
+    # the tiny demo runs the whole loss: the KL and the clip (mu 2); the diversity bonus is a switch
+    # (docs/evaluation.md: it keeps layouts at a cost in accuracy, and fights a one-target reward)
+    "tiny": dict(lr=1e-4, kl_beta=0.1, mu=2, diversity=0.0, height=96, width=96,
+                 num_inference_steps=2, guidance_scale=1.0, top_p=1.0, group_size=8,
+                 prompts_per_step=2, lora_rank=0, before_after=4),
+    # LoRA r=16 with micro-batches of 1 fits one 80 GB GPU (docs/real_model.md: the memory plan)
+    "real": dict(lr=1e-5, kl_beta=0.04, mu=1, diversity=0.0, height=1024, width=1024,
+                 num_inference_steps=50, guidance_scale=1.5, top_p=0.75, group_size=4,
+                 prompts_per_step=1, micro_batch_size=1, lora_rank=16, before_after=0),
 }
 
 
 def parse_config(argv: list[str] | None = None) -> Config:
-    """Command line -> Config (helpers/run.py builds the parser): flags are the field names with dashes."""
+    """Command line -> Config (helpers/run.py builds the parser): flags are the fields with dashes.
+    """
     return with_defaults(Config(**vars(run.config_parser(Config).parse_args(argv))))
 
 
 def with_defaults(cfg: Config) -> Config:
-    """`cfg` with its None fields from MODEL_DEFAULTS: the tiny model's, or the real one's for any other model."""
+    """`cfg` with its None fields from MODEL_DEFAULTS: the tiny model's, or the real one's."""
     defaults = MODEL_DEFAULTS["tiny" if cfg.model == "tiny" else "real"]
-    defaults = {"micro_batch_size": cfg.group_size or defaults["group_size"], **defaults,  # tiny: a group at once
-                "gradient_checkpointing": cfg.model != "tiny" and cfg.train == "dit"}  # tools/memory_plan
-    if cfg.train == "dit":  # dit_grpo.py: one update per batch of chains, its own KL, chains that share tokens
-        defaults |= dict(mu=1, diversity=0.0, kl_beta=0.0 if cfg.model == "tiny" else defaults["kl_beta"])
-    return dataclasses.replace(cfg, **{k: v for k, v in defaults.items() if getattr(cfg, k) is None})
+    defaults = {"micro_batch_size": cfg.group_size or defaults["group_size"], **defaults,
+                "gradient_checkpointing": cfg.model != "tiny" and cfg.train == "dit"}
+    if cfg.train == "dit":  # dit_grpo.py: one update per batch of chains, its own KL, shared tokens
+        kl_beta = 0.0 if cfg.model == "tiny" else defaults["kl_beta"]
+        defaults |= dict(mu=1, diversity=0.0, kl_beta=kl_beta)
+    unset = {k: v for k, v in defaults.items() if getattr(cfg, k) is None}
+    return dataclasses.replace(cfg, **unset)
 
 
 # ---- 2. Loading GLM-Image -----------------------------------------------------------------------
 
-TINY = Path(__file__).resolve().parent / "tiny_glm_image"  # a tiny GLM-Image pre-trained by tools/train_tiny.py
+TINY = Path(__file__).resolve().parent / "tiny_glm_image"  # pre-trained by tools/train_tiny.py
 
 
 def load_glm_image(name: str, device: str = "cpu", dtype: torch.dtype = torch.float32):
-    """GlmImagePipeline.from_pretrained(name): a hub id, a local folder, or 'tiny' (the folder TINY, a few MB, which
-    draws world.py's shapes); 'random' builds GLM-Image from its published configs with random weights on the
-    device (no download: 3-4 s for the 17B parameters in bf16 on an H100), to measure speed and memory; 'random:L'
-    with L layers in each of its parts. Everything but the AR frozen."""
+    """GlmImagePipeline.from_pretrained(name): a hub id, a local folder, or 'tiny' (TINY); 'random'
+    builds GLM-Image from its published configs with random weights on the device ('random:L': L
+    layers in each part), to measure speed and memory without the download. Only the AR trains."""
     from diffusers import GlmImagePipeline
     if name.split(":")[0] == "random":
         from helpers.offline_model import PUBLISHED, glm_image, with_depths
@@ -211,7 +199,7 @@ def load_glm_image(name: str, device: str = "cpu", dtype: torch.dtype = torch.fl
         default = torch.get_default_dtype()
         torch.set_default_dtype(dtype)
         try:
-            configs = with_depths(PUBLISHED, layers, layers, layers, layers) if layers else PUBLISHED
+            configs = with_depths(PUBLISHED, *[layers] * 4) if layers else PUBLISHED
             return only_ar_trains(glm_image(configs, device=device))
         finally:
             torch.set_default_dtype(default)
@@ -220,12 +208,12 @@ def load_glm_image(name: str, device: str = "cpu", dtype: torch.dtype = torch.fl
 
 
 def only_ar_trains(pipe):
-    """Freeze the DiT, VAE, T5 and the AR's vision tower and VQ; eval mode and no dropout everywhere. Returns `pipe`."""
+    """Freeze the DiT, VAE, T5 and the AR's vision tower and VQ; eval mode, no dropout."""
     pipe.set_progress_bar_config(disable=True)
     for module in (pipe.text_encoder, pipe.transformer, pipe.vae):
         module.requires_grad_(False).eval()
     ar = pipe.vision_language_encoder.eval()  # models built in code start in train mode
-    ar.model.visual.requires_grad_(False)  # the vision tower and VQ encoder only encode source images
+    ar.model.visual.requires_grad_(False)  # the vision tower and VQ only encode source images
     ar.model.vqmodel.requires_grad_(False)
     disable_dropout(ar)
     return pipe
@@ -233,7 +221,7 @@ def only_ar_trains(pipe):
 
 @contextlib.contextmanager
 def decoder_on(pipe, device: str, offload: bool):
-    """With --offload the frozen T5, DiT and VAE sit on the CPU and come to `device` only inside this block."""
+    """With --offload the T5, DiT and VAE sit on the CPU and come to `device` only in this block."""
     for module in (pipe.text_encoder, pipe.transformer, pipe.vae) if offload else ():
         module.to(device)
     try:
@@ -244,8 +232,8 @@ def decoder_on(pipe, device: str, offload: bool):
 
 
 def disable_dropout(model) -> None:
-    """Zero every dropout of the AR (GLM-Image's are already 0), so train and eval mode give the same
-    distribution: dropout on in training but not in sampling would make pi != pi_old at step 0."""
+    """Zero every dropout (GLM-Image's are 0 already): dropout in training but not in sampling would
+    make pi != pi_old at step 0."""
     for module in model.modules():
         if isinstance(module, torch.nn.Dropout):
             module.p = 0.0
@@ -254,25 +242,24 @@ def disable_dropout(model) -> None:
 
 
 def apply_lora(policy, rank: int, seed: int = 0):
-    """Wrap the AR's language-model attention and MLP projections in LoRA adapters (peft) and freeze the rest.
-
-    Dropout 0 so sampler and trainer see one distribution. The adapters' random A matrices come from `seed`
-    (the caller's RNG untouched): the same seed, the same run, on every process. The adapters are injected into `policy`
-    in place, so the pipeline samples with them; the returned PeftModel can switch them off
-    (`disable_adapter`, the reference) and saves just the adapter.
-    """
+    """LoRA adapters (peft, dropout 0) on the language model's attention and MLP projections, the
+    rest frozen. Injected in place, so the pipeline samples with them; the returned PeftModel can
+    switch them off (`disable_adapter`: the reference). The A matrices come from `seed`, the same on
+    every process."""
     from peft import LoraConfig, get_peft_model  # optional dependency, only for --lora-rank > 0
+    projections = r"(self_attn\.(q|k|v|o)_proj|mlp\.(gate_up|down)_proj)"
     config = LoraConfig(r=rank, lora_alpha=rank, lora_dropout=0.0,
-                        target_modules=r".*language_model\.layers\.\d+\.(self_attn\.(q|k|v|o)_proj|mlp\.(gate_up|down)_proj)")
+                        target_modules=r".*language_model\.layers\.\d+\." + projections)
     with torch.random.fork_rng(devices=[]), warnings.catch_warnings():
         torch.manual_seed(seed)
-        warnings.filterwarnings("ignore", "`is_gradient_checkpointing` is deprecated", FutureWarning)  # peft asks
+        warnings.filterwarnings("ignore", "`is_gradient_checkpointing` is deprecated",
+                                FutureWarning)  # peft asks it
         return get_peft_model(policy, config)
 
 
 def reference_model(policy, kl_beta: float):
-    """The KL reference: None when beta = 0 (no KL term); with LoRA the policy itself, whose base weights
-    are the reference once the adapter is switched off (no second copy); else a frozen copy of the AR."""
+    """The KL reference: None when beta = 0; with LoRA the policy itself (its base weights, adapter
+    off: no second copy); else a frozen copy of the AR."""
     if kl_beta == 0:
         return None
     if hasattr(policy, "disable_adapter"):
@@ -281,25 +268,26 @@ def reference_model(policy, kl_beta: float):
 
 
 def setup_training(pipe, cfg, dtype: torch.dtype, world: int, policy=None, lora=None):
-    """The trained model `policy` (default the AR; dit_grpo.py: the DiT, with its own `lora`, default apply_lora) with
-    LoRA or in float32, the frozen parts offloaded (--offload), the KL reference, FSDP2 over `world` processes, and
-    AdamW. Returns the policy (a PeftModel with LoRA), the reference (or None) and the optimizer."""
+    """The trained model (default the AR; dit_grpo.py passes the DiT and its `lora`) with LoRA or in
+    float32, --offload, the KL reference, FSDP2 over `world` processes, AdamW.
+    Returns (policy: a PeftModel with LoRA, reference or None, optimizer)."""
     policy = pipe.vision_language_encoder if policy is None else policy
     if cfg.lora_rank:  # adapters in float32 (peft's default), base weights frozen
         policy = (lora or apply_lora)(policy, cfg.lora_rank, cfg.seed)
     elif dtype != torch.float32:
-        policy.float()  # trainable weights stay float32: AdamW updates to bf16 weights round away (RMSNorm freezes)
-    if cfg.gradient_checkpointing:  # recompute activations in the backward: transformers' AR, or diffusers' DiT
+        policy.float()  # trainable weights stay float32: AdamW steps on bf16 weights round away
+    if cfg.gradient_checkpointing:  # transformers' AR, or diffusers' DiT
         if hasattr(policy, "activation_checkpointing_enable"):
-            policy.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+            policy.activation_checkpointing_enable(
+                activation_checkpointing_kwargs={"use_reentrant": False})
         else:
             policy.enable_gradient_checkpointing()
     if cfg.offload:
         for module in (pipe.text_encoder, pipe.transformer, pipe.vae):
             module.to("cpu")
-    ref_model = reference_model(policy, cfg.kl_beta)  # taken before a checkpoint is loaded: the initial weights
+    ref_model = reference_model(policy, cfg.kl_beta)  # before a checkpoint loads: initial weights
     if ref_model is not None and ref_model is not policy:
-        ref_model.to(dtype)  # frozen: bf16 storage is enough (the trainable policy itself stays float32)
+        ref_model.to(dtype)  # frozen: bf16 storage is enough
     if world > 1:  # FSDP2: each process keeps 1/world of the weights, gradients and AdamW state
         for model in {id(m): m for m in (policy, ref_model) if m is not None}.values():
             shard(model, dtype)
@@ -312,42 +300,39 @@ def setup_training(pipe, cfg, dtype: torch.dtype, world: int, policy=None, lora=
 
 class Source(NamedTuple):
     image: Image.Image  # the image being edited, as the DiT's VAE sees it
-    codes: torch.Tensor  # (h_s * w_s,) long, its VQ codes from the AR's vision tower: encoded once per group
+    codes: torch.Tensor  # (h_s * w_s,) long, its VQ codes from the AR's vision tower
     grid_hw: tuple[int, int]  # (h_s, w_s) = its size / 32
 
 
 class Rollout(NamedTuple):
-    tokens: torch.Tensor  # (G, N) long, visual codes: preview grid then large grid (editing: the large grid only)
-    logprobs: torch.Tensor  # (G, N) float32, log pi_old of each token under the sampled distribution
-    inputs: dict  # AR inputs of the group: input_ids (G, P), attention_mask, image_grid_thw (2G, 3), ...
-    preview_hw: tuple[int, int]  # preview grid (h', w'), generated first; (0, 0) when editing (none is generated)
+    tokens: torch.Tensor  # (G, N) long codes: preview grid then large grid (editing: large only)
+    logprobs: torch.Tensor  # (G, N) float32, each token's log-prob under the sampled distribution
+    inputs: dict  # AR inputs of the group: input_ids (G, P), attention_mask, image_grid_thw (2G, 3)
+    preview_hw: tuple[int, int]  # preview grid (h', w'), generated first; (0, 0) when editing
     large_hw: tuple[int, int]  # large grid (H/32, W/32), generated last; the only one the DiT sees
     source: Source | None  # the image being edited, or None (text-to-image)
-    support: torch.Tensor | None = None  # (G, N, K/8) uint8: each token's codes kept by top-k / top-p, as bits (None:
-    # no truncation, all K codes); the trainer scores over this set (code_logprobs' `support`): the sampling mask kept
+    support: torch.Tensor | None = None  # (G, N, K/8) uint8 bits: the codes top-k / top-p kept for
+    # each token (None: all K); the trainer scores over this set (code_logprobs' `support`)
 
 
 def code_logprobs(logits: torch.Tensor, temperature: float, codebook_size: int, top_k: int = 0,
                   top_p: float = 1.0, support: torch.Tensor | None = None) -> torch.Tensor:
-    """(..., V) raw AR logits -> (..., K) float32 log-probs of the sampled distribution over the codebook ids:
-    softmax(logits / T), truncated to the `top_k` most likely codes (ties at the k-th kept) and to the nucleus
-    (the most likely codes down to the first whose cumulative probability reaches `top_p`), renormalised. Given a
-    (..., K) bool `support` (the set the sampler kept: code_support), softmax(logits / T) renormalised over that set
-    instead: the trainer replays the sampler's truncation rather than recomputing it from its own logits.
+    """(..., V) AR logits -> (..., K) float32 log-probs over the codebook: softmax(logits / T)
+    truncated to the `top_k` most likely codes and to the nucleus (the most likely codes down to the
+    first whose cumulative probability reaches `top_p`), renormalised; or, given the (..., K) bool
+    `support` the sampler kept, renormalised over that set (the trainer replays the sampler's
+    truncation).
 
-    The one definition of the policy's distribution: sample_group samples from it and the trainer scores with it,
-    so pi / pi_old is exactly 1 before the first update. A code outside the truncation has log-prob -inf; with the
-    support replayed no sampled token is ever outside (the trainer keeps the sampler's set after updates too), and
-    one recomputed from the trainer's own logits may lose a sampled token: grpo_loss keeps it finite (ratio 0, no
-    gradient; tested). A one-code truncation gives log-prob 0 whatever the logits: such a token teaches nothing
-    (--policy-dist full trains the whole softmax instead). ids >= K (image start/end, spare ids) are impossible.
-    """
-    scores = logits[..., :codebook_size].float() / temperature
+    The one definition of the policy: the sampler draws from it and the trainer scores with it, so
+    pi / pi_old is exactly 1 before the first update. Codes outside the truncation get -inf; a
+    one-code truncation gives log-prob 0 whatever the logits (no gradient: --policy-dist full trains
+    those)."""
+    scores = logits[..., :codebook_size].float() / temperature  # ids >= K are never drawn
     if support is not None:
         return torch.log_softmax(scores.masked_fill(~support, -math.inf), dim=-1)
     if 0 < top_k < codebook_size:  # as transformers' TopKLogitsWarper
         scores = scores.masked_fill(scores < scores.topk(top_k, dim=-1).values[..., -1:], -math.inf)
-    if top_p < 1.0:  # as transformers' TopPLogitsWarper: drop the least likely codes while their total is <= 1 - p
+    if top_p < 1.0:  # as TopPLogitsWarper: drop the least likely codes while their sum <= 1 - p
         ascending, order = scores.sort(dim=-1, stable=True)
         drop = ascending.softmax(dim=-1).cumsum(dim=-1) <= 1 - top_p
         drop[..., -1] = False  # the most likely code always stays
@@ -356,10 +341,11 @@ def code_logprobs(logits: torch.Tensor, temperature: float, codebook_size: int, 
 
 
 def support_bits(kept: torch.Tensor) -> torch.Tensor:
-    """(..., K) bool -> (..., ceil(K/8)) uint8: the codes a truncation kept, 8 to a byte (2 KiB a token at K = 16384:
-    10 MiB for a group of 4 at 1024x1024)."""
-    kept = F.pad(kept, (0, -kept.shape[-1] % 8)).unflatten(-1, (-1, 8)).to(torch.uint8)  # (..., K/8, 8)
-    return (kept << torch.arange(8, device=kept.device, dtype=torch.uint8)).sum(-1, dtype=torch.uint8)
+    """(..., K) bool -> (..., ceil(K/8)) uint8: a truncation's kept codes, 8 to a byte (2 KiB a
+    token at K = 16384)."""
+    kept = F.pad(kept, (0, -kept.shape[-1] % 8)).unflatten(-1, (-1, 8)).to(torch.uint8)
+    shifts = torch.arange(8, device=kept.device, dtype=torch.uint8)
+    return (kept << shifts).sum(-1, dtype=torch.uint8)
 
 
 def code_support(bits: torch.Tensor, codebook_size: int) -> torch.Tensor:
@@ -370,56 +356,55 @@ def code_support(bits: torch.Tensor, codebook_size: int) -> torch.Tensor:
 
 def group_inputs(processor, prompt: str, group_size: int, height: int, width: int, device,
                  source: Image.Image | None = None) -> dict:
-    """One prompt (and the image to edit, if any) -> AR inputs repeated G times. Repeating by hand keeps each
-    sample's grid rows together; generate(num_return_sequences=G) would repeat_interleave them.
-
-    Per sample, image_grid_thw holds [large, preview] for text-to-image and [source, large] for editing (which
-    generates no preview grid). With a source, `pixel_values` (one copy) are its patches and input_ids hold one
-    <|image|> placeholder per source token, until encode_source puts the codes in their place.
-    """
-    content = ([{"type": "image", "image": source}] if source is not None else []) + [{"type": "text", "text": prompt}]
-    one = processor.apply_chat_template([[{"role": "user", "content": content}]], tokenize=True, return_dict=True,
-                                        processor_kwargs=dict(target_h=height, target_w=width, return_tensors="pt"))
+    """One prompt (and an image to edit) -> AR inputs repeated G times, each sample's grid rows
+    together (generate(num_return_sequences=G) would interleave them). image_grid_thw holds [large,
+    preview] per sample, or [source, large] when editing; then `pixel_values` holds the source's
+    patches and input_ids one <|image|> placeholder per source token (encode_source fills them)."""
+    content = [{"type": "text", "text": prompt}]
+    content = ([{"type": "image", "image": source}] if source is not None else []) + content
+    one = processor.apply_chat_template(
+        [[{"role": "user", "content": content}]], tokenize=True, return_dict=True,
+        processor_kwargs=dict(target_h=height, target_w=width, return_tensors="pt"))
     inputs = {
         "input_ids": one["input_ids"].repeat(group_size, 1).to(device),  # (G, P)
         "attention_mask": one["attention_mask"].repeat(group_size, 1).to(device),  # (G, P)
-        "image_grid_thw": one["image_grid_thw"].repeat(group_size, 1).to(device),  # (2G, 3): 2 grid rows per sample
+        "image_grid_thw": one["image_grid_thw"].repeat(group_size, 1).to(device),  # (2G, 3)
         "images_per_sample": one["images_per_sample"].repeat(group_size).to(device),  # (G,)
     }
     if source is not None:
-        inputs["pixel_values"] = one["pixel_values"].to(device)  # (h_s * w_s, 3 * 16 * 16), one copy
+        inputs["pixel_values"] = one["pixel_values"].to(device)  # (h_s * w_s, 3 * 16 * 16)
     return inputs
 
 
 @torch.no_grad()
 def encode_source(model, inputs: dict, source: Image.Image) -> tuple[dict, Source]:
-    """The source's patches -> its VQ codes (vision tower, then nearest codebook entry), written into input_ids in
-    place of the <|image|> placeholders: the path GlmImageModel.forward takes with pixel_values, done ONCE per group,
-    so the sampler and every training forward see the very same source tokens (and need no pixel_values)."""
-    core, grid = model.model, inputs["image_grid_thw"][:1]  # (1, 3): the source row of the first sample
+    """The source's patches -> its VQ codes, written into input_ids in place of the placeholders:
+    what GlmImageModel.forward does with pixel_values, done ONCE per group, so the sampler and every
+    training forward see the same source tokens (and need no pixel_values)."""
+    core, grid = model.model, inputs["image_grid_thw"][:1]  # (1, 3): the source row of sample 0
     features = core.get_image_features(inputs["pixel_values"], grid, return_dict=True).pooler_output
     codes = core.get_image_tokens(features).view(-1)  # (h_s * w_s,)
     ids = inputs["input_ids"]
     filled = ids.masked_scatter(ids == model.config.image_token_id, codes.repeat(ids.shape[0]))
     inputs = {k: v for k, v in inputs.items() if k != "pixel_values"} | {"input_ids": filled}
     (_, h, w) = grid[0].tolist()
-    if (32 * h, 32 * w) != (source.height, source.width):  # the DiT conditions on the source at (h_s, w_s) x 32
-        raise ValueError(f"the processor made a {h}x{w} token grid of a {source.width}x{source.height} source; the DiT "
-                         "needs size / 32: resize sources (or the processor's size limits) to match")
+    if (32 * h, 32 * w) != (source.height, source.width):  # the DiT needs the source at size / 32
+        raise ValueError(f"the processor made a {h}x{w} token grid of a {source.width}x"
+                         f"{source.height} source; the DiT needs size / 32: resize the sources")
     return inputs, Source(source, codes, (h, w))
 
 
 def to_pil(image: torch.Tensor) -> Image.Image:
-    """(3, H, W) float in [0, 1] -> PIL (exact for images read from 8-bit files). The processor rescales by 1/255
-    itself, so it must not get the [0, 1] tensor."""
-    return Image.fromarray((image.float().clamp(0, 1).permute(1, 2, 0).cpu().numpy() * 255).round().astype(np.uint8))
+    """(3, H, W) float in [0, 1] -> PIL (exact for 8-bit images): the processor rescales by 1/255.
+    """
+    array = (image.float().clamp(0, 1).permute(1, 2, 0).cpu().numpy() * 255).round()
+    return Image.fromarray(array.astype(np.uint8))
 
 
 def group_prompt(pipe, prompt: str, group_size: int, height: int, width: int,
                  source: torch.Tensor | None = None) -> tuple[dict, Source | None, tuple, tuple]:
-    """One prompt (and a (3, H, W) source image) -> the group's AR inputs (group_inputs; editing: with the source's
-    codes in place, encode_source), the Source, and the preview and large grids (h', w'), (H/32, W/32) that the AR
-    will write: the preview first, (0, 0) when editing (none is written)."""
+    """One prompt (and a (3, H, W) source) -> the group's AR inputs (with the source's codes), the
+    Source, and the grids the AR will write: preview (h', w') first ((0, 0) when editing), large."""
     model = pipe.vision_language_encoder
     image = to_pil(source) if source is not None else None
     inputs = group_inputs(pipe.processor, prompt, group_size, height, width, model.device, image)
@@ -430,20 +415,18 @@ def group_prompt(pipe, prompt: str, group_size: int, height: int, width: int,
     return inputs, src, (0, 0), second  # [source, large]
 
 
-def rope_positions(input_ids: torch.Tensor, image_grid_thw: torch.Tensor, num_tokens: int, image_start_id: int,
-                   image_end_id: int) -> torch.Tensor:
-    """3D rotary positions (3, 1, P + N - 1) of one sample's prompt (input_ids (P,), its grid rows) followed by all
-    of its N generated tokens but the last, as GlmImageModel.get_rope_index gives them to generate.
+def rope_positions(input_ids: torch.Tensor, image_grid_thw: torch.Tensor, num_tokens: int,
+                   image_start_id: int, image_end_id: int) -> torch.Tensor:
+    """3D rotary positions (3, 1, P + N - 1) of one sample's prompt (input_ids (P,)) and its N
+    generated tokens but the last, as GlmImageModel.get_rope_index gives them to generate.
 
-    Text is a 1D ramp on all three axes (temporal, height, width). A source image (the tokens between an image-start
-    and an image-end id) with grid h x w starting at p takes t = p, h = p + row, w = p + col, and the ramp goes on
-    at p + max(h, w). The grids the prompt does not hold are then generated in REVERSE order of image_grid_thw
-    (text-to-image: preview, then large; editing: the large grid) by the same rule, each starting where the last
-    one ended.
-    """
+    Text is a 1D ramp on all three axes (temporal, height, width). An image (a source between
+    image-start and image-end ids, or a generated grid) h x w starting at p puts cell (row, col) at
+    (p, p + row, p + col), and the ramp goes on at p + max(h, w). Grids the prompt does not hold are
+    generated in REVERSE order of image_grid_thw (text-to-image: preview, then large)."""
     ids = input_ids.tolist()
-    starts = [i + 1 for i, t in enumerate(ids) if t == image_start_id]  # first token of each image in the prompt
-    ends = [i for i, t in enumerate(ids) if t == image_end_id]  # a source image is complete: it has an end
+    starts = [i + 1 for i, t in enumerate(ids) if t == image_start_id]  # each image's first token
+    ends = [i for i, t in enumerate(ids) if t == image_end_id]  # a source image has an end
     grids = [tuple(row[1:]) for row in image_grid_thw.tolist()]
 
     def grid(p, h, w):  # (3, h*w): t = p, rows and columns offset from p
@@ -459,108 +442,116 @@ def rope_positions(input_ids: torch.Tensor, image_grid_thw: torch.Tensor, num_to
     for h, w in reversed(grids[len(ends):]):  # the generated grids
         positions.append(grid(p, h, w))
         p += max(h, w)
-    positions = torch.cat(positions, dim=1)[:, : len(ids) + num_tokens - 1]  # the last token is never an input
+    positions = torch.cat(positions, dim=1)[:, : len(ids) + num_tokens - 1]  # the last: never fed
     return positions[:, None, :].to(image_grid_thw.device)  # (3, 1, P+N-1)
 
 
 @torch.no_grad()
-def sample_groups(pipe, prompts: list[str], group_size: int, height: int, width: int, temperature: float,
-                  seeds: list[int], sources: list | None = None, top_k: int = 0, top_p: float = 1.0) -> list[Rollout]:
-    """G samples for each of P prompts (editing: and a (3, H, W) source image each), with their log-probs, from ONE
-    decode of all P*G rows: the prompts left-padded to one length, each row at its own rotary positions.
+def sample_groups(pipe, prompts: list[str], group_size: int, height: int, width: int,
+                  temperature: float, seeds: list[int], sources: list | None = None, top_k: int = 0,
+                  top_p: float = 1.0) -> list[Rollout]:
+    """G samples for each of P prompts (and source images), with their log-probs, from ONE decode of
+    all P*G rows: the prompts left-padded to one length, each row at its own rotary positions.
 
-    Every sample is exactly N = h'w' + (H/32)(W/32) codebook tokens (editing: (H/32)(W/32); groups of different N,
-    editing beside text-to-image, are decoded apart). Group p draws from its own generator seeded with seeds[p], so
-    its tokens are those it gets when sampled alone, and those `generate` drew with grpo.py's logits processor.
-    """
-    model = pipe.vision_language_encoder.eval()  # no dropout: sampler and trainer draw from one distribution
+    A sample is N = h'w' + (H/32)(W/32) codebook tokens (editing: (H/32)(W/32); groups of another N
+    are decoded apart). Group p draws from a generator seeded with seeds[p]: its tokens are those it
+    gets alone, and those `generate` drew with grpo.py's former logits processor (tested)."""
+    model = pipe.vision_language_encoder.eval()  # no dropout: one distribution
     groups = [group_prompt(pipe, prompt, group_size, height, width, source)
               for prompt, source in zip(prompts, sources or [None] * len(prompts))]
-    lengths = [a[0] * a[1] + b[0] * b[1] for _, _, a, b in groups]  # N of each group: preview + large grid
+    lengths = [a[0] * a[1] + b[0] * b[1] for _, _, a, b in groups]  # N of each group
     rollouts = [None] * len(groups)
+    config = model.config
     for n in sorted(set(lengths)):
         mine = [i for i, length in enumerate(lengths) if length == n]
         prompt_ids = [groups[i][0]["input_ids"][0] for i in mine]  # (P_i,) each
-        positions = [rope_positions(ids, groups[i][0]["image_grid_thw"][:int(groups[i][0]["images_per_sample"][0])],
-                                    n + 1, model.config.image_start_token_id, model.config.image_end_token_id)
-                     for ids, i in zip(prompt_ids, mine)]  # (3, 1, P_i + N) each: the last token is fed too
-        width_p = max(len(ids) for ids in prompt_ids)  # left padding: every prompt ends in the last column
+        grids = [groups[i][0]["image_grid_thw"][:int(groups[i][0]["images_per_sample"][0])]
+                 for i in mine]
+        positions = [rope_positions(ids, grid, n + 1, config.image_start_token_id,
+                                    config.image_end_token_id)
+                     for ids, grid in zip(prompt_ids, grids)]  # (3, 1, P_i + N): the last fed too
+        width_p = max(len(ids) for ids in prompt_ids)  # left padding: prompts end in one column
 
-        def left_pad(x, dim=-1):  # pad the last dim on the left to width_p (+ N), then G rows a prompt along `dim`
-            return torch.cat([F.pad(v, (width_p - len(ids), 0)) for v, ids in zip(x, prompt_ids)], dim
-                             ).repeat_interleave(group_size, dim)
+        def left_pad(x, dim=-1):  # pad on the left to width_p (+ N), then G rows a prompt
+            return torch.cat([F.pad(v, (width_p - len(ids), 0)) for v, ids in zip(x, prompt_ids)],
+                             dim).repeat_interleave(group_size, dim)
 
+        valid = [torch.ones_like(ids[None], dtype=torch.bool) for ids in prompt_ids]
         tokens, logprobs, support = decode(
             model, left_pad([ids[None] for ids in prompt_ids], 0),  # (P*G, width_p), pad id 0
-            left_pad([torch.ones_like(ids[None], dtype=torch.bool) for ids in prompt_ids], 0),  # False on the padding
+            left_pad(valid, 0),  # False on the padding
             left_pad(positions, 1),  # (3, P*G, width_p + N)
-            n, temperature, top_k, top_p, [torch.Generator(model.device).manual_seed(seeds[i]) for i in mine])
+            n, temperature, top_k, top_p,
+            [torch.Generator(model.device).manual_seed(seeds[i]) for i in mine])
         for j, i in enumerate(mine):
             inputs, source, preview_hw, large_hw = groups[i]
             rows = slice(j * group_size, (j + 1) * group_size)
-            rollouts[i] = Rollout(tokens[rows], logprobs[rows], inputs, preview_hw, large_hw, source,
-                                  None if support is None else support[rows])
+            rollouts[i] = Rollout(tokens[rows], logprobs[rows], inputs, preview_hw, large_hw,
+                                  source, None if support is None else support[rows])
     return rollouts
 
 
 def sample_group(pipe, prompt: str, group_size: int, height: int, width: int, temperature: float,
-                 seed: int, source: torch.Tensor | None = None, top_k: int = 0, top_p: float = 1.0) -> Rollout:
+                 seed: int, source: torch.Tensor | None = None, top_k: int = 0,
+                 top_p: float = 1.0) -> Rollout:
     """G samples for one prompt: sample_groups with one group."""
     return sample_groups(pipe, [prompt], group_size, height, width, temperature, [seed],
                          None if source is None else [source], top_k, top_p)[0]
 
 
 @torch.no_grad()
-def decode(model, input_ids: torch.Tensor, valid: torch.Tensor, positions: torch.Tensor, n_tokens: int,
-           temperature: float, top_k: int, top_p: float, generators: list, static: bool | None = None
-           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+def decode(model, input_ids: torch.Tensor, valid: torch.Tensor, positions: torch.Tensor,
+           n_tokens: int, temperature: float, top_k: int, top_p: float, generators: list,
+           static: bool | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """The AR's decode loop: prefill the prompts once, then one token a step with a KV cache.
 
-    input_ids (B, P) prompts, left-padded; valid (B, P) bool, False on padding; positions (3, B, P + N) the rotary
-    positions of every prompt and generated token (rope_positions); `generators`: one per group, the B rows split
-    evenly between them. Returns the (B, N) sampled codes and their (B, N) float32 log-probs under code_logprobs,
-    the one distribution, and with top-k / top-p the (B, N, K/8) bits of the codes each draw kept (support_bits;
-    else None). No step's logits are kept. On a GPU the step is captured once as a CUDA graph and
-    replayed (repeat_step), which needs fixed shapes: `static` (default: on a GPU) pre-allocates the cache for all
-    P + N slots and masks all of them at every step; otherwise the cache grows and a step attends to the filled
-    slots only (as generate's: 6% faster per step on a CPU).
-    """
+    input_ids (B, P) left-padded prompts; valid (B, P) False on padding; positions (3, B, P + N) of
+    every prompt and generated token; one generator per group. Returns the (B, N) codes, their
+    float32 log-probs under code_logprobs and, with top-k / top-p, the (B, N, K/8) bits of the codes
+    each draw kept (else None). `static` (default: on a GPU) pre-allocates the cache for P + N slots
+    so that the step can be one CUDA graph (repeat_step); otherwise the cache grows (6% faster a
+    step on a CPU)."""
     from transformers import DynamicCache, StaticCache
-    K, V = model.config.vq_config.num_embeddings, model.lm_head.out_features  # codebook ids, lm_head rows
+    K, V = model.config.vq_config.num_embeddings, model.lm_head.out_features
     (B, P), N, device = input_ids.shape, n_tokens, input_ids.device
-    L = P + N  # slots: the prompt, then every generated token (the last one is fed too: one step body)
+    L = P + N  # slots: the prompt, then every generated token (the last one is fed too)
     attention = model.config.text_config._attn_implementation
-    if attention not in ("sdpa", "eager"):  # flash attention takes no 4D mask; flex attention another kind of mask
-        raise ValueError(f"decode needs sdpa or eager attention to mask left padding, and the AR uses {attention}; "
-                         "load it with attn_implementation='sdpa'")
+    if attention not in ("sdpa", "eager"):  # flash: no 4D mask; flex: another kind of mask
+        raise ValueError(f"decode needs sdpa or eager attention to mask left padding, and the AR "
+                         f"uses {attention}; load it with attn_implementation='sdpa'")
     static = device.type == "cuda" if static is None else static
-    cache = (StaticCache(config=model.config.text_config, max_cache_len=L) if static else
-             DynamicCache(config=model.config.text_config))
-    seen = F.pad(valid, (0, N), value=True)  # (B, L): slots that hold a token (padding never does)
+    text_config = model.config.text_config
+    cache = (StaticCache(config=text_config, max_cache_len=L) if static
+             else DynamicCache(config=text_config))
+    seen = F.pad(valid, (0, N), value=True)  # (B, L): slots that hold a token (padding never)
     slot = torch.arange(L, device=device)
-    blocked = torch.finfo(model.dtype).min  # added to a masked score: eager and sdpa both add a float mask
+    blocked = torch.finfo(model.dtype).min  # ADDED to masked scores, by eager and sdpa alike
 
-    def forward(ids, slots):  # (B, S) tokens at slots `slots` (S,) -> (B, V) logits after the last one
+    def forward(ids, slots):  # (B, S) tokens at `slots` (S,) -> (B, V) logits after the last one
         kv = L if static else int(slots[-1]) + 1  # the slots attended to
-        attend = ((seen[:, None, None, :] & (slot <= slots[:, None])) | (slot == slots[:, None]))[..., :kv]  # (B, 1,
-        # S, kv): causal, without the padding; a pad slot attends to itself (a query that sees nothing makes NaN)
-        mask = torch.zeros(attend.shape, dtype=model.dtype, device=device).masked_fill(~attend, blocked)  # a bool
-        # mask is read as "attend where True" by sdpa but ADDED by eager attention (True: +1, nothing masked)
-        return model(input_ids=ids, attention_mask=mask, position_ids=positions[:, :, slots], cache=cache,
-                     logits_to_keep=1).logits[:, -1]  # the trainer's forward (token_logprobs), one token at a time
+        # (B, 1, S, kv): causal, without the padding; a pad slot attends to itself (else NaN)
+        attend = (seen[:, None, None, :] & (slot <= slots[:, None])) | (slot == slots[:, None])
+        attend = attend[..., :kv]
+        # a float mask: sdpa reads a bool one as "attend where True", eager attention ADDS it
+        mask = torch.zeros(attend.shape, dtype=model.dtype, device=device)
+        mask = mask.masked_fill(~attend, blocked)
+        return model(input_ids=ids, attention_mask=mask, position_ids=positions[:, :, slots],
+                     cache=cache, logits_to_keep=1).logits[:, -1]  # the trainer's forward, a token
 
     tokens = torch.zeros(B, N, dtype=torch.long, device=device)
     logprobs = torch.zeros(B, N, device=device)
     truncated = 0 < top_k < K or top_p < 1
-    support = torch.zeros(B, N, (K + 7) // 8, dtype=torch.uint8, device=device) if truncated else None
-    t = torch.zeros(1, dtype=torch.long, device=device)  # the step, kept on the device: a CUDA graph replays it
+    support = (torch.zeros(B, N, (K + 7) // 8, dtype=torch.uint8, device=device) if truncated
+               else None)
+    t = torch.zeros(1, dtype=torch.long, device=device)  # the step, on the device: graph-safe
     logits = forward(input_ids, slot[:P])  # prefill: (B, V) logits of the first token
 
     def step():  # draw token t from code_logprobs, then feed it: the logits of token t + 1
         logp = code_logprobs(logits, temperature, K, top_k, top_p)  # (B, K)
-        noise = torch.cat([torch.empty(B // len(generators), V, device=device).exponential_(generator=g)
-                           for g in generators])  # (B, V), each group's (G, V) as torch.multinomial draws it
-        token = (logp.exp() / noise[:, :K]).argmax(dim=-1, keepdim=True)  # (B, 1): torch.multinomial(probs, 1)
+        G = B // len(generators)  # each group's (G, V) noise, as torch.multinomial draws it
+        noise = torch.cat([torch.empty(G, V, device=device).exponential_(generator=g)
+                           for g in generators])
+        token = (logp.exp() / noise[:, :K]).argmax(dim=-1, keepdim=True)  # torch.multinomial(p, 1)
         tokens.index_copy_(1, t, token)
         logprobs.index_copy_(1, t, logp.gather(-1, token))
         if truncated:  # the sampling mask, kept for the trainer
@@ -573,20 +564,21 @@ def decode(model, input_ids: torch.Tensor, valid: torch.Tensor, positions: torch
 
 
 def repeat_step(step, n: int, generators: list, capture: bool = True) -> None:
-    """step() n times. On a GPU (one process, `capture`: a step of fixed shapes) the first runs eagerly, warming up
-    kernels and allocator, and the rest replay ONE CUDA graph of it: no Python and no kernel launches between steps,
-    no host synchronisation (a decode step of the real AR is ~2,000 small kernels, which the CPU cannot launch as fast
-    as the GPU runs them). A growing cache (decode's static=False) syncs with the host every step: run eagerly."""
+    """step() n times. On a GPU (one process, fixed shapes: `capture`) the first runs eagerly and
+    the rest replay ONE CUDA graph of it: no Python, launches or host syncs between steps (a step of
+    the real AR is ~2,000 small kernels, which the CPU cannot launch as fast as the GPU runs them).
+    """
     step()
-    if n == 1 or not capture or generators[0].device.type != "cuda" or distributed():  # FSDP's hooks are not captured
+    on_gpu = generators[0].device.type == "cuda"
+    if n == 1 or not capture or not on_gpu or distributed():  # FSDP's hooks are not captured
         for _ in range(n - 1):
             step()
         return
     graph = torch.cuda.CUDAGraph()
-    for generator in generators:  # the draws of a replay advance each group's generator, as eager steps do
+    for generator in generators:  # a replay's draws advance each generator, as eager steps do
         graph.register_generator_state(generator)
-    autocast = torch.autocast("cuda", torch.get_autocast_dtype("cuda"), torch.is_autocast_enabled("cuda"),
-                              cache_enabled=False)  # as the caller's autocast, without its cast cache (not graph-safe)
+    autocast = torch.autocast("cuda", torch.get_autocast_dtype("cuda"),
+                              torch.is_autocast_enabled("cuda"), cache_enabled=False)  # graph-safe
     with torch.cuda.graph(graph), autocast:
         step()
     for _ in range(n - 1):
@@ -597,10 +589,8 @@ def repeat_step(step, n: int, generators: list, capture: bool = True) -> None:
 
 def token_logprobs(model, inputs: dict, tokens: torch.Tensor, temperature: float, top_k: int = 0,
                    top_p: float = 1.0, support: torch.Tensor | None = None) -> torch.Tensor:
-    """(G, N) float32 log-probs of `tokens` given the prompt, from one teacher-forced forward (token_logits), under
-    code_logprobs: over the sampler's kept codes when `support` (a Rollout's (G, N, K/8) bits) is given.
-
-    Differentiable (call under torch.no_grad() for the reference)."""
+    """(G, N) float32 log-probs of `tokens` from one teacher-forced forward, under code_logprobs
+    (over the sampler's kept codes when `support`, a Rollout's bits, is given). Differentiable."""
     K = model.config.vq_config.num_embeddings
     support = None if support is None else code_support(support, K)
     logits = token_logits(model, inputs, tokens)  # (G, N, V)
@@ -608,98 +598,95 @@ def token_logprobs(model, inputs: dict, tokens: torch.Tensor, temperature: float
 
 
 def logprob_of(distribution: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-    """(G, N, K) log-probs of every code and (G, N) tokens -> (G, N) the log-prob of each token."""
+    """(G, N, K) log-probs of every code and (G, N) tokens -> (G, N) each token's log-prob."""
     return distribution.gather(-1, tokens[..., None]).squeeze(-1)
 
 
 def token_logits(model, inputs: dict, tokens: torch.Tensor) -> torch.Tensor:
-    """(G, N, V) raw logits that predict each of `tokens` given the prompt: one teacher-forced forward.
+    """(G, N, V) logits that predict each of `tokens` given the prompt: one teacher-forced forward.
 
-    Passing explicit `position_ids` is what makes this agree with the sampler: without them the model puts the image
-    tokens on the 1D text ramp and the log-probs are wrong (see the tests and the notebook). The rows share one prompt
-    (a group, as sample_groups returns it): the positions are built from row 0, so other prompts in the same call are
-    refused rather than scored at the wrong positions.
-    """
+    The explicit `position_ids` make it agree with the sampler: without them the model puts the
+    image tokens on the 1D text ramp (the notebook shows the cost). The rows must share one prompt
+    (a group): the positions come from row 0."""
     G, P = inputs["input_ids"].shape
     if not (inputs["input_ids"] == inputs["input_ids"][:1]).all():
-        raise ValueError("token_logits scores one prompt per call (its positions come from row 0), but the rows of "
-                         "input_ids differ: call it once per group")
+        raise ValueError("token_logits scores one prompt per call (its positions come from row 0), "
+                         "but the rows of input_ids differ: call it once per group")
     N = tokens.shape[1]
     input_ids = torch.cat([inputs["input_ids"], tokens[:, :-1]], dim=1)  # (G, P+N-1)
     attention_mask = torch.cat([inputs["attention_mask"], torch.ones_like(tokens[:, :-1])], dim=1)
-    rows = int(inputs["images_per_sample"][0])  # grid rows of one sample (the G samples share one prompt)
+    rows = int(inputs["images_per_sample"][0])  # grid rows of one sample
     positions = rope_positions(inputs["input_ids"][0], inputs["image_grid_thw"][:rows], N,
                                model.config.image_start_token_id, model.config.image_end_token_id)
-    return model(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions.expand(-1, G, -1),
-                 use_cache=False, logits_to_keep=N).logits  # (G, N, V)
+    return model(input_ids=input_ids, attention_mask=attention_mask,
+                 position_ids=positions.expand(-1, G, -1), use_cache=False,
+                 logits_to_keep=N).logits  # (G, N, V)
 
 
 # ---- 5. Decoding tokens to images ---------------------------------------------------------------
 
 def large_grid(tokens: torch.Tensor, large_hw: tuple[int, int]) -> torch.Tensor:
-    """(G, N) AR tokens -> (G, hw) the large grid: the last h*w tokens, the only ones the DiT sees (in the tiny
-    world, one token a cell: the picture's layout)."""
+    """(G, N) AR tokens -> (G, hw) the large grid: the last h*w tokens, the only ones the DiT sees
+    (in the tiny world, one token a cell: the picture's layout)."""
     return tokens[:, -large_hw[0] * large_hw[1]:]
 
 
 def prior_ids(tokens: torch.Tensor, large_hw: tuple[int, int]) -> torch.Tensor:
-    """(G, N) AR tokens -> (G, 4hw) the DiT's prior ids: the large grid (the preview never reaches the DiT),
-    upsampled 2x (nearest) to the DiT's H/16 x W/16 grid."""
+    """(G, N) AR tokens -> (G, 4hw) the DiT's prior ids: the large grid upsampled 2x (nearest) to
+    the DiT's H/16 x W/16 grid."""
     G, (h, w) = tokens.shape[0], large_hw
-    large = large_grid(tokens, large_hw).reshape(G, 1, h, w)  # (G, 1, H/32, W/32)
-    return F.interpolate(large.float(), scale_factor=2, mode="nearest").long().reshape(G, -1)  # (G, 4hw) at H/16
+    large = large_grid(tokens, large_hw).reshape(G, 1, h, w).float()  # (G, 1, H/32, W/32)
+    return F.interpolate(large, scale_factor=2, mode="nearest").long().reshape(G, -1)
 
 
 @torch.no_grad()
-def decode_images(pipe, prompt: str, tokens: torch.Tensor, large_hw: tuple[int, int], height: int, width: int,
-                  num_inference_steps: int, seed: int, guidance_scale: float = 1.5,
+def decode_images(pipe, prompt: str, tokens: torch.Tensor, large_hw: tuple[int, int], height: int,
+                  width: int, num_inference_steps: int, seed: int, guidance_scale: float = 1.5,
                   source: Source | None = None) -> torch.Tensor:
-    """(G, N) tokens -> (G, 3, H, W) float32 images in [0, 1]: large grid -> prior ids -> DiT -> VAE.
+    """(G, N) tokens -> (G, 3, H, W) float32 images in [0, 1]: large grid -> prior ids -> DiT ->
+    VAE.
 
-    The whole group in one pipeline call, all samples from the same latent noise (seeded), so the
-    images differ only through their tokens. The preview tokens never reach the DiT. Editing: the DiT also
-    attends to the source (VAE latents and its codes, upsampled like the prior), as GLM-Image edits. Passing our
-    tokens as prior_token_ids skips the pipeline's own AR step, the part of diffusers 0.42.1 that fails with
-    transformers >= 5.23 for editing (it concatenates the list get_image_features now returns along channels).
-    """
-    G, device = tokens.shape[0], pipe.transformer.device
+    The whole group in one pipeline call from the same latent noise, so the images differ only
+    through their tokens. Editing: the DiT also attends to the source (VAE latents and its codes),
+    as GLM-Image edits. Our tokens as prior_token_ids skip the pipeline's own AR step (whose editing
+    path fails with transformers >= 5.23 in diffusers 0.42.1)."""
+    G, device, dtype = tokens.shape[0], pipe.transformer.device, pipe.transformer.dtype
     prior = prior_ids(tokens, large_hw)  # (G, 4hw) at H/16
-    embeds, negative = pipe.encode_prompt(prompt, do_classifier_free_guidance=guidance_scale > 1, device=device,
-                                          dtype=pipe.transformer.dtype)
+    embeds, negative = pipe.encode_prompt(prompt, do_classifier_free_guidance=guidance_scale > 1,
+                                          device=device, dtype=dtype)
     generator = torch.Generator("cpu").manual_seed(seed)
-    shape = (1, pipe.transformer.config.in_channels, height // pipe.vae_scale_factor, width // pipe.vae_scale_factor)
-    latents = torch.randn(shape, generator=generator).to(device, pipe.transformer.dtype).repeat(G, 1, 1, 1)
+    f = pipe.vae_scale_factor
+    shape = (1, pipe.transformer.config.in_channels, height // f, width // f)
+    latents = torch.randn(shape, generator=generator).to(device, dtype).repeat(G, 1, 1, 1)
     edit = {}
     if source is not None:  # one copy per sample: the pipeline's batch is the group
         hs, ws = source.grid_hw
-        codes = F.interpolate(source.codes.view(1, 1, hs, ws).float(), scale_factor=2, mode="nearest")
-        edit = dict(image=[[source.image]] * G, prior_token_image_ids=[codes.long().view(-1).to(device)] * G,
+        codes = source.codes.view(1, 1, hs, ws).float()
+        codes = F.interpolate(codes, scale_factor=2, mode="nearest")
+        edit = dict(image=[[source.image]] * G,
+                    prior_token_image_ids=[codes.long().view(-1).to(device)] * G,
                     source_image_grid_thw=[torch.tensor([[1, 2 * hs, 2 * ws]], device=device)] * G)
     images = pipe(prompt_embeds=embeds.repeat(G, 1, 1),
                   negative_prompt_embeds=None if negative is None else negative.repeat(G, 1, 1),
                   prior_token_ids=prior, latents=latents, height=height, width=width,
-                  num_inference_steps=num_inference_steps, guidance_scale=guidance_scale, output_type="pt",
-                  **edit).images
+                  num_inference_steps=num_inference_steps, guidance_scale=guidance_scale,
+                  output_type="pt", **edit).images
     return images.float().clamp(0, 1)  # (G, 3, H, W)
 
 
 # ---- 6. Rewards ---------------------------------------------------------------------------------
-# A reward is any function fn(images, example) -> (G,) float tensor, higher is better: images (G, 3, H, W) float32 in
-# [0, 1], example the dict of one prompts line (read_prompts) with "target" loaded as a (3, H, W) tensor (or None).
-# `fn.needs = ("target",)` names the example fields a reward cannot do without: a missing one stops the run before it
-# starts.
-# The card's rewards (SSIM, -MSE against a target) are here; OCR, the shapes checker and plug-in loading in rewards.py.
+# A reward is any function fn(images, example) -> (G,) float tensor, higher is better: images
+# (G, 3, H, W) float32 in [0, 1], example one prompts line with "target" loaded as a (3, H, W)
+# tensor (or None). `fn.needs = ("target",)` names the fields it needs (checked before a run).
 
 def mse_reward(images: torch.Tensor, example: dict) -> torch.Tensor:
-    """(G, 3, H, W) in [0, 1], example["target"] (3, H, W) -> (G,) negative mean squared error, in [-1, 0]."""
+    """(G, 3, H, W) in [0, 1], example["target"] (3, H, W) -> (G,) -MSE, in [-1, 0]."""
     return -((images - example["target"]) ** 2).mean(dim=(1, 2, 3))
 
 
 def ssim_reward(images: torch.Tensor, example: dict) -> torch.Tensor:
-    """(G, 3, H, W) in [0, 1], example["target"] (3, H, W) -> (G,) SSIM (Wang et al. 2004), in [-1, 1].
-
-    11-tap Gaussian window (sigma 1.5), K1 = 0.01, K2 = 0.03, data range 1, computed over valid
-    (unpadded) windows, averaged over channels and pixels.
+    """(G, 3, H, W) in [0, 1], example["target"] (3, H, W) -> (G,) SSIM (Wang et al. 2004) in [-1,
+    1]: 11-tap Gaussian window (sigma 1.5), K1 = 0.01, K2 = 0.03, valid windows, mean over channels.
     """
     C1, C2 = 0.01 ** 2, 0.03 ** 2
     g = torch.exp(-((torch.arange(11, dtype=torch.float32) - 5) ** 2) / (2 * 1.5 ** 2))
@@ -714,21 +701,20 @@ def ssim_reward(images: torch.Tensor, example: dict) -> torch.Tensor:
     var_x = blur(x * x) - mu_x ** 2
     var_y = blur(y * y) - mu_y ** 2
     cov = blur(x * y) - mu_x * mu_y
-    ssim_map = ((2 * mu_x * mu_y + C1) * (2 * cov + C2)) / ((mu_x ** 2 + mu_y ** 2 + C1) * (var_x + var_y + C2))
+    ssim_map = (((2 * mu_x * mu_y + C1) * (2 * cov + C2))
+                / ((mu_x ** 2 + mu_y ** 2 + C1) * (var_x + var_y + C2)))
     return ssim_map.mean(dim=(1, 2, 3))
 
 
 mse_reward.needs = ssim_reward.needs = ("target",)  # checked in every example before a run starts
-REWARDS = {"ssim": ssim_reward, "mse": mse_reward, **MORE_REWARDS}  # MORE_REWARDS: ocr, shapes (rewards.py)
+REWARDS = {"ssim": ssim_reward, "mse": mse_reward, **MORE_REWARDS}  # helpers/rewards.py: ocr, ...
 
 
 def group_rewards(images: list[torch.Tensor], examples: list[dict], rewards: dict[str, tuple]
                   ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """P groups of (G, 3, H, W) images and their P examples -> (P, G) weighted sum, and each reward's (P, G).
-
-    Row p scores group p against example p only: a reward never meets another prompt's samples.
-    """
-    each = {name: torch.stack([fn(group, example).float().reshape(-1).to(group.device)  # a reward may answer on the CPU
+    """P groups of (G, 3, H, W) images and their P examples -> (P, G) weighted sum, and each
+    reward's (P, G). Row p scores group p against example p only."""
+    each = {name: torch.stack([fn(group, example).float().reshape(-1).to(group.device)
                                for group, example in zip(images, examples, strict=True)])
             for name, (fn, _) in rewards.items()}
     total = sum(w * each[name] for name, (_, w) in rewards.items())
@@ -739,15 +725,11 @@ def group_rewards(images: list[torch.Tensor], examples: list[dict], rewards: dic
 
 def group_advantages(rewards: torch.Tensor, eps: float = 1e-6, scale: str = "group",
                      batch: torch.Tensor | None = None) -> torch.Tensor:
-    """(P, G) or (G,) rewards -> same-shape advantages: each reward minus its group's mean, divided by the group's
-    std (scale "group", the paper), by the std of every reward of the step ("batch": `batch`, all processes'
-    rewards, default `rewards`) or by nothing ("none": Dr. GRPO, no bias towards groups of small spread).
-
-    Population stds. A group with no spread carries no signal and gets zeros rather than a division by ~0;
-    "no spread" is relative to the rewards' size (std <= eps x the group's largest |reward|: float rounding,
-    whatever the reward's scale), so the advantages are invariant to r -> r + b for every group whose spread is
-    above rounding, and (scales group and batch) to r -> a r for a > 0.
-    """
+    """(P, G) or (G,) rewards -> advantages: each reward minus its group's mean, divided by the
+    group's std ("group", the paper), by the std of every reward of the step ("batch": `batch`,
+    default `rewards`) or by nothing ("none": Dr. GRPO). Population stds. A group with no spread
+    (std <= eps x its largest |reward|: float rounding at any scale) gets zeros rather than a
+    division by ~0."""
     mean = rewards.mean(dim=-1, keepdim=True)
     std = rewards.std(dim=-1, unbiased=False, keepdim=True)
     spread = std > eps * rewards.abs().amax(dim=-1, keepdim=True)
@@ -755,56 +737,52 @@ def group_advantages(rewards: torch.Tensor, eps: float = 1e-6, scale: str = "gro
         std = (rewards if batch is None else batch).std(unbiased=False)
     elif scale == "none":
         std = torch.ones_like(std)
-    return torch.where(spread, (rewards - mean) / std.clamp_min(torch.finfo(std.dtype).tiny), torch.zeros_like(rewards))
+    z = (rewards - mean) / std.clamp_min(torch.finfo(std.dtype).tiny)
+    return torch.where(spread, z, torch.zeros_like(rewards))
 
 
 def repeats(grids: list[torch.Tensor]) -> torch.Tensor:
-    """Each group's (G, n) large grids -> (P, G) c: how many of its group's samples drew the same grid (itself too).
+    """Each group's (G, n) large grids -> (P, G) c: the samples of its group that drew the same
+    grid.
 
-    The diversity bonus (`score`, DiverseGRPO's bonus inversely proportional to a sample's cluster in its group) adds
-    diversity / c to each reward: a layout drawn once earns the whole bonus, a repeat of one drawn c times a c-th.
-    Without it a group whose samples are all right carries no signal, however few layouts it holds, and GRPO lets the
-    likeliest right layout take over (held-out layouts 7.6 -> 3.2 of 8 with beta 0.04); with it, the repeats fall
-    below the layouts drawn once. A bonus below the gap between a right and a wrong picture never ranks a wrong one
-    first. Exact repeats only: the real model's 1024-token grids never repeat, so there it does nothing (a feature
-    distance, GARDO's, would be needed)."""
+    The diversity bonus (DiverseGRPO's: inversely proportional to a sample's cluster) adds diversity
+    / c to each reward: a layout drawn once earns the whole bonus, a repeat of one drawn c times a
+    c-th, so a group of right pictures still teaches which layouts are rare. Exact repeats only: the
+    real model's 1024-token grids never repeat (a feature distance, GARDO's, would be needed there).
+    """
     return torch.stack([(g[:, None] == g[None]).all(-1).sum(-1) for g in grids])
 
 
 def score(images: list[torch.Tensor], batch: list[dict], rewards: dict, scale: str = "group",
           grids: list[torch.Tensor] | None = None, diversity: float = 0.0) -> tuple:
-    """Steps 3-4 for P groups of (G, 3, H, W) images and their P examples: the (P, G) rewards (and each reward's) and
-    the (P, G) advantages, z-scored within each group (`scale` as group_advantages; "batch": by the std of every
-    process's rewards), from the rewards plus the diversity bonus diversity / c (`grids`: each group's (G, n) large
-    grids; `repeats`). The rewards returned are the rewards alone."""
+    """Steps 3-4 for P groups of images and their examples: the (P, G) rewards (and each reward's)
+    and the (P, G) advantages (group_advantages; "batch": every process's rewards), from the rewards
+    plus the bonus diversity / c (`grids`: each group's (G, n) large grids). Returns the rewards
+    alone."""
     reward, each = group_rewards(images, batch, rewards)  # 3. score them: (P, G)
-    shaped = reward + diversity / repeats(grids).to(reward) if diversity > 0 else reward  # repeats earn less
-    advantages = group_advantages(shaped, scale=scale, batch=gather_rows(shaped) if scale == "batch" else None)  # 4.
+    shaped = reward + diversity / repeats(grids).to(reward) if diversity > 0 else reward
+    everyone = gather_rows(shaped) if scale == "batch" else None
+    advantages = group_advantages(shaped, scale=scale, batch=everyone)  # 4. advantages
     return reward, each, advantages
 
 
 # ---- 8. Loss ------------------------------------------------------------------------------------
 
-def sampler_correction(old_logprobs: torch.Tensor, sampled_logprobs: torch.Tensor, mode: str = "none",
-                       cap: float = 2.0) -> tuple[torch.Tensor, dict]:
-    """Importance weights for the gap between the sampler and the trainer (TRL's vLLM importance-sampling
-    correction): (S, T) log-probs of the sampled tokens under pi_old (the trainer's forward) and under the sampler
-    -> the weights on the policy-gradient term, (S, T) per token or (S, 1) per sequence, and the mismatch metrics.
+def sampler_correction(old_logprobs: torch.Tensor, sampled_logprobs: torch.Tensor,
+                       mode: str = "none", cap: float = 2.0) -> tuple[torch.Tensor, dict]:
+    """TRL's importance-sampling correction for the sampler/trainer gap: (S, T) log-probs of the
+    sampled tokens under pi_old (the trainer) and the sampler -> the weights on the policy-gradient
+    term, (S, T) per token or (S, 1) per sequence, and the mismatch metrics (TRL's names,
+    docs/healthy_training.md).
 
-    r = pi_old / pi_sampler, per token (token_*) or its product over all the sequence's sampled tokens (sequence_*:
-    give every token, not only the loss's: the preview conditions the large grid); *_truncate caps r at `cap`
-    (truncated importance sampling), *_mask gives 0 where r > cap (the token or sequence leaves the gradient);
-    "none": weights 1. With --policy-dist truncated in float32 sampler and trainer agree within 1e-5, so r = 1 within
-    1e-5; in bf16 the KV-cached sampler and the full-sequence trainer round differently; with --policy-dist full r is
-    also the sampler's truncation, pi_full / pi_nucleus <= 1. Metrics, TRL's names: sampling/sampling_logp_difference/
-    {mean,max} (|log pi_old - log pi_sampler| per token), sampling/importance_sampling_ratio/{min,mean,max} (the
-    weights applied: r after the cap or mask, as TRL logs them), and in the same namespace raw_importance_sampling_
-    ratio/{min,max} (r before the cap), k3_kl (mean of r - 1 - log r per token: KL(pi_sampler || pi_old) on the
-    sampler's draws, verl's rollout_corr/k3_kl) and capped_frac (tokens or sequences the cap acted on).
-    """
-    both = old_logprobs.isfinite() & sampled_logprobs.isfinite()  # a token outside a truncation carries no ratio
+    r = pi_old / pi_sampler per token (token_*) or its product over the sequence (sequence_*: give
+    every token, the preview conditions the large grid); *_truncate caps r at `cap`, *_mask zeroes
+    it above; "none": 1. In float32 r = 1 within 1e-5; in bf16 the two round differently; with
+    --policy-dist full r also holds the sampler's truncation (pi_full / pi_nucleus <= 1)."""
+    both = old_logprobs.isfinite() & sampled_logprobs.isfinite()  # outside a truncation: no ratio
     log_ratio = torch.where(both, old_logprobs - sampled_logprobs, 0.0)  # (S, T)
-    level = log_ratio.sum(dim=1, keepdim=True) if mode.startswith("sequence") else log_ratio  # (S, 1) or (S, T)
+    sequence = mode.startswith("sequence")
+    level = log_ratio.sum(dim=1, keepdim=True) if sequence else log_ratio  # (S, 1) or (S, T)
     ratio = torch.exp(level.clamp(max=20.0))  # a sequence's sum can be large: exp stays finite
     capped = ratio > cap
     weights = (ratio.clamp(max=cap) if mode.endswith("truncate") else ratio.masked_fill(capped, 0.0)
@@ -812,12 +790,12 @@ def sampler_correction(old_logprobs: torch.Tensor, sampled_logprobs: torch.Tenso
     token_ratio = torch.exp(log_ratio)
     metrics = {"sampling/sampling_logp_difference/mean": log_ratio.abs().mean().item(),
                "sampling/sampling_logp_difference/max": log_ratio.abs().max().item(),
-               "sampling/importance_sampling_ratio/min": weights.min().item(),
+               "sampling/importance_sampling_ratio/min": weights.min().item(),  # after the cap
                "sampling/importance_sampling_ratio/mean": weights.mean().item(),
                "sampling/importance_sampling_ratio/max": weights.max().item(),
-               "sampling/raw_importance_sampling_ratio/min": ratio.min().item(),
+               "sampling/raw_importance_sampling_ratio/min": ratio.min().item(),  # before it
                "sampling/raw_importance_sampling_ratio/max": ratio.max().item(),
-               "sampling/k3_kl": (token_ratio - 1 - log_ratio).mean().item(),
+               "sampling/k3_kl": (token_ratio - 1 - log_ratio).mean().item(),  # KL(sampler || old)
                "sampling/capped_frac": capped.float().mean().item() if mode != "none" else 0.0}
     return weights.detach(), metrics
 
@@ -825,29 +803,23 @@ def sampler_correction(old_logprobs: torch.Tensor, sampled_logprobs: torch.Tenso
 def grpo_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, ref_logprobs: torch.Tensor | None,
               advantages: torch.Tensor, clip_eps: float | tuple[float, float], kl_beta: float,
               weights: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
-    """PPO-clipped GRPO loss with a k3 KL penalty. (S, T) log-probs, (S,) advantages -> scalar loss.
+    """PPO-clipped GRPO loss with a k3 KL penalty: (S, T) log-probs, (S,) advantages -> scalar loss.
 
-    Per token: r = exp(logp - old), surrogate = min(r A, clip(r, 1-eps, 1+eps_high) A) (`clip_eps` is eps, or
-    (eps, eps_high) for DAPO's clip-higher), KL = k3_kl(logp, ref), loss = -(surrogate - beta KL), averaged over the
-    tokens of a sequence, then over sequences (the paper's 1/|o_i|). DAPO averages over all tokens of the batch and
-    Dr. GRPO divides by a constant: the same up to a constant factor while every sequence has the same length (a
-    text-to-image step), not when editing and text-to-image prompts mix under --train-tokens all (an edit writes no
-    preview grid), where each sequence here weighs the same whatever its length.
-    `ref_logprobs` may be None when beta = 0. `weights`, (S, T) or (S, 1), multiply the surrogate (not the KL): the
-    importance weights pi_old / pi_sampler of sampler_correction; None: 1.
-    """
-    # a token the old policy could not draw (-inf: outside its top-k / nucleus by rounding) carries no information:
-    # ratio 1 without gradient, instead of exp(-inf + inf) = NaN
+    Per token r = exp(logp - old), surrogate = min(r A, clip(r, 1 - eps, 1 + eps_high) A)
+    (`clip_eps`: eps, or (eps, eps_high), DAPO's clip-higher), loss = -(surrogate - beta k3_kl(logp,
+    ref)), averaged over a sequence's tokens, then over sequences (the paper's 1/|o_i|; DAPO's token
+    mean is the same up to a constant while sequences have one length). `weights`
+    (sampler_correction's) multiply the surrogate, not the KL. `ref_logprobs`: None when beta is
+    0."""
+    # a token the old policy could not draw (-inf: outside its truncation): ratio 1, no gradient
     ratio = torch.exp(torch.where(old_logprobs.isneginf(), 0.0, logprobs - old_logprobs))  # (S, T)
     adv = advantages[:, None].to(ratio)  # (S, 1), on the log-probs' device
-    low, high = clip_eps if isinstance(clip_eps, tuple) else (clip_eps, clip_eps)  # (eps, eps_high): clip-higher
+    low, high = clip_eps if isinstance(clip_eps, tuple) else (clip_eps, clip_eps)
     unclipped, clipped = ratio * adv, ratio.clamp(1 - low, 1 + high) * adv
     surrogate = torch.min(unclipped, clipped) * (1.0 if weights is None else weights)
     kl = torch.zeros_like(ratio) if ref_logprobs is None else k3_kl(logprobs, ref_logprobs)
     loss = (-(surrogate - kl_beta * kl)).mean(dim=1).mean()
-    with torch.no_grad():
-        # the clip stops the gradient where r A is larger than the clipped value: r > 1+eps with A > 0,
-        # r < 1-eps with A < 0
+    with torch.no_grad():  # the clip stops the gradient: r > 1+eps with A > 0, r < 1-eps with A < 0
         clipped_out = ((ratio > 1 + high) & (adv > 0)) | ((ratio < 1 - low) & (adv < 0))
         metrics = {"policy_loss": -surrogate.mean(dim=1).mean().item(), "kl": kl.mean().item(),
                    "clip_frac": clipped_out.float().mean().item(), "ratio_min": ratio.min().item(),
@@ -856,14 +828,11 @@ def grpo_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, ref_logprobs: 
 
 
 def k3_kl(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
-    """(S, T) log-probs of the sampled tokens under the policy and the reference -> (S, T) k3 = exp(d) - d - 1,
-    d = ref - logp (Schulman's estimator): >= 0, and its mean over tokens drawn from pi is KL(pi || ref). As a loss
-    term its gradient is, in expectation, that of KL(ref || pi): it pulls the policy back over the codes the reference
-    likes (mass-covering), not only away from the ones it dislikes.
-
-    d is capped at +-20: exp stays finite (exp(20) ~ 5e8) when the policy finds a sampled token far less likely than
-    the reference does, and a token the reference's truncation excludes (-inf) counts 19, not inf; where the cap acts
-    the token gets no KL gradient. A token outside the policy's truncation (-inf) has no estimate: 0."""
+    """(S, T) log-probs of the sampled tokens under the policy and the reference -> (S, T) k3 =
+    exp(d) - d - 1, d = ref - logp (Schulman's estimator): >= 0, its mean over tokens drawn from pi
+    is KL(pi || ref); as a loss its gradient is, in expectation, that of KL(ref || pi)
+    (mass-covering). d is capped at +-20 (exp stays finite; an overflow guard,
+    tools/bench_kl_cap.py); a token outside the policy's truncation (-inf) has no estimate: 0."""
     d = (ref_logprobs - logprobs).clamp(-20.0, 20.0)
     kl = (torch.exp(d) - d - 1).clamp_min(0)  # >= 0; the clamp only removes rounding
     return torch.where(logprobs.isfinite(), kl, 0.0)
@@ -872,13 +841,15 @@ def k3_kl(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
 # ---- 9. Update ---------------------------------------------------------------------------------
 
 @torch.no_grad()
-def reference_logprobs(ref_model, inputs: dict, tokens: torch.Tensor, temperature: float, top_k: int = 0,
-                       top_p: float = 1.0, support: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(G, N) log-probs under the reference (a frozen copy, or a LoRA policy with its adapter switched off), from one
-    forward: over the policy's distribution (token_logprobs' support / top-k / top-p), and over its full softmax
-    (the untruncated KL's, which sees the reference's mass outside the sampler's nucleus)."""
+def reference_logprobs(ref_model, inputs: dict, tokens: torch.Tensor, temperature: float,
+                       top_k: int = 0, top_p: float = 1.0, support: torch.Tensor | None = None
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(G, N) log-probs under the reference (a frozen copy, or the LoRA policy with its adapter off)
+    from one forward: under the policy's distribution, and under the full softmax (for
+    kl_untruncated, which sees the reference's mass outside the sampler's nucleus)."""
     K = ref_model.config.vq_config.num_embeddings
-    with ref_model.disable_adapter() if hasattr(ref_model, "disable_adapter") else contextlib.nullcontext():
+    off = ref_model.disable_adapter() if hasattr(ref_model, "disable_adapter") else None
+    with off or contextlib.nullcontext():
         logits = token_logits(ref_model, inputs, tokens)  # (G, N, V)
     kept = None if support is None else code_support(support, K)
     return (logprob_of(code_logprobs(logits, temperature, K, top_k, top_p, kept), tokens),
@@ -886,46 +857,47 @@ def reference_logprobs(ref_model, inputs: dict, tokens: torch.Tensor, temperatur
 
 
 def select_rows(inputs: dict, rows: slice) -> dict:
-    """The AR inputs of samples `rows` of a group (image_grid_thw holds images_per_sample grid rows per sample)."""
+    """The AR inputs of samples `rows` of a group (images_per_sample grid rows per sample)."""
     per_sample = int(inputs["images_per_sample"][0])
-    return {"input_ids": inputs["input_ids"][rows], "attention_mask": inputs["attention_mask"][rows],
+    return {"input_ids": inputs["input_ids"][rows],
+            "attention_mask": inputs["attention_mask"][rows],
             "image_grid_thw": inputs["image_grid_thw"].view(-1, per_sample, 3)[rows].reshape(-1, 3),
             "images_per_sample": inputs["images_per_sample"][rows]}
 
 
 def region_metrics(regions: dict, logp: torch.Tensor, old: torch.Tensor, ref: torch.Tensor | None,
                    adv: torch.Tensor, clip_eps: float, kl_beta: float) -> dict:
-    """Mean log-prob, KL and clip fraction of each region (preview / large grid) of (mb, N) log-probs, whichever
-    tokens the loss covers; a region with no tokens (the preview when editing) is left out."""
+    """Mean log-prob, KL and clip fraction of each region (preview / large grid) of (mb, N)
+    log-probs; a region with no tokens (the preview when editing) is left out."""
     metrics = {}
     for name, cut in regions.items():
         if logp[:, cut].numel():
-            _, m = grpo_loss(logp[:, cut], old[:, cut], None if ref is None else ref[:, cut], adv, clip_eps, kl_beta)
-            finite = logp[:, cut][logp[:, cut].isfinite()]  # a token outside the truncation is -inf
+            _, m = grpo_loss(logp[:, cut], old[:, cut], None if ref is None else ref[:, cut], adv,
+                             clip_eps, kl_beta)
+            finite = logp[:, cut][logp[:, cut].isfinite()]  # outside the truncation: -inf
             metrics.update({f"{name}/logprob": finite.mean().item(), f"{name}/kl": m["kl"],
                             f"{name}/clip_frac": m["clip_frac"]})
     return metrics
 
 
-def micro_batch_loss(policy, inputs: dict, tokens: torch.Tensor, sampled: torch.Tensor, support: torch.Tensor | None,
-                     adv: torch.Tensor, n_preview: int, old: torch.Tensor | None, ref: tuple | None, *,
-                     temperature: float, clip_eps: float | tuple[float, float], kl_beta: float, train_tokens: str,
+def micro_batch_loss(policy, inputs: dict, tokens: torch.Tensor, sampled: torch.Tensor,
+                     support: torch.Tensor | None, adv: torch.Tensor, n_preview: int,
+                     old: torch.Tensor | None, ref: tuple | None, *, temperature: float,
+                     clip_eps: float | tuple[float, float], kl_beta: float, train_tokens: str,
                      top_k: int, top_p: float, correction: str = "none", cap: float = 2.0,
                      policy_dist: str = "truncated") -> tuple[torch.Tensor, dict]:
-    """One micro-batch: the trainer's (mb, N) log-probs of the sampled tokens (the forward, with gradient) under the
-    trained distribution pi (`policy_dist`: truncated, over the sampler's kept codes `support`; full, the whole
-    codebook) and the GRPO loss over the tokens in the loss, its policy-gradient term weighted by
-    sampler_correction(pi_old, pi_sampler) over all N tokens; `old` None means the old policy is the current one
-    (mu = 1); `ref` the reference's (policy-distribution, full-softmax) log-probs, or None.
-    Metrics: the loss's, the correction's, each region's (preview / large grid), `kl_untruncated` (k3 of the full
-    softmaxes: the drift a one-code nucleus hides from `kl`), `no_gradient_frac` (loss tokens whose pi is one code:
-    log pi = 0, no gradient), `sampler_gap` (the largest |log pi_trainer - log pi_sampler| over the sampler's own
-    distribution: float rounding) and `outside_truncation` (sampled tokens the trainer's OWN top-k / nucleus would
-    exclude: the replayed support keeps them)."""
+    """One micro-batch: the trainer's (mb, N) log-probs of the sampled tokens (with gradient) under
+    the trained distribution (`policy_dist`: truncated, over the sampler's kept codes; full, the
+    codebook), and the GRPO loss over the tokens in the loss, its policy gradient weighted by
+    sampler_correction. `old` None: the old policy is the current one (mu = 1); `ref`: the
+    reference's two log-probs or None. Metrics: the loss's, each region's, `kl_untruncated`,
+    `no_gradient_frac` (loss tokens whose pi is one code), `sampler_gap` (max |log pi_trainer - log
+    pi_sampler|: float rounding) and `outside_truncation` (sampled tokens the trainer's OWN
+    truncation would drop)."""
     K = policy.config.vq_config.num_embeddings
     logits = token_logits(policy, inputs, tokens)  # (mb, N, V), with grad
-    kept = None if support is None else code_support(support, K)  # (mb, N, K) bool: the sampler's truncation
-    replayed = code_logprobs(logits, temperature, K, top_k, top_p, kept)  # (mb, N, K): the sampler's distribution
+    kept = None if support is None else code_support(support, K)  # (mb, N, K): the sampler's
+    replayed = code_logprobs(logits, temperature, K, top_k, top_p, kept)  # the sampler's pi
     full = code_logprobs(logits, temperature, K)  # (mb, N, K): the whole codebook
     pi = full if policy_dist == "full" else replayed
     logp = logprob_of(pi, tokens)  # (mb, N)
@@ -933,69 +905,74 @@ def micro_batch_loss(policy, inputs: dict, tokens: torch.Tensor, sampled: torch.
     ref, ref_full = (None, None) if ref is None else ref
     regions = {"preview": slice(0, n_preview), "large": slice(n_preview, None)}
     cols = regions["large"] if train_tokens == "large" else slice(None)
-    weights, m_corr = sampler_correction(old, sampled, correction, cap)  # over all N: (mb, N) or (mb, 1)
+    weights, m_corr = sampler_correction(old, sampled, correction, cap)  # over all N tokens
     weights = weights if correction.startswith("sequence") else weights[:, cols]
-    loss, m = grpo_loss(logp[:, cols], old[:, cols], None if ref is None else ref[:, cols], adv, clip_eps, kl_beta,
-                        weights)
+    loss, m = grpo_loss(logp[:, cols], old[:, cols], None if ref is None else ref[:, cols], adv,
+                        clip_eps, kl_beta, weights)
     with torch.no_grad():
         own = logprob_of(code_logprobs(logits.detach(), temperature, K, top_k, top_p), tokens)
-        trainer = logprob_of(replayed.detach(), tokens)  # the sampler's distribution, as the trainer computes it
+        trainer = logprob_of(replayed.detach(), tokens)  # the sampler's pi, by the trainer
         both = trainer.isfinite() & sampled.isfinite()
-        m.update(loss=loss.item(), sampler_gap=(trainer - sampled).where(both, 0.0).abs().max().item(),
+        m.update(loss=loss.item(),
+                 sampler_gap=(trainer - sampled).where(both, 0.0).abs().max().item(),
                  outside_truncation=int((~own.isfinite()).sum()),
-                 no_gradient_frac=(pi[:, cols].isfinite().sum(-1) == 1).float().mean().item(), **m_corr,
-                 **region_metrics(regions, logp.detach(), old, ref, adv, clip_eps, kl_beta))
+                 no_gradient_frac=(pi[:, cols].isfinite().sum(-1) == 1).float().mean().item(),
+                 **m_corr, **region_metrics(regions, logp.detach(), old, ref, adv, clip_eps,
+                                            kl_beta))
         if ref_full is not None:
-            m["kl_untruncated"] = k3_kl(logprob_of(full, tokens)[:, cols], ref_full[:, cols]).mean().item()
+            untruncated = k3_kl(logprob_of(full, tokens)[:, cols], ref_full[:, cols])
+            m["kl_untruncated"] = untruncated.mean().item()
     return loss, m
 
 
 def train_step(policy, optimizer, rollouts: list[Rollout], advantages: torch.Tensor, ref_model, *,
                temperature: float, clip_eps: float, kl_beta: float, micro_batch_size: int,
                max_grad_norm: float, mu: int = 1, train_tokens: str = "large", top_k: int = 0,
-               top_p: float = 1.0, correction: str = "none", cap: float = 2.0, policy_dist: str = "truncated") -> dict:
+               top_p: float = 1.0, correction: str = "none", cap: float = 2.0,
+               policy_dist: str = "truncated") -> dict:
     """`mu` optimizer steps on P groups of rollouts with (P, G) advantages; returns metrics.
 
-    Micro-batches of `micro_batch_size` sequences; each micro-batch loss is weighted by its share of
-    the P*G sequences, so the accumulated gradient equals the full-batch gradient. Every log-prob (policy, old,
-    reference) is under the trained distribution `policy_dist` (truncated: over the codes each rollout's sampler
-    kept, Rollout.support; full: the whole codebook), and the policy-gradient term is weighted by
-    sampler_correction(`correction`, `cap`) (grpo.py's default: token_truncate, 2.0).
-    """
-    # transformers only checkpoints in train mode; disable_dropout makes train and eval mode the same distribution
+    Micro-batches of `micro_batch_size` sequences, each loss weighted by its share of the P*G
+    sequences: the accumulated gradient is the full batch's. Every log-prob (policy, old, reference)
+    is under `policy_dist` (truncated: over each rollout's kept codes; full: the whole codebook)."""
+    # transformers only checkpoints in train mode; without dropout, train and eval are one policy
     policy.train(policy.is_activation_checkpointing)
-    # micro-batches: (AR inputs, tokens, sampler log-probs, sampler supports, advantages, number of preview tokens)
+    # micro-batches: (AR inputs, tokens, sampler log-probs and supports, advantages, preview tokens)
     batches = [(select_rows(r.inputs, rows), r.tokens[rows], r.logprobs[rows],
-                None if r.support is None else r.support[rows], adv[rows], r.preview_hw[0] * r.preview_hw[1])
+                None if r.support is None else r.support[rows], adv[rows],
+                r.preview_hw[0] * r.preview_hw[1])
                for r, adv in zip(rollouts, advantages)
-               for rows in (slice(i, i + micro_batch_size) for i in range(0, len(adv), micro_batch_size))]
+               for rows in (slice(i, i + micro_batch_size)
+                            for i in range(0, len(adv), micro_batch_size))]
     n_seqs = advantages.numel()
+
     def trained(support):  # the trained distribution's truncation: top_k, top_p, support
         return (top_k, top_p, support) if policy_dist == "truncated" else (0, 1.0, None)
 
     with torch.no_grad():
-        # with mu = 1 the old policy IS the current one, so old = logp.detach() below (ratio exactly 1, the clip
-        # idles); with mu > 1 the old log-probs are frozen before the first update and the clip starts to act
-        olds = ([token_logprobs(policy, inp, tok, temperature, *trained(sup)) for inp, tok, _, sup, *_ in batches]
-                if mu > 1 else None)
-        refs = ([reference_logprobs(ref_model, inp, tok, temperature, *trained(sup)) for inp, tok, _, sup, *_ in batches]
-                if kl_beta > 0 else None)
-    skipped, parts = 0, []  # parts: every micro-batch's metrics and share of the sequences, over all mu updates
+        # mu = 1: the old policy IS the current one (old = logp.detach(): ratio 1, the clip idles);
+        # mu > 1: the old log-probs are frozen before the first update and the clip acts after it
+        olds = ([token_logprobs(policy, inp, tok, temperature, *trained(sup))
+                 for inp, tok, _, sup, *_ in batches] if mu > 1 else None)
+        refs = ([reference_logprobs(ref_model, inp, tok, temperature, *trained(sup))
+                 for inp, tok, _, sup, *_ in batches] if kl_beta > 0 else None)
+    skipped, parts = 0, []  # parts: every micro-batch's metrics and share, over all mu updates
     for _ in range(mu):
         optimizer.zero_grad(set_to_none=True)
         update_parts, finite = [], True
         for k, (inputs, tokens, sampled, support, adv, n_preview) in enumerate(batches):
-            loss, m = micro_batch_loss(policy, inputs, tokens, sampled, support, adv, n_preview,
-                                       None if olds is None else olds[k], None if refs is None else refs[k],
-                                       temperature=temperature, clip_eps=clip_eps, kl_beta=kl_beta,
-                                       train_tokens=train_tokens, top_k=top_k, top_p=top_p, correction=correction,
-                                       cap=cap, policy_dist=policy_dist)
-            share = tokens.shape[0] / n_seqs  # micro-batch losses are means; weight them to a full-batch mean
+            loss, m = micro_batch_loss(
+                policy, inputs, tokens, sampled, support, adv, n_preview,
+                None if olds is None else olds[k], None if refs is None else refs[k],
+                temperature=temperature, clip_eps=clip_eps, kl_beta=kl_beta,
+                train_tokens=train_tokens, top_k=top_k, top_p=top_p, correction=correction,
+                cap=cap, policy_dist=policy_dist)
+            share = tokens.shape[0] / n_seqs  # micro-batch losses are means: weight to the batch's
             finite = finite and bool(torch.isfinite(loss))
-            sync_gradients(policy, k == len(batches) - 1)  # FSDP + LoRA: reduce across processes after the last
-            (loss * share).backward()  # even when not finite: with FSDP every process must join every backward
+            sync_gradients(policy, k == len(batches) - 1)  # FSDP + LoRA: reduce after the last
+            (loss * share).backward()  # even when not finite: with FSDP every process joins
             update_parts.append((m, share))
-        totals, parts = merge_metrics(update_parts), parts + update_parts  # the means: this update's
+        totals, parts = merge_metrics(update_parts), parts + update_parts  # means: this update's
         params = [p for group in optimizer.param_groups for p in group["params"]]
         totals["grad_norm"] = torch.nn.utils.clip_grad_norm_(params, max_grad_norm).item()
         if all_agree(finite) and math.isfinite(totals["grad_norm"]):  # every process steps, or none
@@ -1003,64 +980,71 @@ def train_step(policy, optimizer, rollouts: list[Rollout], advantages: torch.Ten
         else:  # a NaN / inf loss or gradient never reaches the weights: this update is skipped
             optimizer.zero_grad(set_to_none=True)
             skipped += 1
-    # extremes over all mu updates, but sampler_gap (max |log pi_trainer - log pi_sampler|) of the first only: the
-    # weights the sampler used (0 up to float error; larger means sampler and trainer disagree on the distribution)
+    # extremes over all mu updates, but sampler_gap of the first only: the weights the sampler used
     gap = max(m["sampler_gap"] for m, _ in parts[:len(batches)])
-    return {**totals, **{k: v for k, v in merge_metrics(parts).items() if extreme(k)}, "sampler_gap": gap,
-            "skipped": skipped}
+    return {**totals, **{k: v for k, v in merge_metrics(parts).items() if extreme(k)},
+            "sampler_gap": gap, "skipped": skipped}
 
 
-EXTREMES = {"ratio_min": min, "ratio_max": max, "sampler_gap": max, "skipped": max,  # and names ending /max, /min
-            "outside_truncation": sum}  # the rest: means
+EXTREMES = {"ratio_min": min, "ratio_max": max, "sampler_gap": max, "skipped": max,
+            "outside_truncation": sum}  # and names ending /max, /min; the rest: means
 
 
 def extreme(key: str):
-    """How a metric that is an extreme or a count combines over micro-batches or processes (min, max, sum), or None
-    for a mean."""
-    return EXTREMES.get(key) or (max if key.endswith("/max") else min if key.endswith("/min") else None)
+    """How a metric combines over micro-batches or processes (min, max, sum), or None: a mean."""
+    suffix = {"/max": max, "/min": min}.get(key[-4:])
+    return EXTREMES.get(key) or suffix
 
 
 def merge_metrics(parts: list[tuple[dict, float]]) -> dict:
-    """Micro-batches' metrics with their shares of the sequences -> one dict: extremes and counts by their rule
-    (extreme), the rest the mean over the sequences that have the metric (an editing group has no preview region)."""
+    """Micro-batches' metrics with their shares of the sequences -> one dict: extremes by their
+    rule, the rest the mean over the sequences that have the metric (an edit has no preview region).
+    """
     keys = dict.fromkeys(k for m, _ in parts for k in m)
     return {k: extreme(k)([m[k] for m, _ in parts if k in m]) if extreme(k) else
-            sum(m[k] * s for m, s in parts if k in m) / sum(s for m, s in parts if k in m) for k in keys}
+            sum(m[k] * s for m, s in parts if k in m) / sum(s for m, s in parts if k in m)
+            for k in keys}
 
 
 # ---- 10. Evaluation -----------------------------------------------------------------------------
-# Rewards on prompts the run never trains on, with seeds fixed per prompt, so that two evaluations differ only by the
-# weights: what tells learning apart from overfitting the training prompts or gaming the reward.
+# Rewards on prompts the run never trains on, with seeds fixed per prompt: two evaluations differ
+# only by the weights: it tells learning from overfitting the training prompts or gaming a reward.
 
 @torch.no_grad()
-def evaluate(pipe, examples: list[dict], rewards: dict, n_samples: int, seed: int, cfg: Config, rank: int = 0,
-             world: int = 1, keep_images: int = 0) -> tuple[list[torch.Tensor], torch.Tensor, dict, torch.Tensor]:
-    """`n_samples` images of each example, sampled and decoded exactly as in training but with fixed seeds (example
-    i: AR seed `seed + i`, decoder noise --decode-seed): the same weights give the same images, whatever the step,
-    --seed or the number of processes. Scored by every reward of `rewards`, and counted: how many distinct large
-    grids (layouts) its K samples hold, K where every sample differs, 1 where the policy collapsed onto one.
-
-    Process r takes examples r, r + world, ...; the scores are gathered back in example order. Returns the images of
-    the first `keep_images` examples ((K, 3, H, W) each, rounded to 8 bits, on every process), the (P, K) weighted
-    total and each reward's (P, K), and the (P,) distinct large grids of each example, P = len(examples).
-    """
+def evaluate(pipe, examples: list[dict], rewards: dict, n_samples: int, seed: int, cfg: Config,
+             rank: int = 0, world: int = 1, keep_images: int = 0) -> tuple:
+    """`n_samples` images of each example, sampled and decoded as in training with fixed seeds
+    (example i: AR seed `seed + i`, --decode-seed), scored by `rewards`, and its distinct large
+    grids (layouts: K where every sample differs, 1 where the policy collapsed). Process r takes
+    examples r, r + world, ...; scores come back in example order. Returns the images of the first
+    `keep_images` examples (rounded to 8 bits), the (P, K) total, each reward's (P, K) and the (P,)
+    layouts."""
     mine = list(range(rank, len(examples), world))
-    chunk = max(1, cfg.prompts_per_step * cfg.group_size // n_samples)  # prompts a decode: a training step's rows
-    rollouts = [r for c in range(0, len(mine), chunk) for r in sample_groups(
-        pipe, [examples[i]["prompt"] for i in mine[c:c + chunk]], n_samples, cfg.height, cfg.width, cfg.temperature,
-        [seed + i for i in mine[c:c + chunk]], [examples[i].get("source") for i in mine[c:c + chunk]], cfg.top_k,
-        cfg.top_p)]
-    images = [decode_images(pipe, examples[i]["prompt"], r.tokens, r.large_hw, cfg.height, cfg.width,
-                            cfg.num_inference_steps, cfg.decode_seed, cfg.guidance_scale, r.source)
+    chunk = max(1, cfg.prompts_per_step * cfg.group_size // n_samples)  # a training step's rows
+    rollouts = []
+    for c in range(0, len(mine), chunk):
+        some = [examples[i] for i in mine[c:c + chunk]]
+        rollouts += sample_groups(pipe, [ex["prompt"] for ex in some], n_samples, cfg.height,
+                                  cfg.width, cfg.temperature, [seed + i for i in mine[c:c + chunk]],
+                                  [ex.get("source") for ex in some], cfg.top_k, cfg.top_p)
+    images = [decode_images(pipe, examples[i]["prompt"], r.tokens, r.large_hw, cfg.height,
+                            cfg.width, cfg.num_inference_steps, cfg.decode_seed,
+                            cfg.guidance_scale, r.source)
               for i, r in zip(mine, rollouts)]
-    total, each = (group_rewards(images, [examples[i] for i in mine], rewards) if mine else  # more processes than
-                   (torch.zeros(0, n_samples), {name: torch.zeros(0, n_samples) for name in rewards}))  # examples
-    layouts = torch.tensor([float(len(large_grid(r.tokens, r.large_hw).unique(dim=0))) for r in rollouts])
-    order = torch.tensor(gather_list(mine)).argsort()  # rows arrive in rank order; back to example order
-    total, each = gather_rows(total).cpu()[order], {name: gather_rows(v).cpu()[order] for name, v in each.items()}
+    if mine:
+        total, each = group_rewards(images, [examples[i] for i in mine], rewards)
+    else:  # more processes than examples
+        total, each = torch.zeros(0, n_samples), {k: torch.zeros(0, n_samples) for k in rewards}
+    layouts = torch.tensor([float(len(large_grid(r.tokens, r.large_hw).unique(dim=0)))
+                            for r in rollouts])
+    order = torch.tensor(gather_list(mine)).argsort()  # rows arrive in rank order: example order
+    total = gather_rows(total).cpu()[order]
+    each = {name: gather_rows(v).cpu()[order] for name, v in each.items()}
     layouts = gather_rows(layouts).cpu()[order]  # (P,)
-    kept = gather_list([(i, (im * 255).round().to(torch.uint8).cpu()) for i, im in zip(mine, images) if i < keep_images])
-    return [im.float() / 255 for _, im in sorted(kept, key=lambda pair: pair[0])], total, each, layouts
+    kept = gather_list([(i, (im * 255).round().to(torch.uint8).cpu())
+                        for i, im in zip(mine, images) if i < keep_images])
+    kept = [im.float() / 255 for _, im in sorted(kept, key=lambda pair: pair[0])]
+    return kept, total, each, layouts
 
 
 # ---- 11. Main -----------------------------------------------------------------------------------
@@ -1073,42 +1057,46 @@ def main(argv: list[str] | None = None) -> dict:
         pipe = load_glm_image(cfg.model, r.device, r.dtype)
     with run.timed({}, "setup", cfg):
         policy, ref_model, optimizer = setup_training(pipe, cfg, r.dtype, r.world)  # the AR trains
-        run.open_run(r, policy, optimizer)  # --resume: the checkpoint; the run directory; examples on the device
+        run.open_run(r, policy, optimizer)  # --resume's checkpoint; the run directory
 
-    def evaluate_policy(examples: list[dict], rewards: dict, n_samples: int, seed: int, keep_images: int):
-        with r.autocast, unsharded(policy), decoder_on(pipe, r.device, cfg.offload):  # 10. fixed seeds, no update
-            return evaluate(pipe, examples, rewards, n_samples, seed, cfg, r.rank, r.world, keep_images)
-    r.evaluate, r.extreme = evaluate_policy, extreme  # the before / after grids, --eval-prompts; metrics over processes
+    def evaluate_policy(examples: list[dict], rewards: dict, n_samples: int, seed: int, keep: int):
+        with r.autocast, unsharded(policy), decoder_on(pipe, r.device, cfg.offload):  # 10.
+            return evaluate(pipe, examples, rewards, n_samples, seed, cfg, r.rank, r.world, keep)
+    r.evaluate, r.extreme = evaluate_policy, extreme  # for before / after grids, --eval-prompts
 
     with run.training(r):  # Ctrl-C: a checkpoint, exit 130; a full disk: one line, exit 1
-        for step, groups, batch, seconds in run.steps(r):  # a group's number picks its prompt and seeds it
-            with run.timed(seconds, "sample", cfg), r.autocast, unsharded(policy):  # 1. G token grids per prompt
-                rollouts = sample_groups(pipe, [ex["prompt"] for ex in batch], cfg.group_size, cfg.height, cfg.width,
-                                         cfg.temperature, [cfg.seed * 1_000_003 + g for g in groups],
-                                         [ex.get("source") for ex in batch], cfg.top_k, cfg.top_p)  # one decode
-            with run.timed(seconds, "decode", cfg), decoder_on(pipe, r.device, cfg.offload):  # 2. images, frozen DiT
-                images = [decode_images(pipe, ex["prompt"], ro.tokens, ro.large_hw, cfg.height, cfg.width,
-                                        cfg.num_inference_steps, cfg.decode_seed, cfg.guidance_scale, ro.source)
+        for step, groups, batch, seconds in run.steps(r):  # a group's number: its prompt and seed
+            with run.timed(seconds, "sample", cfg), r.autocast, unsharded(policy):  # 1. sample
+                rollouts = sample_groups(pipe, [ex["prompt"] for ex in batch], cfg.group_size,
+                                         cfg.height, cfg.width, cfg.temperature,
+                                         [cfg.seed * 1_000_003 + g for g in groups],
+                                         [ex.get("source") for ex in batch], cfg.top_k, cfg.top_p)
+            with run.timed(seconds, "decode", cfg), decoder_on(pipe, r.device, cfg.offload):  # 2.
+                images = [decode_images(pipe, ex["prompt"], ro.tokens, ro.large_hw, cfg.height,
+                                        cfg.width, cfg.num_inference_steps, cfg.decode_seed,
+                                        cfg.guidance_scale, ro.source)
                           for ex, ro in zip(batch, rollouts)]
-            grids = [large_grid(ro.tokens, ro.large_hw) for ro in rollouts]  # (G, hw) each: what the DiT saw
+            grids = [large_grid(ro.tokens, ro.large_hw) for ro in rollouts]  # what the DiT saw
             with run.timed(seconds, "reward", cfg):  # 3.-4. rewards, z-scored within each group
-                reward, each, advantages = score(images, batch, rewards, cfg.scale_rewards, grids, cfg.diversity)
+                reward, each, advantages = score(images, batch, rewards, cfg.scale_rewards, grids,
+                                                 cfg.diversity)
             with interrupts_held():  # an update and its log line land together (or not at all)
-                with run.timed(seconds, "train", cfg), r.autocast:  # 5. the clipped policy-gradient update
-                    metrics = train_step(policy, optimizer, rollouts, advantages, ref_model, kl_beta=cfg.kl_beta,
-                                         clip_eps=(cfg.clip_eps, cfg.clip_eps_high or cfg.clip_eps),
-                                         temperature=cfg.temperature, micro_batch_size=cfg.micro_batch_size,
-                                         max_grad_norm=cfg.max_grad_norm, mu=cfg.mu, train_tokens=cfg.train_tokens,
-                                         top_k=cfg.top_k, top_p=cfg.top_p, correction=cfg.sampler_correction,
-                                         cap=cfg.sampler_cap, policy_dist=cfg.policy_dist)
+                with run.timed(seconds, "train", cfg), r.autocast:  # 5. the clipped update
+                    metrics = train_step(
+                        policy, optimizer, rollouts, advantages, ref_model, kl_beta=cfg.kl_beta,
+                        clip_eps=(cfg.clip_eps, cfg.clip_eps_high or cfg.clip_eps),
+                        temperature=cfg.temperature, micro_batch_size=cfg.micro_batch_size,
+                        max_grad_norm=cfg.max_grad_norm, mu=cfg.mu, train_tokens=cfg.train_tokens,
+                        top_k=cfg.top_k, top_p=cfg.top_p, correction=cfg.sampler_correction,
+                        cap=cfg.sampler_cap, policy_dist=cfg.policy_dist)
                 run.log_step(r, step, groups, reward, each, advantages, grids, metrics, seconds)
-            run.after_step(r, step, batch, images, reward)  # an image grid, a checkpoint, an evaluation when due
-    return run.finish(r)  # the last checkpoint, final/, curves.png, the after grid and the summary line
+            run.after_step(r, step, batch, images, reward)  # image grids, checkpoints, evaluations
+    return run.finish(r)  # the last checkpoint, final/, curves.png, the after grid, the summary
 
 
 if __name__ == "__main__":
     try:
         main()
-    except KeyboardInterrupt:  # Ctrl-C while loading or checking (the training loop handles its own): no traceback
+    except KeyboardInterrupt:  # Ctrl-C while loading or checking (training handles its own)
         print("grpo.py: interrupted", file=sys.stderr)
         raise SystemExit(130) from None
