@@ -2,8 +2,8 @@
 
 `python dit_grpo.py --prompts prompts.txt ...` (grpo.py's flags; `main` last): one AR sample per prompt, shared by the
 group, G pictures from the SDE sampler, the same rewards and advantages (grpo.score), and `train_step` below (grpo_loss
-with each denoising step as a token). It imports grpo.py and run.py, neither imports it. Text-to-image, one process
-or torchrun (FSDP2 over the DiT's blocks: parallel.shard); not yet: editing, PPO epochs (--mu > 1). The README's demo:
+with each denoising step as a token). It imports grpo.py and helpers/run.py, neither imports it. Text-to-image, one process
+or torchrun (FSDP2 over the DiT's blocks: parallel.shard); not yet: editing, PPO epochs (--mu > 1). The demo of docs/dit.md:
 `--reward shapes,size=0.3` (the DiT alone decides how large objects are painted).
 
 The DiT is sampled by integrating a flow-matching ODE, x_{t+1} = x_t + (sigma_{t+1} - sigma_t) v, with the velocity
@@ -256,7 +256,7 @@ def window(chain_steps: int, sde_window: int) -> list[int]:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    """grpo.py's main with the DiT as the policy: the same checks, set-up, logging and checkpoints (run.py)."""
+    """grpo.py's main with the DiT as the policy: the same checks, set-up, logging and checkpoints (helpers/run.py)."""
     argv = sys.argv[1:] if argv is None else argv
     r = run.prepare(grpo.parse_config(["--train", "dit", *argv]), argv, grpo.REWARDS, train="dit")
     cfg, rewards = r.cfg, r.rewards

@@ -4,8 +4,8 @@
 group_prompt and to_pil (test_sample_groups, test_encode_source), repeat_step (test_decode_static_cache, and the CUDA
 graph on a GPU), only_ar_trains and setup_training (every run of main).
 
-    python -m pytest -q test_grpo.py                               # CPU (CI)
-    GRPO_TEST_DEVICE=cuda python -m pytest -q test_grpo.py         # the tiny-model tests on a GPU (conftest.DEVICE)
+    python -m pytest -q tests/test_grpo.py                             # CPU (CI)
+    GRPO_TEST_DEVICE=cuda python -m pytest -q tests/test_grpo.py       # the tiny-model tests on a GPU (conftest.DEVICE)
 """
 
 import copy

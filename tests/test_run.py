@@ -4,7 +4,7 @@ pictures a run writes. The input functions have a test_<function> each; the loop
 training, steps, log_step, after_step, show, run_evaluation, finish, summarize) run in every test of main, and the
 tests below are named after the behaviour of a run they guard.
 
-    python -m pytest -q test_run.py
+    python -m pytest -q tests/test_run.py
 """
 
 import dataclasses

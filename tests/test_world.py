@@ -1,6 +1,6 @@
 """Tests for world.py (the shapes world), the `shapes` reward and tools/train_tiny.py, on CPU.
 
-    python -m pytest -q test_world.py
+    python -m pytest -q tests/test_world.py
 """
 
 import json

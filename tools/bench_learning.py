@@ -164,6 +164,38 @@ def table(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def frontier(results: list[dict], path: Path) -> None:
+    """Held-out fully right against distinct layouts, one point per setting (its seeds' mean, their range as
+    error bars), the pre-trained model and the goal marked: where the accuracy / diversity trade-off lies."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    groups = {}
+    for r in results:
+        if r["row"] != "rs" and r.get("share") is None:
+            groups.setdefault(describe(r)[0].removeprefix("GRPO, "), []).append(r)
+    fig, ax = plt.subplots(figsize=(7.5, 5))
+    base = results[0]["before"]
+    ax.plot(base["layouts"], base["right"], "k*", ms=12, label="pre-trained")
+    ax.add_patch(plt.Rectangle((7.0, 0.9), 1.0, 0.1, color="green", alpha=0.15, label="goal (>= 90%, >= 7.0)"))
+    for name, rs in sorted(groups.items()):
+        x = np.array([r["after"]["layouts"] for r in rs])
+        y = np.array([r["after"]["right"] for r in rs])
+        ax.errorbar(x.mean(), y.mean(), xerr=[[x.mean() - x.min()], [x.max() - x.mean()]],
+                    yerr=[[y.mean() - y.min()], [y.max() - y.mean()]], fmt="o", capsize=3,
+                    label=f"{name} ({len(rs)} seed{'s' if len(rs) > 1 else ''})")
+    ax.set_xlabel("distinct layouts of 8 samples, free-place held-out captions")
+    ax.set_ylabel("held-out pictures fully right")
+    ax.set_xlim(2.5, 8)
+    ax.set_ylim(0.45, 1.0)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, loc="lower left")
+    ax.set_title("GRPO on the tiny model, 400 steps of --reward shapes")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"frontier: {path}")
+
+
 def run_ssim(seed: int, steps: int, extra: list[str]) -> dict:
     """The README's first command with `seed`: grpo.py's summary (first / last training reward, before / after)."""
     with tempfile.TemporaryDirectory() as out:
@@ -186,6 +218,7 @@ def main() -> None:
     parser.add_argument("--demos", nargs="+", default=["shapes"], choices=["shapes", "ssim"])
     parser.add_argument("--results", type=Path, default=ROOT / "runs" / "bench_learning.jsonl")
     parser.add_argument("--table", action="store_true", help="only print the table of --results")
+    parser.add_argument("--frontier", type=Path, help="also draw accuracy against layouts to this PNG")
     args = parser.parse_args(argv[: argv.index("--")] if "--" in argv else argv)
     run.quiet_libraries()
     if "shapes" in args.demos and not args.table:
@@ -202,6 +235,8 @@ def main() -> None:
         results = [json.loads(x) for x in args.results.read_text().splitlines()]
         print(f"\ngrpo.py --reward shapes --prompts examples/shapes.txt (tools/bench_learning.py; {args.results})")
         print(table(results))
+        if args.frontier:
+            frontier(results, args.frontier)
     if "ssim" in args.demos and not args.table:
         rows = [run_ssim(seed, args.ssim_steps, extra) for seed in args.seeds]
         print(f"\ngrpo.py --prompts prompts.txt --steps {args.ssim_steps} {' '.join(extra)}")

@@ -1,10 +1,10 @@
-"""What a learned reward costs per image: rewards.py's clip, pickscore, dino and aesthetic at their published sizes.
+"""What a learned reward costs per image: helpers/rewards.py's clip, pickscore, dino and aesthetic at their published sizes.
 
   python tools/bench_rewards.py                  # CPU (~3 min on 2 cores, ~7 GB of memory)
   python tools/bench_rewards.py --device cuda    # one GPU
 
 No download: each checkpoint's architecture is built from its published config with random weights (the cost does not
-depend on the weights), saved to a temporary folder with a processor, and loaded through rewards.py's own path
+depend on the weights), saved to a temporary folder with a processor, and loaded through helpers/rewards.py's own path
 (`name@folder`), as a user's hub id would be. A group of --group images at --size x --size (the processor resizes them
 to the checkpoint's 224 x 224) is scored --repeats times; the table gives the first call (loading included) and the
 median of the others per image.
@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))  # rewards.py lives in the repository root
+sys.path.insert(0, str(ROOT))  # helpers/ lives in the repository root
 
 from helpers import rewards, run  # noqa: E402
 

@@ -8,7 +8,7 @@ import argparse
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run_io.py lives in the repository root
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # helpers/ lives in the repository root
 
 from helpers.run_io import plot_curves  # noqa: E402
 
