@@ -15,10 +15,11 @@ Where this departs from the paper:
   - A "sequence" is a preview grid (~16x16) then the large grid (H/32 x W/32); only the large grid
     reaches the DiT, so only its tokens are in the loss (`--train-tokens large`).
   - Sampling (our own decode loop, a CUDA graph per step on a GPU) is restricted to the codebook and
-    never stops early: every sample of a prompt has the same N tokens. Sampler and trainer share one
-    definition of the distribution (`code_logprobs`, with GLM-Image's top-p 0.75 replayed over the
-    codes the sampler kept), so pi / pi_old is exactly 1 on the first update; `--policy-dist full`
-    trains the whole softmax instead.
+    never stops early: every sample of a prompt has the same N tokens. Sampler and trainer share
+    the distribution (`code_logprobs`), so pi / pi_old is exactly 1 at the first update.
+    With GLM-Image's top-p 0.75 the policy trained is the whole softmax, the sampler's truncation
+    corrected by importance weights (TRL's way; `--policy-dist truncated` trains the nucleus the
+    sampler kept, where a code that holds top-p alone gets no gradient and no KL).
   - In bf16 the sampler and the trainer round differently: pi_old is the trainer's forward and the
     policy gradient is weighted by pi_old / pi_sampler (`--sampler-correction`, TRL's correction; 1
     in float32).
@@ -112,10 +113,10 @@ class Config:
     top_k: int = arg(0, "sample from the k most likely codes only, scored exactly (0: off)")
     sampler_correction: str = arg("token_truncate", "importance weights pi_old / pi_sampler on the "
                                   "policy gradient (TRL's modes, or none)", CORRECTIONS)
-    policy_dist: str = arg("truncated", "the distribution trained: truncated (over the codes "
-                           "the sampler's top-k / top-p kept) or full (the whole softmax, the "
-                           "truncation corrected by --sampler-correction, TRL's way)",
-                           ("truncated", "full"))
+    policy_dist: str = arg("full", "the distribution trained: full (the whole softmax, the "
+                           "sampler's top-k / top-p corrected by --sampler-correction, TRL's way) "
+                           "or truncated (over the codes the sampler kept; docs/real_model.md)",
+                           ("full", "truncated"))
     sampler_cap: float = arg(2.0, "--sampler-correction's cap: weights above it cut to it "
                                   "(truncate) or 0 (mask)")
     height: int | None = arg(None, "image height (default 96 tiny, 1024 real)")

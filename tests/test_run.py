@@ -64,7 +64,7 @@ def test_validate():
                            (dict(dtype="fp16"), "--dtype fp16: use auto, float32 or bfloat16"),
                            (dict(device="tpu"), "--device tpu: use auto, cpu or cuda"),
                            (dict(scale_rewards="mean"), "--scale-rewards mean: use group, batch or none"),
-                           (dict(policy_dist="nucleus"), "--policy-dist nucleus: use truncated or full"),
+                           (dict(policy_dist="nucleus"), "--policy-dist nucleus: use full or truncated"),
                            (dict(diversity=-1.0), "--diversity -1.0 is out of range"),
                            (dict(steps=0), "--steps must be at least 1")]:
         with pytest.raises(ValueError, match=re.escape(needle)):

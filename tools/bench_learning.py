@@ -178,15 +178,19 @@ def frontier(results: list[dict], path: Path) -> None:
     base = results[0]["before"]
     ax.plot(base["layouts"], base["right"], "k*", ms=12, label="pre-trained")
     ax.add_patch(plt.Rectangle((7.0, 0.9), 1.0, 0.1, color="green", alpha=0.15, label="goal (>= 90%, >= 7.0)"))
+    top_p = [r for r in results if r["settings"].get("top_p", 1.0) < 1] if "settings" in results[-1] else []
+    if top_p:  # sampled at top-p as deployed: another base model distribution
+        ax.plot(top_p[0]["before"]["layouts"], top_p[0]["before"]["right"], "k*", ms=12, mfc="none",
+                label="pre-trained, sampled at top-p 0.75")
     for name, rs in sorted(groups.items()):
         x = np.array([r["after"]["layouts"] for r in rs])
         y = np.array([r["after"]["right"] for r in rs])
         ax.errorbar(x.mean(), y.mean(), xerr=[[x.mean() - x.min()], [x.max() - x.mean()]],
-                    yerr=[[y.mean() - y.min()], [y.max() - y.mean()]], fmt="o", capsize=3,
-                    label=f"{name} ({len(rs)} seed{'s' if len(rs) > 1 else ''})")
+                    yerr=[[y.mean() - y.min()], [y.max() - y.mean()]], fmt="s" if "top-p" in name else "o",
+                    capsize=3, label=f"{name} ({len(rs)} seed{'s' if len(rs) > 1 else ''})")
     ax.set_xlabel("distinct layouts of 8 samples, free-place held-out captions")
     ax.set_ylabel("held-out pictures fully right")
-    ax.set_xlim(2.5, 8)
+    ax.set_xlim(1.8, 8)
     ax.set_ylim(0.45, 1.0)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7, loc="lower left")
