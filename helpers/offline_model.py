@@ -72,6 +72,9 @@ PUBLISHED = dict(
 )
 
 K_TINY = 128  # the tiny codebook: ids 0..127 are codes, 128 image start (= bos), 129 image end (= eos = pad)
+# the special tokens of the small models (TINY, WORLD), in this order right after the visual ids
+SMALL_SPECIALS = ["<|endoftext|>", "[MASK]", "[gMASK]", "[sMASK]", "<|system|>", "<|user|>", "<|assistant|>",
+                  "<|observation|>", "<|begin_of_image|>", "<|end_of_image|>", "<|image|>", "<sop>", "<eop>"]
 TINY = dict(
     ar=dict(
         image_start_token_id=K_TINY, image_end_token_id=K_TINY + 1, image_token_id=K_TINY + 16 + 10,
@@ -93,17 +96,13 @@ TINY = dict(
              norm_num_groups=4, sample_size=64, latents_mean=[0.0] * 4, latents_std=[1.0] * 4),
     t5=dict(vocab_size=384, d_model=32, d_kv=8, d_ff=64, num_layers=1, num_heads=4),
     # right after the 144 visual ids, in this order (the byte pieces follow)
-    specials={token: K_TINY + 16 + i for i, token in enumerate(
-        ["<|endoftext|>", "[MASK]", "[gMASK]", "[sMASK]", "<|system|>", "<|user|>", "<|assistant|>",
-         "<|observation|>", "<|begin_of_image|>", "<|end_of_image|>", "<|image|>", "<sop>", "<eop>"])},
+    specials={token: K_TINY + 16 + i for i, token in enumerate(SMALL_SPECIALS)},
 )
 
 # The tiny GLM-Image that tools/train_tiny.py pre-trains on world.py's shapes (a few M parameters): 16 codes (a cell's
 # code is its world label: 0 empty, 1..12 the objects), one token per caption word, a rope whose rotations tell the
 # cells of a 3x3 grid apart (theta 10: the published 10000 turns a tiny head's width axis by < 0.01 rad a column).
 K_WORLD = 16
-WORLD_SPECIALS = ["<|endoftext|>", "[MASK]", "[gMASK]", "[sMASK]", "<|system|>", "<|user|>", "<|assistant|>",
-                  "<|observation|>", "<|begin_of_image|>", "<|end_of_image|>", "<|image|>", "<sop>", "<eop>"]
 WORLD_WORDS = ["a", "two", "three"] + [" " + w for w in (
     "a and at in on of the above below left right top bottom center red green blue yellow circle circles square "
     "squares triangle triangles").split()]
@@ -126,7 +125,7 @@ WORLD = dict(
              norm_num_groups=8, sample_size=96, mid_block_add_attention=False, latents_mean=[0.0] * 4,
              latents_std=[1.0] * 4),
     t5=dict(vocab_size=384, d_model=32, d_kv=8, d_ff=64, num_layers=1, num_heads=4),
-    specials={token: K_WORLD + 16 + i for i, token in enumerate(WORLD_SPECIALS)},
+    specials={token: K_WORLD + 16 + i for i, token in enumerate(SMALL_SPECIALS)},
     words=WORLD_WORDS,
 )
 
