@@ -526,16 +526,10 @@ def decode(model, input_ids: torch.Tensor, valid: torch.Tensor, positions: torch
              else DynamicCache(config=text_config))
     seen = F.pad(valid, (0, N), value=True)  # (B, L): slots that hold a token (padding never)
     slot = torch.arange(L, device=device)
-    blocked = torch.finfo(model.dtype).min  # ADDED to masked scores, by eager and sdpa alike
 
     def forward(ids, slots):  # (B, S) tokens at `slots` (S,) -> (B, V) logits after the last one
         kv = L if static else int(slots[-1]) + 1  # the slots attended to
-        # (B, 1, S, kv): causal, without the padding; a pad slot attends to itself (else NaN)
-        attend = (seen[:, None, None, :] & (slot <= slots[:, None])) | (slot == slots[:, None])
-        attend = attend[..., :kv]
-        # a float mask: sdpa reads a bool one as "attend where True", eager attention ADDS it
-        mask = torch.zeros(attend.shape, dtype=model.dtype, device=device)
-        mask = mask.masked_fill(~attend, blocked)
+        mask = decode_mask(seen, slots, kv, model.dtype)  # (B, 1, S, kv)
         return model(input_ids=ids, attention_mask=mask, position_ids=positions[:, :, slots],
                      cache=cache, logits_to_keep=1).logits[:, -1]  # the trainer's forward, a token
 
@@ -562,6 +556,18 @@ def decode(model, input_ids: torch.Tensor, valid: torch.Tensor, positions: torch
 
     repeat_step(step, N, generators, capture=static)
     return tokens, logprobs, support
+
+
+def decode_mask(seen: torch.Tensor, slots: torch.Tensor, kv: int, dtype: torch.dtype
+                ) -> torch.Tensor:
+    """(B, L) slots that hold a token, the (S,) slots fed -> the (B, 1, S, kv) additive mask:
+    causal, without the padding (a pad slot attends to itself: a query that sees nothing makes
+    NaN). A float mask: sdpa reads a bool one as "attend where True", eager attention ADDS it."""
+    slot = torch.arange(seen.shape[1], device=seen.device)
+    attend = (seen[:, None, None, :] & (slot <= slots[:, None])) | (slot == slots[:, None])
+    blocked = torch.finfo(dtype).min  # added to masked scores, by eager and sdpa alike
+    return torch.zeros(attend[..., :kv].shape, dtype=dtype, device=seen.device).masked_fill(
+        ~attend[..., :kv], blocked)
 
 
 def repeat_step(step, n: int, generators: list, capture: bool = True) -> None:
