@@ -11,37 +11,27 @@ score them (SSIM / -MSE to a target, or any function of the images) and maximise
 with r_it = pi(o_it | q, o_i<t) / pi_old(o_it | q, o_i<t), A_i = (R_i - mean(R)) / std(R) over the
 group and KL_it the k3 estimator exp(ref - logp) - (ref - logp) - 1 against a frozen reference.
 
-Where this departs from the paper:
-  - A "sequence" is a preview grid (~16x16) then the large grid (H/32 x W/32); only the large grid
-    reaches the DiT, so only its tokens are in the loss (`--train-tokens large`).
-  - Sampling (our own decode loop, a CUDA graph per step on a GPU) is restricted to the codebook and
-    never stops early: every sample of a prompt has the same N tokens. Sampler and trainer share
-    the distribution (`code_logprobs`), so pi / pi_old is exactly 1 at the first update.
-    With GLM-Image's top-p 0.75 the policy trained is the whole softmax, the sampler's truncation
-    corrected by importance weights (TRL's way; `--policy-dist truncated` trains the nucleus the
-    sampler kept, where a code that holds top-p alone gets no gradient and no KL).
-  - In bf16 the sampler and the trainer round differently: pi_old is the trainer's forward and the
-    policy gradient is weighted by pi_old / pi_sampler (`--sampler-correction`, TRL's correction; 1
-    in float32).
-  - The AR uses 3D rotary positions: a teacher-forced forward must get those of generation
+Where this departs from the paper (docs/ says why, with measurements):
+  - A sequence is a preview grid then the large grid (H/32 x W/32); only the large grid reaches the
+    DiT, so only its tokens are in the loss (`--train-tokens large`). Every sample of a prompt has
+    the same N tokens: sampling is restricted to the codebook and never stops early.
+  - Sampler and trainer share one distribution (`code_logprobs`): pi / pi_old is exactly 1 at the
+    first update. The policy trained is the whole softmax; the sampler's top-p (GLM-Image: 0.75) and
+    bf16 rounding are corrected by importance weights (`--sampler-correction`, TRL's way).
+  - The AR uses 3D rotary positions: a teacher-forced forward must get generation's
     (`rope_positions`).
-  - The DiT and VAE are frozen and use the same noise for every sample of a group: rewards differ by
-    tokens.
-  - A group with no spread gets zero advantage; `--scale-rewards batch | none` (Dr. GRPO),
-    `--clip-eps-high` (DAPO), `--diversity` (a bonus for layouts a group draws once) are the usual
-    variants.
-  - Editing: the source is encoded once per group and its codes written into the prompt.
+  - The DiT and VAE are frozen and use the same noise for a whole group: rewards differ by tokens.
+  - Variants: `--scale-rewards batch | none` (Dr. GRPO), `--clip-eps-high` (DAPO), `--diversity` (a
+    bonus for layouts a group draws once). Editing: the source is encoded once per group.
 
-Helpers live in helpers/ (main's plumbing, torchrun and FSDP2, more rewards); copied alone, every
-section above `main` still runs in one process. `python dit_grpo.py` trains the DiT instead
-(Flow-GRPO). Commands:
+helpers/ holds main's plumbing, torchrun and FSDP2, more rewards; copied alone, every section above
+`main` runs in one process. `python dit_grpo.py` trains the DiT instead (Flow-GRPO).
 
   python grpo.py --prompts prompts.txt                          # the tiny GLM-Image, on a CPU
   python grpo.py --prompts examples/shapes.txt --reward shapes  # draw what the caption asks
-  python grpo.py --prompts examples/edits.jsonl                 # editing: a source image
+  python grpo.py --model tiny-edit --prompts examples/edits_train.jsonl --reward edit   # editing
   python grpo.py --prompts my_prompts.txt --model zai-org/GLM-Image   # the real model (GPU, bf16)
   torchrun --nproc-per-node 8 grpo.py --prompts my_prompts.txt --model zai-org/GLM-Image   # 8 GPUs
-
 """
 
 import contextlib
@@ -83,11 +73,12 @@ CORRECTIONS = ("token_truncate", "token_mask", "sequence_truncate", "sequence_ma
 
 
 @dataclasses.dataclass
-class Config:
-    prompts: str = arg("prompts.txt", "'prompt | target.png' lines, or .jsonl: {\"prompt\", "
+class Config:  # a field per flag (--group-size ...); None: MODEL_DEFAULTS fills it in
+    prompts: str = arg("prompts.txt", "'prompt | target.png' lines, or .jsonl lines: {\"prompt\", "
                                       "\"target\", \"source\"}")
-    model: str = arg("tiny", "hub id (zai-org/GLM-Image), local path, 'tiny' (tiny_glm_image/), or "
-                             "'random' (the published configs, random weights: no download)")
+    model: str = arg("tiny", "hub id (zai-org/GLM-Image), folder, 'tiny' (tiny_glm_image/), "
+                             "'tiny-edit' (its editing sibling) or 'random' (the published "
+                             "configs, random weights)")
     out: str = arg("runs/grpo", "output directory")
     steps: int = arg(100, "optimizer steps")
     seed: int = arg(0, "seed of the AR sampling")
@@ -99,26 +90,24 @@ class Config:
     max_grad_norm: float = arg(1.0, "gradient-norm clip")
     clip_eps: float = arg(0.2, "PPO clip: the ratio is clipped to [1 - eps, 1 + eps_high]")
     clip_eps_high: float | None = arg(None, "upper clip (DAPO's clip-higher; default: --clip-eps)")
-    scale_rewards: str = arg("group", "advantages divided by the std of the group, the batch, "
-                                      "or none (Dr. GRPO)", ("group", "batch", "none"))
+    scale_rewards: str = arg("group", "advantages divided by the std of the group, the batch or "
+                                      "none (Dr. GRPO)", ("group", "batch", "none"))
     kl_beta: float | None = arg(None, "weight of the k3 KL to the reference (default 0.1 tiny, "
                                       "0.04 real)")
-    mu: int | None = arg(None, "updates per batch of rollouts: > 1 lets the clip act (default 2 "
+    mu: int | None = arg(None, "updates per batch of rollouts; > 1 lets the clip act (default 2 "
                                "tiny, 1 real)")
     diversity: float | None = arg(None, "bonus / c added to each reward, c the samples of the "
                                         "group that drew the same large grid (default 0)")
     temperature: float = arg(0.9, "sampling temperature (GLM-Image: 0.9)")
-    top_p: float | None = arg(None, "nucleus sampling, scored exactly: the fewest codes with "
-                                    "probability >= p (default 1.0 tiny: off; 0.75 real)")
-    top_k: int = arg(0, "sample from the k most likely codes only, scored exactly (0: off)")
+    top_p: float | None = arg(None, "nucleus sampling: the fewest codes with probability >= p "
+                                    "(default 1.0 tiny: off; 0.75 real)")
+    top_k: int = arg(0, "sample from the k most likely codes only (0: off)")
     sampler_correction: str = arg("token_truncate", "importance weights pi_old / pi_sampler on the "
                                   "policy gradient (TRL's modes, or none)", CORRECTIONS)
-    policy_dist: str = arg("full", "the distribution trained: full (the whole softmax, the "
-                           "sampler's top-k / top-p corrected by --sampler-correction, TRL's way) "
-                           "or truncated (over the codes the sampler kept; docs/real_model.md)",
-                           ("full", "truncated"))
-    sampler_cap: float = arg(2.0, "--sampler-correction's cap: weights above it cut to it "
-                                  "(truncate) or 0 (mask)")
+    policy_dist: str = arg("full", "the distribution trained: full (the softmax, the sampler's "
+                           "truncation corrected by --sampler-correction) or truncated (the codes "
+                           "the sampler kept; docs/real_model.md)", ("full", "truncated"))
+    sampler_cap: float = arg(2.0, "weights above it are cut to it (truncate) or to 0 (mask)")
     height: int | None = arg(None, "image height (default 96 tiny, 1024 real)")
     width: int | None = arg(None, "image width (default 96 tiny, 1024 real)")
     num_inference_steps: int | None = arg(None, "DiT denoising steps (default 2 tiny, 50 real)")
@@ -137,21 +126,19 @@ class Config:
     save_every: int = arg(50, "save a checkpoint every N steps (0: only at the end)")
     resume: str = arg("", "run directory to continue (--steps is the total)")
     overwrite: bool = arg(False, "replace the run in --out")
-    train: str = arg("ar", "what GRPO trains: ar (grpo.py) or dit (the DiT's denoising chain: "
-                           "python dit_grpo.py)", ("ar", "dit"))
+    train: str = arg("ar", "what GRPO trains: ar (grpo.py) or dit (python dit_grpo.py)",
+                     ("ar", "dit"))
     sde_noise: float = arg(0.7, "dit_grpo.py: noise level of the SDE step (Flow-GRPO's a)")
-    sde_steps: int = arg(0, "dit_grpo.py: denoising steps of the training chains (0: "
-                            "--num-inference-steps, which evaluation keeps)")
+    sde_steps: int = arg(0, "dit_grpo.py: steps of the training chains (0: --num-inference-steps)")
     sde_window: int = arg(0, "dit_grpo.py: SDE (trained) steps first, ODE after (0: all SDE)")
     lora_rank: int | None = arg(None, "LoRA rank, 0: train every weight (default 0 tiny, 16 real)")
     gradient_checkpointing: bool | None = arg(None, "recompute activations in the backward "
                                                     "(default: on for --train dit, real model)")
     offload: bool = arg(False, "keep DiT, VAE, T5 on CPU except to decode")
     device: str = arg("auto", "cpu | cuda | auto", ("auto", "cpu", "cuda"))
-    report_to: str = arg("none", "also send metrics and grids to tensorboard or wandb (offline): "
-                                 "none | tensorboard | wandb")
+    report_to: str = arg("none", "also send metrics and grids to: none | tensorboard | "
+                                 "wandb (offline)")
     dtype: str = arg("auto", "float32 | bfloat16 | auto", ("auto", "float32", "bfloat16"))
-
 
 MODEL_DEFAULTS = {  # filled in where the command line left a field at None
     # the tiny demo runs the whole loss: the KL and the clip (mu 2); the diversity bonus is a switch
@@ -174,11 +161,12 @@ def parse_config(argv: list[str] | None = None) -> Config:
 
 def with_defaults(cfg: Config) -> Config:
     """`cfg` with its None fields from MODEL_DEFAULTS: the tiny model's, or the real one's."""
-    defaults = MODEL_DEFAULTS["tiny" if cfg.model == "tiny" else "real"]
+    tiny = cfg.model in TINY_MODELS
+    defaults = MODEL_DEFAULTS["tiny" if tiny else "real"]
     defaults = {"micro_batch_size": cfg.group_size or defaults["group_size"], **defaults,
-                "gradient_checkpointing": cfg.model != "tiny" and cfg.train == "dit"}
+                "gradient_checkpointing": not tiny and cfg.train == "dit"}
     if cfg.train == "dit":  # dit_grpo.py: one update per batch of chains, its own KL, shared tokens
-        kl_beta = 0.0 if cfg.model == "tiny" else defaults["kl_beta"]
+        kl_beta = 0.0 if tiny else defaults["kl_beta"]
         defaults |= dict(mu=1, diversity=0.0, kl_beta=kl_beta)
     unset = {k: v for k, v in defaults.items() if getattr(cfg, k) is None}
     return dataclasses.replace(cfg, **unset)
@@ -187,12 +175,15 @@ def with_defaults(cfg: Config) -> Config:
 # ---- 2. Loading GLM-Image -----------------------------------------------------------------------
 
 TINY = Path(__file__).resolve().parent / "tiny_glm_image"  # pre-trained by tools/train_tiny.py
+# the tiny model and its editing sibling (tools/train_tiny_edit.py: an AR that edits, the same DiT)
+TINY_MODELS = {"tiny": TINY, "tiny-edit": TINY.with_name("tiny_glm_image_edit")}
 
 
 def load_glm_image(name: str, device: str = "cpu", dtype: torch.dtype = torch.float32):
-    """GlmImagePipeline.from_pretrained(name): a hub id, a local folder, or 'tiny' (TINY); 'random'
-    builds GLM-Image from its published configs with random weights on the device ('random:L': L
-    layers in each part), to measure speed and memory without the download. Only the AR trains."""
+    """GlmImagePipeline.from_pretrained(name): a hub id, a local folder, 'tiny' or 'tiny-edit'
+    (TINY_MODELS); 'random' builds GLM-Image from its published configs with random weights on the
+    device ('random:L': L layers in each part), to measure speed and memory without the download.
+    Only the AR trains."""
     from diffusers import GlmImagePipeline
     if name.split(":")[0] == "random":
         from helpers.offline_model import PUBLISHED, glm_image, with_depths
@@ -204,7 +195,7 @@ def load_glm_image(name: str, device: str = "cpu", dtype: torch.dtype = torch.fl
             return only_ar_trains(glm_image(configs, device=device))
         finally:
             torch.set_default_dtype(default)
-    pipe = GlmImagePipeline.from_pretrained(TINY if name == "tiny" else name, dtype=dtype)
+    pipe = GlmImagePipeline.from_pretrained(TINY_MODELS.get(name, name), dtype=dtype)
     return only_ar_trains(pipe.to(device))
 
 

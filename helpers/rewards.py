@@ -8,6 +8,8 @@ trains, so a bad line stops the run before anything is written.
   ocr      the text in the picture, read by EasyOCR, against the text asked for (optional packages)
   shapes   a rule-based checker of world.py's captions (counts, colours, shapes, positions), GenEval-style
   shapes_exact   1 where shapes is 1 (the picture is fully right), else 0: GenEval's accuracy, to watch in evaluation
+  edit     world.py's edits: the picture read as a scene, against the source's scene with the edit applied
+  edit_exact     1 where edit is 1 (the edit done and nothing else changed), else 0: the held-out number
   size     how large the caption's objects are painted (a detail only the DiT decides: the --train dit demo)
   clip       image-text alignment: CLIP's cosine of image and prompt embeddings times its logit scale
   pickscore  human preference (Pick-a-Pic): the same formula with PickScore's CLIP-H checkpoint
@@ -27,7 +29,9 @@ import socket
 import sys
 from pathlib import Path
 
+import numpy as np
 import torch
+from PIL import Image
 
 from . import world
 
@@ -115,6 +119,46 @@ def shapes_exact_reward(images: torch.Tensor, example: dict) -> torch.Tensor:
     """(G,) 1.0 where the picture holds exactly what the caption says (shapes_reward 1.0), else 0.0: GenEval's
     accuracy. Too sparse to train on well; a held-out number to watch (--eval-reward shapes_exact)."""
     return (shapes_reward(images, example) == 1.0).float()
+
+
+# ---- edit ----------------------------------------------------------------------------------------
+
+def edit_asked(example: dict, source=None) -> tuple[tuple, dict]:
+    """An edit example -> (its key, the scene asked for): the instruction parsed (world.parse_edit), the source read
+    off its pixels (world.read_scene: the world's reader, as for the result) and the edit applied to it."""
+    key = world.parse_edit(example["prompt"])
+    if source is None:  # before the run: the source's file
+        with Image.open(example["source"]) as image:
+            source = np.asarray(image.convert("RGB"))
+    scene = {(row, col): obj for row, col, obj in world.read_scene(source)}
+    return key, None if key is None else world.apply_edit(scene, key)
+
+
+def not_a_world_edit(example: dict) -> str | None:
+    key, want = edit_asked(example)
+    if key is None:
+        return (f"'{example['prompt']}' is not an edit of the shapes world (world.py), e.g. 'make the red circle "
+                "blue', 'move the red circle to the top left', 'remove the red circle', 'add a blue square at the top'")
+    if want is None:
+        return (f"'{example['prompt']}' does not apply to its source (the object must be there once, the cell free); "
+                "pick another source or instruction")
+    return None
+
+
+@needs("prompt", "source", check=not_a_world_edit)
+def edit_reward(images: torch.Tensor, example: dict) -> torch.Tensor:
+    """(G, 3, H, W) in [0, 1], example["prompt"] an edit of world.py and example["source"] its (3, H, W) source ->
+    (G,) score in [0, 1] (world.check_edit): half for a picture fully as asked (the edit done, nothing else changed),
+    half the share of its 9 cells as asked. The source and the results are read by the same reader; no target."""
+    _, want = edit_asked(example, to_uint8(example["source"][None])[0])
+    scores = [world.check_edit(world.read_scene(image), want) for image in to_uint8(images)]
+    return torch.tensor(scores, dtype=torch.float32, device=images.device)
+
+
+@needs("prompt", "source", check=not_a_world_edit)
+def edit_exact_reward(images: torch.Tensor, example: dict) -> torch.Tensor:
+    """(G,) 1.0 where the edit is fully right (edit_reward 1.0), else 0.0 (--eval-reward edit_exact)."""
+    return (edit_reward(images, example) == 1.0).float()
 
 
 FULL_SIZE = math.pi * 13 ** 2  # pixels of a 26-pixel disc, the largest object world.render paints
@@ -315,6 +359,7 @@ def dino_reward(images: torch.Tensor, example: dict, checkpoint: str = LEARNED["
 
 
 MORE_REWARDS = {"ocr": ocr_reward, "shapes": shapes_reward, "shapes_exact": shapes_exact_reward, "size": size_reward,
+                "edit": edit_reward, "edit_exact": edit_exact_reward,
                 "clip": clip_reward, "pickscore": pickscore_reward, "dino": dino_reward,
                 "aesthetic": aesthetic_reward}
 

@@ -385,11 +385,11 @@ def parameter_counts(model: str) -> dict[str, int] | None:
         counts = {part: {name: p.numel() for name, p in params.items()} for part, params in named.items()}
     else:
         folder = Path(model)
-        if not folder.is_dir() and model != "tiny":
+        if not folder.is_dir() and model not in ("tiny", "tiny-edit"):
             with contextlib.suppress(Exception):
                 from huggingface_hub import snapshot_download
                 folder = Path(snapshot_download(model, local_files_only=True))
-        if model == "tiny" or not folder.is_dir():
+        if model in ("tiny", "tiny-edit") or not folder.is_dir():
             return None
         counts = {part: safetensors_counts(folder / part) for part in COMPONENTS}
     ar = counts["vision_language_encoder"]
@@ -468,7 +468,8 @@ def compute_settings(device: str, dtype: str, model: str = "tiny") -> torch.dtyp
     1.5x the CPU, and more threads than free cores stalled a busy machine 10-60x."""
     if device == "cpu" and "OMP_NUM_THREADS" not in os.environ:
         torch.set_num_threads(1)
-    return {"auto": torch.bfloat16 if device.startswith("cuda") and model != "tiny" else torch.float32,
+    tiny = model in ("tiny", "tiny-edit")
+    return {"auto": torch.bfloat16 if device.startswith("cuda") and not tiny else torch.float32,
             "float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
 
 
@@ -482,7 +483,8 @@ def loading(model: str):
         raise
     except Exception as error:
         cause = (str(error).strip().splitlines() or [""])[0][:200]
-        hint = "tools/train_tiny.py rebuilds it" if model == "tiny" else "offline? use --model tiny or a local path"
+        hint = ("tools/train_tiny.py rebuilds it" if model == "tiny" else "tools/train_tiny_edit.py rebuilds it"
+                if model == "tiny-edit" else "offline? use --model tiny or a local path")
         fail(f"cannot load --model {model} ({type(error).__name__}: {cause}); {hint}")
 
 

@@ -14,6 +14,16 @@ near the cell's centre. Captions come in five kinds, after GenEval's categories:
 `sample_scene` draws a scene that satisfies a caption; `render` paints it; `parse_caption` turns a caption back into
 what must be drawn, and `check_scene` scores a scene against it (the `shapes` reward reads the scene off the pixels
 with `read_scene`, then calls `check_scene`).
+
+Edits: an instruction changes one object of a source picture, in four kinds:
+
+  recolour   "make the red circle blue"
+  move       "move the red circle to the top left"
+  remove     "remove the red circle"
+  add        "add a blue square at the bottom right"
+
+`edit_split()` holds out (kind, object, argument) combinations; `edit_source` draws a source scene the edit applies
+to; `apply_edit` gives the scene asked for, and `check_edit` scores a picture's scene against it (the `edit` reward).
 """
 
 import itertools
@@ -306,3 +316,115 @@ def check_scene(found: list[tuple], spec: dict) -> float:
     parts = [count, best_match] + ([best_relation] if spec["relation"] is not None else [])
     partial = sum(parts) / len(parts)
     return float(0.5 * (partial == 1.0) + 0.5 * partial)
+
+
+# ---- Edits ---------------------------------------------------------------------------------------
+
+EDIT_KINDS = ("recolour", "move", "remove", "add")
+
+
+def edit_of(kind: str, obj: tuple, arg=None) -> str:
+    """('move', obj, cell) -> 'move the red circle to the top left', and so on for each kind (arg: the new colour of
+    a recolour, the cell of a move or an add)."""
+    if kind == "recolour":
+        return f"make the {name(obj)} {arg}"
+    if kind == "move":
+        return f"move the {name(obj)} to {CELL_NAMES[arg]}"
+    if kind == "remove":
+        return f"remove the {name(obj)}"
+    return f"add {caption_of('position', obj, arg)}"  # add a red circle at the top left
+
+
+def all_edits() -> dict[str, list[tuple]]:
+    """Every edit of the world by kind, as (kind, object, argument) keys."""
+    return {"recolour": [("recolour", o, c) for o in OBJECTS for c in COLOURS if c != o[0]],
+            "move": [("move", o, cell) for o in OBJECTS for cell in CELL_NAMES],
+            "remove": [("remove", o, None) for o in OBJECTS],
+            "add": [("add", o, cell) for o in OBJECTS for cell in CELL_NAMES]}
+
+
+def edit_split(held_out: float = 0.25, seed: int = 0) -> tuple[list[tuple], list[tuple]]:
+    """(train, held_out) edit keys: in every kind a seeded `held_out` share of the combinations. Every word occurs
+    in training; the held-out combinations (e.g. making a red circle blue) never do."""
+    rng = random.Random(seed)
+    train, held = [], []
+    for keys in all_edits().values():
+        keys = list(keys)
+        rng.shuffle(keys)
+        n = max(1, round(held_out * len(keys)))
+        held += sorted(keys[:n], key=str)
+        train += sorted(keys[n:], key=str)
+    return train, held
+
+
+_CELL = ("(the top left|the top right|the bottom left|the bottom right|the top|the bottom|the left|the right|"
+         "the center)")
+_EDITS = [("recolour", re.compile(rf"^make the {_OBJ} (red|green|blue|yellow)$")),
+          ("move", re.compile(rf"^move the {_OBJ} to {_CELL}$")),
+          ("remove", re.compile(rf"^remove the {_OBJ}$")),
+          ("add", re.compile(rf"^add an? {_OBJ} (?:at|in|on) {_CELL}$"))]
+
+
+def parse_edit(instruction: str) -> tuple | None:
+    """An instruction of the world -> its (kind, object, argument) key; None for text the grammar does not cover."""
+    text = " ".join(instruction.lower().strip().rstrip(".").split())
+    cells = {v: k for k, v in CELL_NAMES.items()}
+    for kind, pattern in _EDITS:
+        m = pattern.match(text)
+        if m:
+            g = m.groups()
+            arg = g[2] if kind == "recolour" else None if kind == "remove" else cells[g[2]]
+            return (kind, (g[0], g[1]), arg)
+    return None
+
+
+def apply_edit(scene: dict, key: tuple) -> dict | None:
+    """The scene the edit asks for, or None where it does not apply: the object named must be in the scene once
+    (recolour, move, remove) or not at all (add), a move's or an add's cell must be free, a recolour must not make
+    a second object alike."""
+    kind, obj, arg = key
+    cells = [cell for cell, o in scene.items() if o == obj]
+    out = dict(scene)
+    if kind == "add":
+        if cells or arg in scene:
+            return None
+        out[arg] = obj
+        return out
+    if len(cells) != 1:
+        return None
+    if kind == "recolour":
+        if (arg, obj[1]) in scene.values():
+            return None
+        out[cells[0]] = (arg, obj[1])
+    elif kind == "move":
+        if arg in scene:
+            return None
+        out[arg] = out.pop(cells[0])
+    else:
+        del out[cells[0]]
+    return out
+
+
+def edit_source(key: tuple, rng: random.Random) -> dict:
+    """A source scene the edit applies to: 1-3 different objects (the one named, except for an add, and up to two
+    others) in random cells."""
+    kind, obj, _ = key
+    while True:
+        n = rng.randint(0 if kind == "add" else 1, 2 if kind == "add" else 3)
+        others = rng.sample([o for o in OBJECTS if o != obj], n - (kind != "add"))
+        objects = others + ([obj] if kind != "add" else [])
+        scene = dict(zip(rng.sample(list(CELL_NAMES), len(objects)), objects))
+        if scene and apply_edit(scene, key) is not None:
+            return scene
+
+
+def check_edit(found: list[tuple], want: dict) -> float:
+    """Score in [0, 1] of the objects seen (read_scene's list) against the scene asked for: half for being fully
+    right (every cell as asked: the edit done, nothing else changed), half the share of the 9 cells that are as
+    asked (a cell with two objects seen is wrong). A picture one cell off scores below 0.5."""
+    seen: dict = {}
+    for row, col, obj in found:
+        seen[(row, col)] = None if (row, col) in seen else obj
+    right = sum(seen.get(cell) == want.get(cell) and not (cell in seen and seen[cell] is None)
+                for cell in CELL_NAMES) / len(CELL_NAMES)
+    return float(0.5 * (right == 1.0) + 0.5 * right)

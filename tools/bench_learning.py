@@ -6,6 +6,7 @@ diversity before and after, per setting, over seeds.
   python tools/bench_learning.py --rows default --seeds 5 -- --lr 2e-4    # extra grpo.py flags after --
   python tools/bench_learning.py --table                                  # the table of the runs recorded so far
   OMP_NUM_THREADS=2 python tools/bench_learning.py --demos ssim           # the SSIM demo (prompts.txt), 3 seeds
+  OMP_NUM_THREADS=2 python tools/bench_learning.py --demos edit           # the editing demo, 3 seeds
 
 shapes: each row trains `grpo.py --reward shapes --prompts examples/shapes.txt` (GRPO's 643 training captions) for
 --steps steps with the row's flags, and grpo.py's own evaluation (--eval-prompts examples/shapes_heldout.jsonl
@@ -211,6 +212,50 @@ def run_ssim(seed: int, steps: int, extra: list[str]) -> dict:
             "kl_max": max(x["kl"] for x in lines), "clip_frac_max": max(x["clip_frac"] for x in lines)}
 
 
+EDIT_DEMO = ["--model", "tiny-edit", "--prompts", str(ROOT / "examples" / "edits_train.jsonl"), "--reward", "edit",
+             "--prompts-per-step", "4", "--eval-prompts", str(ROOT / "examples" / "edits_heldout.jsonl"),
+             "--eval-every", "0", "--eval-samples", "8", "--eval-reward", "edit_exact"]
+
+
+def run_edit(seed: int, steps: int, extra: list[str], runs: Path) -> dict:
+    """The editing demo with `seed` (kept in runs/edit_seed<seed>): held-out edits fully right before and after, in all
+    and per kind, read from the run's eval lines."""
+    out = runs / f"edit_seed{seed}"
+    start = time.perf_counter()
+    grpo.main([*EDIT_DEMO, "--steps", str(steps), "--seed", str(seed), "--out", str(out), "--overwrite",
+               "--image-every", "0", "--save-every", "0", *extra])
+    seconds = time.perf_counter() - start
+    lines = run.read_metrics(out)
+    evals, training = [x for x in lines if x.get("eval")], [x for x in lines if not x.get("eval")]
+
+    def held_out(x):
+        return {"right": x["eval/edit_exact"], "reward": x["eval/edit"],
+                **{k[len("eval/edit_exact/"):]: v for k, v in x.items() if k.startswith("eval/edit_exact/")}}
+    return {"demo": "edit", "seed": seed, "steps": steps, "flags": extra, "before": held_out(evals[0]),
+            "after": held_out(evals[-1]), "minutes": (seconds - sum(x["sec_eval"] for x in evals)) / 60,
+            "kl": float(np.mean([x["kl"] for x in training[-50:]])),
+            "clip_frac_max": max(x["clip_frac"] for x in training), "threads": torch.get_num_threads()}
+
+
+def edit_table(results: list[dict]) -> str:
+    """Held-out edits fully right before -> after, per seed and kind, and their mean."""
+    kinds = world.EDIT_KINDS
+    lines = ["| seed | steps | fully right before | after | " + " | ".join(kinds) + " | training min |",
+             "|---|---|---|---|" + "---|" * len(kinds) + "---|"]
+    for r in results:
+        lines.append(f"| {r['seed']} | {r['steps']} | {r['before']['right']:.3f} | {r['after']['right']:.3f} | "
+                     + " | ".join(f"{r['before'][k]:.2f} -> {r['after'][k]:.2f}" for k in kinds)
+                     + f" | {r['minutes']:.1f} |")
+    if len(results) > 1:
+        gain = [r["after"]["right"] - r["before"]["right"] for r in results]
+        lines.append(f"| mean | | {np.mean([r['before']['right'] for r in results]):.3f} | "
+                     f"{np.mean([r['after']['right'] for r in results]):.3f} (+{100 * np.mean(gain):.1f} points) | "
+                     + " | ".join(f"{np.mean([r['before'][k] for r in results]):.2f} -> "
+                                  f"{np.mean([r['after'][k] for r in results]):.2f}" for k in kinds)
+                     + f" | {np.mean([r['minutes'] for r in results]):.1f} |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     argv = sys.argv[1:]
     extra = argv[argv.index("--") + 1:] if "--" in argv else []
@@ -219,7 +264,8 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--steps", type=int, default=400, help="GRPO steps of the shapes runs")
     parser.add_argument("--ssim-steps", type=int, default=100, help="GRPO steps of the SSIM demo")
-    parser.add_argument("--demos", nargs="+", default=["shapes"], choices=["shapes", "ssim"])
+    parser.add_argument("--edit-steps", type=int, default=200, help="GRPO steps of the editing demo")
+    parser.add_argument("--demos", nargs="+", default=["shapes"], choices=["shapes", "ssim", "edit"])
     parser.add_argument("--results", type=Path, default=ROOT / "runs" / "bench_learning.jsonl")
     parser.add_argument("--table", action="store_true", help="only print the table of --results")
     parser.add_argument("--frontier", type=Path, help="also draw accuracy against layouts to this PNG")
@@ -241,6 +287,18 @@ def main() -> None:
         print(table(results))
         if args.frontier:
             frontier(results, args.frontier)
+    edits = args.results.with_name("bench_edit.jsonl")  # the editing demo's runs, beside --results
+    if "edit" in args.demos and not args.table:
+        edits.parent.mkdir(parents=True, exist_ok=True)
+        for seed in args.seeds:
+            result = run_edit(seed, args.edit_steps, extra, args.results.parent / "bench_learning")
+            with open(edits, "a") as f:
+                f.write(json.dumps(result) + "\n")
+            print(f"edit seed {seed}: held-out edits fully right {result['before']['right']:.3f} -> "
+                  f"{result['after']['right']:.3f}, {result['minutes']:.1f} min", flush=True)
+    if "edit" in args.demos and edits.exists():
+        print(f"\ngrpo.py --model tiny-edit --reward edit --prompts examples/edits_train.jsonl ({edits})")
+        print(edit_table([json.loads(x) for x in edits.read_text().splitlines()]))
     if "ssim" in args.demos and not args.table:
         rows = [run_ssim(seed, args.ssim_steps, extra) for seed in args.seeds]
         print(f"\ngrpo.py --prompts prompts.txt --steps {args.ssim_steps} {' '.join(extra)}")

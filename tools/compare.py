@@ -7,8 +7,8 @@ table per reward and category (base, trained, difference) and one side-by-side i
 
 RUN is a grpo.py --out directory (its checkpoint.pt is evaluated) or its final/ folder (the saved AR or DiT, or the
 LoRA adapter). The model, sampling and decoding settings are the run's (config.json); --eval-prompts, --eval-samples and
---eval-reward default to the run's. Writes RUN/images/compare.png (base left, trained right, the first
-run.EVAL_GRID prompts).
+--eval-reward default to the run's. Writes RUN/images/compare.png (base left, trained right, the first --grid
+prompts, default run.EVAL_GRID).
 """
 
 import argparse
@@ -50,7 +50,7 @@ def load_trained(policy, optimizer, path: Path, train: str = "ar") -> int | None
 
 
 def compare(path: Path, eval_prompts: str | None = None, eval_samples: int | None = None,
-            eval_reward: str | None = None) -> dict:
+            eval_reward: str | None = None, grid: int = run.EVAL_GRID) -> dict:
     """{"base", "trained": run.eval_record's dicts, "step": the checkpoint's step (None for final/), "prompts",
     "samples", "grid": the image written}. Raises ValueError for a path that is not a run."""
     run_dir = path.parent if not (path / "checkpoint.pt").exists() else path  # final/ sits in its run directory
@@ -78,13 +78,13 @@ def compare(path: Path, eval_prompts: str | None = None, eval_samples: int | Non
             result["step"] = load_trained(policy, optimizer, path, cfg.train)
         with autocast:
             images, total, each, layouts = grpo.evaluate(pipe, examples, evals[1], cfg.eval_samples, run.EVAL_SEED,
-                                                         cfg, keep_images=run.EVAL_GRID)
+                                                         cfg, keep_images=grid)
         result[name] = run.eval_record(0, examples, total, each, layouts, 0.0)
         grids.append((images, total))
     with tempfile.TemporaryDirectory() as tmp:
         for (images, total), name in zip(grids, ("base", "trained")):
-            shown = examples[:run.EVAL_GRID]
-            run.save_grid(Path(tmp) / f"{name}.png", shown, images, total[:run.EVAL_GRID],
+            shown = examples[:grid]
+            run.save_grid(Path(tmp) / f"{name}.png", shown, images, total[:grid],
                            [f"{name}: {ex['prompt']}" for ex in shown])
         (run_dir / "images").mkdir(exist_ok=True)
         run_io.save_image(run_io.side_by_side(Path(tmp) / "base.png", Path(tmp) / "trained.png"),
@@ -108,9 +108,10 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--eval-prompts", help="prompts file (default: the run's --eval-prompts)")
     parser.add_argument("--eval-samples", type=int, help="images per prompt (default: the run's)")
     parser.add_argument("--eval-reward", help="rewards only measured (default: the run's --eval-reward)")
+    parser.add_argument("--grid", type=int, default=run.EVAL_GRID, help="prompts shown in the image grid (the first)")
     args = parser.parse_args(argv)
     try:
-        result = compare(args.run, args.eval_prompts, args.eval_samples, args.eval_reward)
+        result = compare(args.run, args.eval_prompts, args.eval_samples, args.eval_reward, args.grid)
     except ValueError as error:
         raise SystemExit(f"compare.py: error: {error}") from None
     step = f"checkpoint.pt, step {result['step']}" if result["step"] is not None else "final/"
