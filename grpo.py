@@ -310,15 +310,10 @@ class Rollout(NamedTuple):
 def code_logprobs(logits: torch.Tensor, temperature: float, codebook_size: int, top_k: int = 0,
                   top_p: float = 1.0, support: torch.Tensor | None = None) -> torch.Tensor:
     """(..., V) AR logits -> (..., K) float32 log-probs over the codebook: softmax(logits / T)
-    truncated to the `top_k` most likely codes and to the nucleus (the most likely codes down to the
-    first whose cumulative probability reaches `top_p`), renormalised; or, given the (..., K) bool
-    `support` the sampler kept, renormalised over that set (the trainer replays the sampler's
-    truncation).
-
-    The one definition of the policy: the sampler draws from it and the trainer scores with it, so
-    pi / pi_old is exactly 1 before the first update. Codes outside the truncation get -inf; a
-    one-code truncation gives log-prob 0 whatever the logits (no gradient: --policy-dist full trains
-    those)."""
+    truncated to the `top_k` most likely codes and to the nucleus (`top_p`), renormalised; or over
+    the (..., K) bool `support` the sampler kept. The one definition of the policy: the sampler
+    draws from it and the trainer scores with it, so pi / pi_old is exactly 1 before the first
+    update. Codes outside the truncation get -inf."""
     scores = logits[..., :codebook_size].float() / temperature  # ids >= K are never drawn
     if support is not None:
         return torch.log_softmax(scores.masked_fill(~support, -math.inf), dim=-1)
@@ -410,12 +405,10 @@ def group_prompt(pipe, prompt: str, group_size: int, height: int, width: int,
 def rope_positions(input_ids: torch.Tensor, image_grid_thw: torch.Tensor, num_tokens: int,
                    image_start_id: int, image_end_id: int) -> torch.Tensor:
     """3D rotary positions (3, 1, P + N - 1) of one sample's prompt (input_ids (P,)) and its N
-    generated tokens but the last, as GlmImageModel.get_rope_index gives them to generate.
-
-    Text is a 1D ramp on all three axes (temporal, height, width). An image (a source between
-    image-start and image-end ids, or a generated grid) h x w starting at p puts cell (row, col) at
-    (p, p + row, p + col), and the ramp goes on at p + max(h, w). Grids the prompt does not hold are
-    generated in REVERSE order of image_grid_thw (text-to-image: preview, then large)."""
+    generated tokens but the last, as GlmImageModel.get_rope_index gives them to generate. Text is
+    a 1D ramp on all three axes; an image h x w starting at p puts cell (row, col) at (p, p + row,
+    p + col), and the ramp goes on at p + max(h, w). Grids the prompt does not hold are generated
+    in REVERSE order of image_grid_thw (text-to-image: preview, then large)."""
     ids = input_ids.tolist()
     starts = [i + 1 for i, t in enumerate(ids) if t == image_start_id]  # each image's first token
     ends = [i for i, t in enumerate(ids) if t == image_end_id]  # a source image has an end
@@ -443,11 +436,9 @@ def sample_groups(pipe, prompts: list[str], group_size: int, height: int, width:
                   temperature: float, seeds: list[int], sources: list | None = None, top_k: int = 0,
                   top_p: float = 1.0) -> list[Rollout]:
     """G samples for each of P prompts (and source images), with their log-probs, from ONE decode of
-    all P*G rows: the prompts left-padded to one length, each row at its own rotary positions.
-
-    A sample is N = h'w' + (H/32)(W/32) codebook tokens (editing: (H/32)(W/32); groups of another N
-    are decoded apart). Group p draws from a generator seeded with seeds[p]: its tokens are those it
-    gets alone, and those `generate` drew with grpo.py's former logits processor (tested)."""
+    all P*G rows: the prompts left-padded, each row at its own rotary positions. A sample is
+    N = h'w' + (H/32)(W/32) codes (editing: (H/32)(W/32); groups of another N are decoded apart).
+    Group p draws from a generator seeded with seeds[p]: the tokens it would get alone (tested)."""
     model = pipe.vision_language_encoder.eval()  # no dropout: one distribution
     groups = [group_prompt(pipe, prompt, group_size, height, width, source)
               for prompt, source in zip(prompts, sources or [None] * len(prompts))]
@@ -496,13 +487,10 @@ def decode(model, input_ids: torch.Tensor, valid: torch.Tensor, positions: torch
            n_tokens: int, temperature: float, top_k: int, top_p: float, generators: list,
            static: bool | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """The AR's decode loop: prefill the prompts once, then one token a step with a KV cache.
-
-    input_ids (B, P) left-padded prompts; valid (B, P) False on padding; positions (3, B, P + N) of
-    every prompt and generated token; one generator per group. Returns the (B, N) codes, their
-    float32 log-probs under code_logprobs and, with top-k / top-p, the (B, N, K/8) bits of the codes
-    each draw kept (else None). `static` (default: on a GPU) pre-allocates the cache for P + N slots
-    so that the step can be one CUDA graph (repeat_step); otherwise the cache grows (6% faster a
-    step on a CPU)."""
+    input_ids (B, P) left-padded prompts, valid (B, P) False on padding, positions (3, B, P + N),
+    one generator per group -> the (B, N) codes, their float32 log-probs and, with top-k / top-p,
+    the (B, N, K/8) bits of the codes each draw kept (else None). `static` (default: on a GPU)
+    pre-allocates the cache so that the step can be one CUDA graph (repeat_step)."""
     from transformers import DynamicCache, StaticCache
     K, V = model.config.vq_config.num_embeddings, model.lm_head.out_features
     (B, P), N, device = input_ids.shape, n_tokens, input_ids.device
@@ -642,12 +630,9 @@ def decode_images(pipe, prompt: str, tokens: torch.Tensor, large_hw: tuple[int, 
                   width: int, num_inference_steps: int, seed: int, guidance_scale: float = 1.5,
                   source: Source | None = None) -> torch.Tensor:
     """(G, N) tokens -> (G, 3, H, W) float32 images in [0, 1]: large grid -> prior ids -> DiT ->
-    VAE.
-
-    The whole group in one pipeline call from the same latent noise, so the images differ only
-    through their tokens. Editing: the DiT also attends to the source (VAE latents and its codes),
-    as GLM-Image edits. Our tokens as prior_token_ids skip the pipeline's own AR step (whose editing
-    path fails with transformers >= 5.23 in diffusers 0.42.1)."""
+    VAE, the whole group from the same latent noise (the images differ only by their tokens).
+    Editing: the DiT also attends to the source (VAE latents and codes), as GLM-Image edits. Our
+    tokens as prior_token_ids skip the pipeline's own AR step."""
     G, device, dtype = tokens.shape[0], pipe.transformer.device, pipe.transformer.dtype
     prior = prior_ids(tokens, large_hw)  # (G, 4hw) at H/16
     embeds, negative = pipe.encode_prompt(prompt, do_classifier_free_guidance=guidance_scale > 1,
@@ -741,13 +726,9 @@ def group_advantages(rewards: torch.Tensor, eps: float = 1e-6, scale: str = "gro
 
 def repeats(grids: list[torch.Tensor]) -> torch.Tensor:
     """Each group's (G, n) large grids -> (P, G) c: the samples of its group that drew the same
-    grid.
-
-    The diversity bonus (DiverseGRPO's: inversely proportional to a sample's cluster) adds diversity
-    / c to each reward: a layout drawn once earns the whole bonus, a repeat of one drawn c times a
-    c-th, so a group of right pictures still teaches which layouts are rare. Exact repeats only: the
-    real model's 1024-token grids never repeat (a feature distance, GARDO's, would be needed there).
-    """
+    grid. The diversity bonus (DiverseGRPO's) adds diversity / c to each reward: a layout drawn
+    once earns it all. Exact repeats only (the real model's grids never repeat: GARDO's feature
+    distance would be needed there)."""
     return torch.stack([(g[:, None] == g[None]).all(-1).sum(-1) for g in grids])
 
 
@@ -768,15 +749,12 @@ def score(images: list[torch.Tensor], batch: list[dict], rewards: dict, scale: s
 
 def sampler_correction(old_logprobs: torch.Tensor, sampled_logprobs: torch.Tensor,
                        mode: str = "none", cap: float = 2.0) -> tuple[torch.Tensor, dict]:
-    """TRL's importance-sampling correction for the sampler/trainer gap: (S, T) log-probs of the
-    sampled tokens under pi_old (the trainer) and the sampler -> the weights on the policy-gradient
-    term, (S, T) per token or (S, 1) per sequence, and the mismatch metrics (TRL's names,
-    docs/healthy_training.md).
-
-    r = pi_old / pi_sampler per token (token_*) or its product over the sequence (sequence_*: give
-    every token, the preview conditions the large grid); *_truncate caps r at `cap`, *_mask zeroes
-    it above; "none": 1. In float32 r = 1 within 1e-5; in bf16 the two round differently; with
-    --policy-dist full r also holds the sampler's truncation (pi_full / pi_nucleus <= 1)."""
+    """TRL's importance-sampling correction: (S, T) log-probs of the sampled tokens under pi_old
+    (the trainer) and the sampler -> the weights on the policy gradient and the mismatch metrics
+    (TRL's names). r = pi_old / pi_sampler per token (token_*, (S, T)) or its product over the
+    sequence (sequence_*, (S, 1): give every token); *_truncate caps r at `cap`, *_mask zeroes it
+    above. In float32 r = 1 within 1e-5; bf16 rounds the two apart; with --policy-dist full r also
+    holds the sampler's truncation."""
     both = old_logprobs.isfinite() & sampled_logprobs.isfinite()  # outside a truncation: no ratio
     log_ratio = torch.where(both, old_logprobs - sampled_logprobs, 0.0)  # (S, T)
     sequence = mode.startswith("sequence")
@@ -802,13 +780,10 @@ def grpo_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, ref_logprobs: 
               advantages: torch.Tensor, clip_eps: float | tuple[float, float], kl_beta: float,
               weights: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
     """PPO-clipped GRPO loss with a k3 KL penalty: (S, T) log-probs, (S,) advantages -> scalar loss.
-
-    Per token r = exp(logp - old), surrogate = min(r A, clip(r, 1 - eps, 1 + eps_high) A)
-    (`clip_eps`: eps, or (eps, eps_high), DAPO's clip-higher), loss = -(surrogate - beta k3_kl(logp,
-    ref)), averaged over a sequence's tokens, then over sequences (the paper's 1/|o_i|; DAPO's token
-    mean is the same up to a constant while sequences have one length). `weights`
-    (sampler_correction's) multiply the surrogate, not the KL. `ref_logprobs`: None when beta is
-    0."""
+    Per token r = exp(logp - old), surrogate = min(r A, clip(r, 1 - eps, 1 + eps_high) A) (eps_high:
+    DAPO's clip-higher), loss = -(surrogate - beta k3_kl), averaged over a sequence's tokens, then
+    over sequences (the paper's 1/|o_i|). `weights` (sampler_correction's) multiply the surrogate,
+    not the KL. `ref_logprobs`: None when beta is 0."""
     # a token the old policy could not draw (-inf: outside its truncation): ratio 1, no gradient
     ratio = torch.exp(torch.where(old_logprobs.isneginf(), 0.0, logprobs - old_logprobs))  # (S, T)
     adv = advantages[:, None].to(ratio)  # (S, 1), on the log-probs' device
@@ -884,14 +859,11 @@ def micro_batch_loss(policy, inputs: dict, tokens: torch.Tensor, sampled: torch.
                      clip_eps: float | tuple[float, float], kl_beta: float, train_tokens: str,
                      top_k: int, top_p: float, correction: str = "none", cap: float = 2.0,
                      policy_dist: str = "truncated") -> tuple[torch.Tensor, dict]:
-    """One micro-batch: the trainer's (mb, N) log-probs of the sampled tokens (with gradient) under
-    the trained distribution (`policy_dist`: truncated, over the sampler's kept codes; full, the
-    codebook), and the GRPO loss over the tokens in the loss, its policy gradient weighted by
-    sampler_correction. `old` None: the old policy is the current one (mu = 1); `ref`: the
-    reference's two log-probs or None. Metrics: the loss's, each region's, `kl_untruncated`,
-    `no_gradient_frac` (loss tokens whose pi is one code), `sampler_gap` (max |log pi_trainer - log
-    pi_sampler|: float rounding) and `outside_truncation` (sampled tokens the trainer's OWN
-    truncation would drop)."""
+    """One micro-batch's GRPO loss: the trainer's log-probs of the sampled tokens (with gradient)
+    under `policy_dist` (truncated: the sampler's kept codes; full: the codebook), the policy
+    gradient weighted by sampler_correction. `old` None: the old policy is the current one (mu 1);
+    `ref`: the reference's two log-probs, or None. Also the metrics of docs/healthy_training.md
+    (each region's, kl_untruncated, no_gradient_frac, sampler_gap, outside_truncation)."""
     K = policy.config.vq_config.num_embeddings
     logits = token_logits(policy, inputs, tokens)  # (mb, N, V), with grad
     kept = None if support is None else code_support(support, K)  # (mb, N, K): the sampler's
@@ -929,10 +901,9 @@ def train_step(policy, optimizer, rollouts: list[Rollout], advantages: torch.Ten
                top_p: float = 1.0, correction: str = "none", cap: float = 2.0,
                policy_dist: str = "truncated") -> dict:
     """`mu` optimizer steps on P groups of rollouts with (P, G) advantages; returns metrics.
-
     Micro-batches of `micro_batch_size` sequences, each loss weighted by its share of the P*G
-    sequences: the accumulated gradient is the full batch's. Every log-prob (policy, old, reference)
-    is under `policy_dist` (truncated: over each rollout's kept codes; full: the whole codebook)."""
+    sequences: the accumulated gradient is the full batch's. Every log-prob (policy, old,
+    reference) is under `policy_dist`."""
     # transformers only checkpoints in train mode; without dropout, train and eval are one policy
     policy.train(policy.is_activation_checkpointing)
     # micro-batches: (AR inputs, tokens, sampler log-probs and supports, advantages, preview tokens)
@@ -1012,11 +983,9 @@ def merge_metrics(parts: list[tuple[dict, float]]) -> dict:
 def evaluate(pipe, examples: list[dict], rewards: dict, n_samples: int, seed: int, cfg: Config,
              rank: int = 0, world: int = 1, keep_images: int = 0) -> tuple:
     """`n_samples` images of each example, sampled and decoded as in training with fixed seeds
-    (example i: AR seed `seed + i`, --decode-seed), scored by `rewards`, and its distinct large
-    grids (layouts: K where every sample differs, 1 where the policy collapsed). Process r takes
-    examples r, r + world, ...; scores come back in example order. Returns the images of the first
-    `keep_images` examples (rounded to 8 bits), the (P, K) total, each reward's (P, K) and the (P,)
-    layouts."""
+    (example i: AR seed `seed + i`), scored by `rewards`, and its distinct large grids (layouts).
+    Process r takes examples r, r + world, ... -> the images of the first `keep_images` examples
+    (8 bits), the (P, K) total, each reward's (P, K) and the (P,) layouts, in example order."""
     mine = list(range(rank, len(examples), world))
     chunk = max(1, cfg.prompts_per_step * cfg.group_size // n_samples)  # a training step's rows
     rollouts = []
