@@ -33,6 +33,7 @@ from .run_io import (RUN_FILES, Reporter, append_metrics, atomic_write, check_ou
 
 SCRIPTS = {"ar": "grpo.py", "dit": "dit_grpo.py"}  # the entry point of each --train
 PROG = {"name": "grpo.py"}  # the script the messages name: set by prepare
+TINY_NAMES = ("tiny", "tiny-edit")  # grpo.TINY_MODELS' names: shipped folders, the tiny defaults, float32
 
 
 @dataclasses.dataclass
@@ -385,11 +386,11 @@ def parameter_counts(model: str) -> dict[str, int] | None:
         counts = {part: {name: p.numel() for name, p in params.items()} for part, params in named.items()}
     else:
         folder = Path(model)
-        if not folder.is_dir() and model not in ("tiny", "tiny-edit"):
+        if not folder.is_dir() and model not in TINY_NAMES:
             with contextlib.suppress(Exception):
                 from huggingface_hub import snapshot_download
                 folder = Path(snapshot_download(model, local_files_only=True))
-        if model in ("tiny", "tiny-edit") or not folder.is_dir():
+        if model in TINY_NAMES or not folder.is_dir():
             return None
         counts = {part: safetensors_counts(folder / part) for part in COMPONENTS}
     ar = counts["vision_language_encoder"]
@@ -468,7 +469,7 @@ def compute_settings(device: str, dtype: str, model: str = "tiny") -> torch.dtyp
     1.5x the CPU, and more threads than free cores stalled a busy machine 10-60x."""
     if device == "cpu" and "OMP_NUM_THREADS" not in os.environ:
         torch.set_num_threads(1)
-    tiny = model in ("tiny", "tiny-edit")
+    tiny = model in TINY_NAMES
     return {"auto": torch.bfloat16 if device.startswith("cuda") and not tiny else torch.float32,
             "float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
 

@@ -60,6 +60,12 @@ def random_pipe():
 
 # ---- helpers ------------------------------------------------------------------------------------
 
+def picture(scene: dict, rng=None) -> torch.Tensor:
+    """A rendered scene of world.py as grpo.py's images are: (3, H, W) float in [0, 1]."""
+    from helpers import world
+    return torch.from_numpy(np.array(world.render(scene, rng))).permute(2, 0, 1).float() / 255
+
+
 def write_example(tmp_path, lines, size=64, name="t.png"):
     Image.fromarray(np.full((size, size, 3), 128, np.uint8)).save(tmp_path / name)
     prompts = tmp_path / "prompts.txt"

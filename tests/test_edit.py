@@ -9,7 +9,6 @@ import random
 import subprocess
 import sys
 
-import numpy as np
 import pytest
 import torch
 
@@ -17,12 +16,7 @@ import grpo
 from helpers import rewards
 from helpers import run
 from helpers import world
-from conftest import ROOT, TINY, run_record
-
-
-def picture(scene: dict, rng=None) -> torch.Tensor:
-    """A rendered scene as grpo.py's images are: (3, H, W) float in [0, 1]."""
-    return torch.from_numpy(np.array(world.render(scene, rng))).permute(2, 0, 1).float() / 255
+from conftest import ROOT, TINY, picture, run_record
 
 
 def test_edit_grammar_and_split():

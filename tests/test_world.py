@@ -18,12 +18,9 @@ from helpers import rewards
 from helpers import run
 from helpers import world
 
+from conftest import picture
+
 ROOT = Path(__file__).resolve().parent.parent  # the repository: grpo.py, tools/, examples/
-
-
-def picture(scene: dict, rng=None) -> torch.Tensor:
-    """A rendered scene as grpo.py's images are: (3, H, W) float in [0, 1]."""
-    return torch.from_numpy(np.asarray(world.render(scene, rng))).permute(2, 0, 1).float() / 255
 
 
 def test_captions_and_split():

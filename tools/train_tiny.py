@@ -242,6 +242,18 @@ class Prompts:
         return self.cache[caption]
 
 
+def left_padded(rows: list[tuple], pad_id: int) -> tuple:
+    """(inputs (n,), positions (3, n), targets (n,)) rows of different lengths -> input_ids, attention_mask,
+    position_ids (3, B, L) and targets (B, L), left-padded to the longest (pad_id, mask 0, target -100)."""
+    B, L = len(rows), max(len(r[0]) for r in rows)
+    input_ids, mask = torch.full((B, L), pad_id), torch.zeros(B, L, dtype=torch.long)
+    position_ids, targets = torch.zeros(3, B, L, dtype=torch.long), torch.full((B, L), -100)
+    for b, (inputs, pos, target) in enumerate(rows):
+        n = len(inputs)
+        input_ids[b, L - n:], mask[b, L - n:], position_ids[:, b, L - n:], targets[b, L - n:] = inputs, 1, pos, target
+    return input_ids, mask, position_ids, targets
+
+
 def ar_batch(prompts: Prompts, pairs: list[tuple[str, dict]], short: bool, pad_id: int):
     """Left-padded teacher-forcing inputs for (caption, scene) pairs -> input_ids, attention_mask, position_ids
     (3, B, L), targets (B, L) (-100: no loss) and which targets are large-grid tokens (B, L). targets[:, j] is what
@@ -259,12 +271,8 @@ def ar_batch(prompts: Prompts, pairs: list[tuple[str, dict]], short: bool, pad_i
             inputs, pos = torch.cat([ids, tokens[:-1]]), positions
             targets = torch.cat([torch.full((P - 1,), -100), tokens])
         rows.append((inputs, pos, targets))
-    B, L = len(rows), max(len(r[0]) for r in rows)
-    input_ids, mask = torch.full((B, L), pad_id), torch.zeros(B, L, dtype=torch.long)
-    position_ids, targets = torch.zeros(3, B, L, dtype=torch.long), torch.full((B, L), -100)
-    for b, (inputs, pos, target) in enumerate(rows):
-        n = len(inputs)
-        input_ids[b, L - n:], mask[b, L - n:], position_ids[:, b, L - n:], targets[b, L - n:] = inputs, 1, pos, target
+    input_ids, mask, position_ids, targets = left_padded(rows, pad_id)
+    B, L = input_ids.shape
     large = torch.zeros(B, L, dtype=torch.bool)
     large[:, -N_LARGE:] = True  # the last 9 targets of every row are the large grid
     return input_ids, mask, position_ids, targets, large

@@ -35,7 +35,6 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
-from PIL import Image
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # grpo.py and the files it imports live in the repository root
@@ -45,7 +44,7 @@ from helpers import run  # noqa: E402
 from helpers import world  # noqa: E402
 from helpers import rewards  # noqa: E402
 from helpers.rewards import edit_reward  # noqa: E402
-from train_tiny import cosine_lr, set_lr, swap_in  # noqa: E402  (tools/, beside this file)
+from train_tiny import cosine_lr, left_padded, set_lr, swap_in  # noqa: E402  (tools/, beside this file)
 
 SIZE, N_LARGE = world.SIZE, world.GRID * world.GRID
 EXAMPLES = ROOT / "examples"
@@ -143,13 +142,7 @@ def ar_batch(prompts: Prompts, pairs: list[tuple], pad_id: int):
         tokens = torch.tensor(world.labels(result))
         rows.append((torch.cat([ids, tokens[:-1]]), positions,
                      torch.cat([torch.full((len(ids) - 1,), -100), tokens])))
-    B, L = len(rows), max(len(r[0]) for r in rows)
-    input_ids, mask = torch.full((B, L), pad_id), torch.zeros(B, L, dtype=torch.long)
-    position_ids, targets = torch.zeros(3, B, L, dtype=torch.long), torch.full((B, L), -100)
-    for b, (inputs, pos, target) in enumerate(rows):
-        n = len(inputs)
-        input_ids[b, L - n:], mask[b, L - n:], position_ids[:, b, L - n:], targets[b, L - n:] = inputs, 1, pos, target
-    return input_ids, mask, position_ids, targets
+    return left_padded(rows, pad_id)
 
 
 def train_ar(pipe, steps: int, seed: int, noise: float, batch: int = 64, peak: float = 1e-3) -> float:
@@ -199,8 +192,7 @@ def held_out_accuracy(pipe, pairs: list[dict], samples: int = 8, seed: int = 0) 
     cfg = grpo.parse_config(["--model", "tiny-edit"])
     right, scores, kinds = [], [], []
     for i, pair in enumerate(pairs):
-        with Image.open(EXAMPLES / pair["source"]) as image:
-            source = torch.from_numpy(np.array(image.convert("RGB"))).permute(2, 0, 1).float() / 255
+        source = run.load_image(EXAMPLES / pair["source"], SIZE, SIZE, "source")  # as grpo.py loads it
         with torch.no_grad():
             rollout = grpo.sample_group(pipe, pair["prompt"], samples, cfg.height, cfg.width, cfg.temperature,
                                         seed * 1_000_003 + i, source, cfg.top_k, cfg.top_p)
@@ -222,8 +214,7 @@ def dit_check(pipe, pairs: list[dict]) -> float:
     cfg = grpo.parse_config(["--model", "tiny-edit"])
     right = []
     for pair in pairs:
-        with Image.open(EXAMPLES / pair["source"]) as image:
-            source = torch.from_numpy(np.array(image.convert("RGB"))).permute(2, 0, 1).float() / 255
+        source = run.load_image(EXAMPLES / pair["source"], SIZE, SIZE, "source")  # as grpo.py loads it
         _, want = rewards.edit_asked(pair, rewards.to_uint8(source[None])[0])
         _, src, _, large_hw = grpo.group_prompt(pipe, pair["prompt"], 1, SIZE, SIZE, source)
         images = grpo.decode_images(pipe, pair["prompt"], torch.tensor([world.labels(want)]), large_hw, SIZE, SIZE,
