@@ -520,11 +520,14 @@ def decode(model, input_ids: torch.Tensor, valid: torch.Tensor, positions: torch
     t = torch.zeros(1, dtype=torch.long, device=device)  # the step, on the device: graph-safe
     logits = forward(input_ids, slot[:P])  # prefill: (B, V) logits of the first token
 
+    G, noise = B // len(generators), torch.empty(B, V, device=device)
+
+    def draw():  # each group's (G, V) noise for the next token, as torch.multinomial draws it
+        for i, g in enumerate(generators):
+            noise[i * G:(i + 1) * G].exponential_(generator=g)
+
     def step():  # draw token t from code_logprobs, then feed it: the logits of token t + 1
         logp = code_logprobs(logits, temperature, K, top_k, top_p)  # (B, K)
-        G = B // len(generators)  # each group's (G, V) noise, as torch.multinomial draws it
-        noise = torch.cat([torch.empty(G, V, device=device).exponential_(generator=g)
-                           for g in generators])
         token = (logp.exp() / noise[:, :K]).argmax(dim=-1, keepdim=True)  # torch.multinomial(p, 1)
         tokens.index_copy_(1, t, token)
         logprobs.index_copy_(1, t, logp.gather(-1, token))
@@ -533,7 +536,7 @@ def decode(model, input_ids: torch.Tensor, valid: torch.Tensor, positions: torch
         logits.copy_(forward(token, P + t))
         t.add_(1)
 
-    repeat_step(step, N, generators, capture=static)
+    repeat_step(step, N, draw, capture=static and device.type == "cuda")
     return tokens, logprobs, support
 
 
@@ -549,25 +552,26 @@ def decode_mask(seen: torch.Tensor, slots: torch.Tensor, kv: int, dtype: torch.d
         ~attend[..., :kv], blocked)
 
 
-def repeat_step(step, n: int, generators: list, capture: bool = True) -> None:
-    """step() n times. On a GPU (one process, fixed shapes: `capture`) the first runs eagerly and
-    the rest replay ONE CUDA graph of it: no Python, launches or host syncs between steps (a step of
+def repeat_step(step, n: int, draw, capture: bool = False) -> None:
+    """draw(); step() n times. With `capture` (one GPU process, fixed shapes) the first step runs
+    eagerly and the rest replay ONE CUDA graph of it: no Python or launches inside a step (a step of
     the real AR is ~2,000 small kernels, which the CPU cannot launch as fast as the GPU runs them).
-    """
+    draw(), the step's noise, stays outside the graph: no generator state inside it (the same tokens,
+    the same speed; with the generators captured, the CUDA tests once drew other tokens for a seed)."""
+    draw()
     step()
-    on_gpu = generators[0].device.type == "cuda"
-    if n == 1 or not capture or not on_gpu or distributed():  # FSDP's hooks are not captured
+    if n == 1 or not capture or distributed():  # FSDP's hooks are not captured
         for _ in range(n - 1):
+            draw()
             step()
         return
     graph = torch.cuda.CUDAGraph()
-    for generator in generators:  # a replay's draws advance each generator, as eager steps do
-        graph.register_generator_state(generator)
     autocast = torch.autocast("cuda", torch.get_autocast_dtype("cuda"),
                               torch.is_autocast_enabled("cuda"), cache_enabled=False)  # graph-safe
     with torch.cuda.graph(graph), autocast:
         step()
     for _ in range(n - 1):
+        draw()
         graph.replay()
 
 

@@ -1,11 +1,11 @@
 """Tests for grpo.py on the tiny GLM-Image: a test_<function> for each function of the algorithm, and main end to end
 (the run's plumbing is test_run.py's). Small helpers are checked through the function that uses them: code_support
 (test_code_logprobs_support), token_logits and reference_logprobs (test_token_logprobs*, test_train_step*),
-group_prompt and to_pil (test_sample_groups, test_encode_source), repeat_step (test_decode_static_cache, and the CUDA
-graph on a GPU), only_ar_trains and setup_training (every run of main).
+group_prompt and to_pil (test_sample_groups, test_encode_source), repeat_step (test_repeat_step, test_decode_static_cache,
+and the CUDA graph on a GPU), only_ar_trains and setup_training (every run of main).
 
     python -m pytest -q tests/test_grpo.py                             # CPU (CI)
-    GRPO_TEST_DEVICE=cuda python -m pytest -q tests/test_grpo.py       # the tiny-model tests on a GPU (conftest.DEVICE)
+    GRPO_TEST_DEVICE=cuda python -m pytest -q tests/test_grpo.py       # on a GPU (conftest.DEVICE; tools/gpu_check.sh: all)
 """
 
 import copy
@@ -210,21 +210,38 @@ def test_decode_eager_attention(random_pipe):
 
 
 def test_repeat_step(pipe, monkeypatch):
-    """A CUDA graph is captured only for a step of fixed shapes: decode asks for it exactly when its cache is static,
-    and repeat_step runs every step eagerly otherwise (a growing cache syncs with the host: not capturable)."""
+    """A CUDA graph is captured only for a step of fixed shapes on a GPU: decode asks for it exactly when its cache is
+    static there, and repeat_step runs every step eagerly otherwise (a growing cache syncs with the host: not
+    capturable). The noise is drawn outside the step (outside the graph), before each step: the step itself draws
+    nothing, and a group's generator advances once per token."""
     asked = []
-    monkeypatch.setattr(grpo, "repeat_step", lambda step, n, generators, capture=True: asked.append(capture))
+    monkeypatch.setattr(grpo, "repeat_step", lambda step, n, draw, capture=False: asked.append(capture))
     ids = torch.tensor([[5, 6]], device=DEVICE)
     for static in (False, True):
         grpo.decode(pipe.vision_language_encoder, ids, torch.ones_like(ids, dtype=torch.bool),
                     torch.arange(4, device=DEVICE).expand(3, 1, 4), 2, T, 0, 1.0, [torch.Generator(DEVICE)],
                     static=static)
-    assert asked == [False, True]
+    assert asked == [False, DEVICE == "cuda"]
+    monkeypatch.undo()
+    generators, states = [torch.Generator(DEVICE).manual_seed(s) for s in (1, 2)], []
+
+    def watched(step, n, draw, capture=False):  # decode's steps, eagerly, the generators' states around each part
+        for _ in range(n):
+            draw()
+            before = [g.get_state() for g in generators]
+            step()
+            states.append((before, [g.get_state() for g in generators]))
+    monkeypatch.setattr(grpo, "repeat_step", watched)
+    ids = torch.tensor([[5, 6], [5, 6]], device=DEVICE)
+    grpo.decode(pipe.vision_language_encoder, ids, torch.ones_like(ids, dtype=torch.bool),
+                torch.arange(5, device=DEVICE).expand(3, 2, 5), 3, T, 0, 1.0, generators)
+    assert len(states) == 3 and all(all(map(torch.equal, a, b)) for a, b in states)  # the step drew nothing
+    assert all(not torch.equal(a[0], b[0]) for (a, _), (b, _) in zip(states, states[1:]))  # draw() did
     monkeypatch.undo()
     monkeypatch.setattr(torch.cuda, "CUDAGraph", lambda: pytest.fail("a graph was captured"))
-    calls, cuda = [], types.SimpleNamespace(device=torch.device("cuda"))
-    grpo.repeat_step(lambda: calls.append(1), 5, [cuda], capture=False)
-    assert len(calls) == 5
+    calls = []
+    grpo.repeat_step(lambda: calls.append("step"), 3, lambda: calls.append("draw"), capture=False)
+    assert calls == ["draw", "step"] * 3
 
 
 def test_code_logprobs_truncation():
@@ -922,7 +939,7 @@ def test_micro_batch_loss_correction(pipe):
     preview conditions the large grid), truncated or masked at the cap; the mismatch is logged over all tokens."""
     r = grpo.sample_group(pipe, "two blue squares", 4, 64, 64, T, seed=3, top_p=0.9)
     sampled = r.logprobs + 0.3 * torch.randn(r.logprobs.shape, generator=torch.Generator().manual_seed(0)).to(DEVICE)
-    adv, n_preview, ar = torch.tensor([1.0, -1.0, 0.5, -0.5]), r.preview_hw[0] * r.preview_hw[1], pipe.vision_language_encoder
+    adv, n_preview, ar = torch.tensor([1.0, -1.0, 0.5, -0.5], device=DEVICE), r.preview_hw[0] * r.preview_hw[1], pipe.vision_language_encoder
     with torch.no_grad():
         logp = grpo.token_logprobs(ar, r.inputs, r.tokens, T, 0, 0.9, r.support)
     d_all = logp - sampled  # (G, N)
@@ -1234,7 +1251,10 @@ def test_grpo_copied_alone(tmp_path):
     import sys
     shutil.copy(ROOT / "grpo.py", tmp_path / "grpo.py")
     (tmp_path / "step.py").write_text(COPIED_ALONE.format(tiny=str(ROOT / "tiny_glm_image")))
-    env = {k: v for k, v in __import__("os").environ.items() if k != "PYTHONPATH"}
+    import os
+    from pathlib import Path
+    path = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and Path(p).resolve() != ROOT]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(path)}  # the packages, not this repository
     done = subprocess.run([sys.executable, "step.py"], cwd=tmp_path, capture_output=True, text=True, env=env,
                           timeout=300)
     assert done.returncode == 0 and "copied alone: torch.Size([2, 4])" in done.stdout, done.stderr[-3000:]

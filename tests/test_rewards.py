@@ -119,12 +119,12 @@ def test_dino_reward(dino_folder):
     from transformers import AutoImageProcessor, Dinov2Model
     images = pictures()
     target = images[1]
-    got = rewards.with_checkpoint("dino", rewards.dino_reward, str(dino_folder))(images, {"target": target})
+    got = rewards.with_checkpoint("dino", rewards.dino_reward, str(dino_folder))(images, {"target": target}).cpu()
     model, processor = Dinov2Model.from_pretrained(dino_folder).eval(), AutoImageProcessor.from_pretrained(dino_folder)
     with torch.no_grad():
         cls = model(**processor(images=as_files(images), return_tensors="pt")).last_hidden_state[:, 0]
     want = torch.cosine_similarity(cls, cls[1:2])
-    assert torch.allclose(got.cpu(), want, atol=1e-5) and got[1] == pytest.approx(1.0, abs=1e-5)
+    assert torch.allclose(got, want, atol=1e-5) and got[1] == pytest.approx(1.0, abs=1e-5)
     assert got[0] < 0.999  # another picture is not the target
 
 
