@@ -13,7 +13,8 @@ near the cell's centre. Captions come in five kinds, after GenEval's categories:
 `caption_split()` sets aside held-out captions (combinations never used in pre-training or in GRPO training);
 `sample_scene` draws a scene that satisfies a caption; `render` paints it; `parse_caption` turns a caption back into
 what must be drawn, and `check_scene` scores a scene against it (the `shapes` reward reads the scene off the pixels
-with `read_scene`, then calls `check_scene`).
+with `read_scene`, then calls `check_scene`). `valid_scenes` counts the scenes that satisfy a caption, and
+`expected_distinct` says how diverse a policy that is always right can be.
 
 Edits: an instruction changes one object of a source picture, in four kinds:
 
@@ -159,6 +160,20 @@ def sample_scene(caption: str, rng: random.Random) -> dict:
             scene[cell if cell is not None else free] = (colour, shape)
         if len(scene) == len(spec["objects"]) and satisfies(scene, spec):
             return scene
+
+
+def valid_scenes(caption: str) -> int:
+    """How many scenes satisfy the caption: its right layouts (a scene is one large grid of the tiny model)."""
+    spec = parse_caption(caption)
+    objects, n = sorted({(colour, shape) for colour, shape, _ in spec["objects"]}), len(spec["objects"])
+    return sum(satisfies(dict(zip(cells, chosen)), spec) for cells in itertools.combinations(CELL_NAMES, n)
+               for chosen in itertools.product(objects, repeat=n))
+
+
+def expected_distinct(m: int, k: int = 8) -> float:
+    """The expected number of distinct values among k draws uniform over m: the most any distribution over m values
+    gives (the ceiling of distinct layouts for a caption with m right ones, every sample right)."""
+    return m * (1 - (1 - 1 / m) ** k)
 
 
 ERRORS = ("extra", "missing", "colour", "position")

@@ -66,6 +66,20 @@ def test_sample_scene_and_corrupt():
         world.sample_scene("a cat", rng)
 
 
+def test_valid_scenes_and_the_diversity_ceiling():
+    """Right layouts by hand: one object anywhere 9, two alike 36, three 84, two different 72, "A left of B" 27 (a
+    column left, any rows), "at the top left" 1. Distinct values among 8 uniform draws over m: 1 for m 1,
+    m (1 - (1 - 1/m)^8), at most 8, and no distribution over 9 values beats uniform's."""
+    assert [world.valid_scenes(c) for c in ("a red circle", "two red circles", "three red circles",
+                                            "a red circle and a blue square", "a red circle left of a blue square",
+                                            "a red circle at the top left")] == [9, 36, 84, 72, 27, 1]
+    assert world.expected_distinct(1) == 1 and world.expected_distinct(9) == pytest.approx(5.4923, abs=1e-4)
+    assert 7.9 < world.expected_distinct(10 ** 6) < 8
+    rng = np.random.default_rng(0)
+    skewed = rng.choice(9, size=(20000, 8), p=np.r_[0.2, [0.1] * 8])
+    assert np.mean([len(set(row)) for row in skewed]) < world.expected_distinct(9)
+
+
 def test_components():
     mask = np.zeros((6, 6), bool)
     mask[0:2, 0:2] = mask[4:6, 3:6] = True
