@@ -268,7 +268,7 @@ def main(argv: list[str] | None = None) -> dict:
         run.open_run(r, policy, optimizer)
 
     def evaluate_policy(examples: list[dict], rewards: dict, n_samples: int, seed: int, keep_images: int):
-        with r.autocast, unsharded(policy), grpo.decoder_on(pipe, r.device, cfg.offload):  # the pipeline's ODE
+        with r.autocast, unsharded(policy), run.decoder_on(pipe, r.device, cfg.offload):  # the pipeline's ODE
             return grpo.evaluate(pipe, examples, rewards, n_samples, seed, cfg, r.rank, r.world, keep_images)
     r.evaluate, r.extreme = evaluate_policy, grpo.extreme
 
@@ -278,7 +278,7 @@ def main(argv: list[str] | None = None) -> dict:
             with run.timed(seconds, "sample", cfg), r.autocast:  # 1. ONE token grid per prompt, shared by the group
                 tokens = grpo.sample_groups(pipe, [ex["prompt"] for ex in batch], 1, cfg.height, cfg.width,
                                             cfg.temperature, seeds, None, cfg.top_k, cfg.top_p)
-            with run.timed(seconds, "decode", cfg), grpo.decoder_on(pipe, r.device, cfg.offload), unsharded(policy):
+            with run.timed(seconds, "decode", cfg), run.decoder_on(pipe, r.device, cfg.offload), unsharded(policy):
                 chains = [sample_chain(pipe, ex["prompt"], t.tokens.repeat(cfg.group_size, 1), t.large_hw, cfg.height,
                                        cfg.width, cfg.sde_steps or cfg.num_inference_steps, cfg.guidance_scale, s,
                                        cfg.sde_noise, cfg.sde_window)  # 2. G pictures by the SDE sampler

@@ -211,18 +211,6 @@ def only_ar_trains(pipe):
     return pipe
 
 
-@contextlib.contextmanager
-def decoder_on(pipe, device: str, offload: bool):
-    """With --offload the T5, DiT and VAE sit on the CPU and come to `device` only in this block."""
-    for module in (pipe.text_encoder, pipe.transformer, pipe.vae) if offload else ():
-        module.to(device)
-    try:
-        yield
-    finally:
-        for module in (pipe.text_encoder, pipe.transformer, pipe.vae) if offload else ():
-            module.to("cpu")
-
-
 def disable_dropout(model) -> None:
     """Zero every dropout (GLM-Image's are 0 already): dropout in training but not in sampling would
     make pi != pi_old at step 0."""
@@ -1031,7 +1019,7 @@ def main(argv: list[str] | None = None) -> dict:
         run.open_run(r, policy, optimizer)  # --resume's checkpoint; the run directory
 
     def evaluate_policy(examples: list[dict], rewards: dict, n_samples: int, seed: int, keep: int):
-        with r.autocast, unsharded(policy), decoder_on(pipe, r.device, cfg.offload):  # 10.
+        with r.autocast, unsharded(policy), run.decoder_on(pipe, r.device, cfg.offload):  # 10.
             return evaluate(pipe, examples, rewards, n_samples, seed, cfg, r.rank, r.world, keep)
     r.evaluate, r.extreme = evaluate_policy, extreme  # for before / after grids, --eval-prompts
 
@@ -1042,11 +1030,11 @@ def main(argv: list[str] | None = None) -> dict:
                                          cfg.height, cfg.width, cfg.temperature,
                                          [cfg.seed * 1_000_003 + g for g in groups],
                                          [ex.get("source") for ex in batch], cfg.top_k, cfg.top_p)
-            with run.timed(seconds, "decode", cfg), decoder_on(pipe, r.device, cfg.offload):  # 2.
+            with run.timed(seconds, "decode", cfg), run.decoder_on(pipe, r.device, cfg.offload):
                 images = [decode_images(pipe, ex["prompt"], ro.tokens, ro.large_hw, cfg.height,
                                         cfg.width, cfg.num_inference_steps, cfg.decode_seed,
                                         cfg.guidance_scale, ro.source)
-                          for ex, ro in zip(batch, rollouts)]
+                          for ex, ro in zip(batch, rollouts)]  # 2. decode the tokens
             grids = [large_grid(ro.tokens, ro.large_hw) for ro in rollouts]  # what the DiT saw
             with run.timed(seconds, "reward", cfg):  # 3.-4. rewards, z-scored within each group
                 reward, each, advantages = score(images, batch, rewards, cfg.scale_rewards, grids,

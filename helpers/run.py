@@ -660,6 +660,19 @@ def save_grid(path: Path, batch: list[dict], images: list[torch.Tensor], reward:
         tqdm.write(f"warning: could not write {path} ({error.strerror or error}); training goes on", file=sys.stderr)
 
 
+@contextlib.contextmanager
+def decoder_on(pipe, device: str, offload: bool):
+    """With --offload the T5, DiT and VAE sit on the CPU and come to `device` only in this block."""
+    for module in (pipe.text_encoder, pipe.transformer, pipe.vae) if offload else ():
+        module.to(device)
+    try:
+        yield
+    finally:
+        for module in (pipe.text_encoder, pipe.transformer, pipe.vae) if offload else ():
+            module.to("cpu")
+
+
+
 # ---- Evaluation output: the before / after grids, --eval-prompts --------------------------------
 
 SHOW_SEED = 20_260_000  # the sampling seeds of the before / after grids: fixed, whatever --seed

@@ -14,7 +14,6 @@ import functools
 import json
 import math
 import re
-import types
 
 import numpy as np
 import pytest
@@ -1155,30 +1154,6 @@ def test_region_metrics():
     for region, cut in (("preview", slice(0, 2)), ("large", slice(2, 4))):
         _, want = grpo.grpo_loss(logp[:, cut], old[:, cut], ref[:, cut], adv, 0.2, 0.04)
         assert m[f"{region}/kl"] == want["kl"] and m[f"{region}/kl"] > 0
-
-
-def test_decoder_on():
-    """--offload: the T5, DiT and VAE come to the device inside the block and go back to the CPU after it, also when
-    the block fails; without --offload they are not moved."""
-    class Part:
-        def __init__(self):
-            self.moves = []
-
-        def to(self, device):
-            self.moves.append(device)
-            return self
-
-    pipe = types.SimpleNamespace(text_encoder=Part(), transformer=Part(), vae=Part())
-    parts = (pipe.text_encoder, pipe.transformer, pipe.vae)
-    with grpo.decoder_on(pipe, "cuda:0", offload=True):
-        assert [p.moves for p in parts] == [["cuda:0"]] * 3
-    assert [p.moves for p in parts] == [["cuda:0", "cpu"]] * 3
-    with pytest.raises(RuntimeError), grpo.decoder_on(pipe, "cuda:0", offload=True):
-        raise RuntimeError("a decode that fails")
-    assert [p.moves for p in parts] == [["cuda:0", "cpu"] * 2] * 3
-    with grpo.decoder_on(pipe, "cuda:0", offload=False):
-        pass
-    assert [p.moves for p in parts] == [["cuda:0", "cpu"] * 2] * 3
 
 
 def test_main_offload(tmp_path):

@@ -13,6 +13,7 @@ import re
 import shutil
 import subprocess
 import sys
+import types
 
 import numpy as np
 import pytest
@@ -719,3 +720,27 @@ def test_torchrun_interrupt(tmp_path):
     assert done == len(run_record(out)) >= 2
     assert torchrun("--resume", str(out), "--steps", str(done + 1)).returncode == 0
     assert [r["step"] for r in run_record(out)] == list(range(done + 1))
+
+
+def test_decoder_on():
+    """--offload: the T5, DiT and VAE come to the device inside the block and go back to the CPU after it, also when
+    the block fails; without --offload they are not moved."""
+    class Part:
+        def __init__(self):
+            self.moves = []
+
+        def to(self, device):
+            self.moves.append(device)
+            return self
+
+    pipe = types.SimpleNamespace(text_encoder=Part(), transformer=Part(), vae=Part())
+    parts = (pipe.text_encoder, pipe.transformer, pipe.vae)
+    with run.decoder_on(pipe, "cuda:0", offload=True):
+        assert [p.moves for p in parts] == [["cuda:0"]] * 3
+    assert [p.moves for p in parts] == [["cuda:0", "cpu"]] * 3
+    with pytest.raises(RuntimeError), run.decoder_on(pipe, "cuda:0", offload=True):
+        raise RuntimeError("a decode that fails")
+    assert [p.moves for p in parts] == [["cuda:0", "cpu"] * 2] * 3
+    with run.decoder_on(pipe, "cuda:0", offload=False):
+        pass
+    assert [p.moves for p in parts] == [["cuda:0", "cpu"] * 2] * 3
