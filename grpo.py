@@ -544,8 +544,8 @@ def repeat_step(step, n: int, draw, capture: bool = False) -> None:
     """draw(); step() n times. With `capture` (one GPU process, fixed shapes) the first step runs
     eagerly and the rest replay ONE CUDA graph of it: no Python or launches inside a step (a step of
     the real AR is ~2,000 small kernels, which the CPU cannot launch as fast as the GPU runs them).
-    draw(), the step's noise, stays outside the graph: no generator state inside it (the same tokens,
-    the same speed; with the generators captured, the CUDA tests once drew other tokens for a seed)."""
+    draw(), the step's noise, stays outside the graph: no generator state in it (the same tokens and
+    speed; with the generators captured, the CUDA tests once drew other tokens for a seed)."""
     draw()
     step()
     if n == 1 or not capture or distributed():  # FSDP's hooks are not captured
