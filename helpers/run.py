@@ -672,7 +672,6 @@ def decoder_on(pipe, device: str, offload: bool):
             module.to("cpu")
 
 
-
 # ---- Evaluation output: the before / after grids, --eval-prompts --------------------------------
 
 SHOW_SEED = 20_260_000  # the sampling seeds of the before / after grids: fixed, whatever --seed
