@@ -267,9 +267,9 @@ def main(argv: list[str] | None = None) -> dict:
         policy, ref_model, optimizer = setup_training(pipe, cfg, r.dtype, r.world)
         run.open_run(r, policy, optimizer)
 
-    def evaluate_policy(examples: list[dict], rewards: dict, n_samples: int, seed: int, keep_images: int):
+    def evaluate_policy(examples: list[dict], seeds: list[int], rewards: dict, n_samples: int):
         with r.autocast, unsharded(policy), run.decoder_on(pipe, r.device, cfg.offload):  # the pipeline's ODE
-            return grpo.evaluate(pipe, examples, rewards, n_samples, seed, cfg, r.rank, r.world, keep_images)
+            return grpo.evaluate(pipe, examples, seeds, rewards, n_samples, cfg)
     r.evaluate, r.extreme = evaluate_policy, grpo.extreme
 
     with run.training(r):

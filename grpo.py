@@ -11,21 +11,15 @@ score them (SSIM / -MSE to a target, or any function of the images) and maximise
 with r_it = pi(o_it | q, o_i<t) / pi_old(o_it | q, o_i<t), A_i = (R_i - mean(R)) / std(R) over the
 group and KL_it the k3 estimator exp(ref - logp) - (ref - logp) - 1 against a frozen reference.
 
-Where this departs from the paper (docs/ says why, with measurements):
-  - A sequence is a preview grid then the large grid (H/32 x W/32); only the large grid reaches the
-    DiT, so only its tokens are in the loss (`--train-tokens large`). Every sample of a prompt has
-    the same N tokens: sampling is restricted to the codebook and never stops early.
+Where this departs from the paper (docs/ measures each):
+  - Only the large grid (H/32 x W/32, after a preview grid) reaches the DiT, so only its tokens are
+    in the loss. Sampling stays in the codebook and never stops early: a group's N tokens are equal.
   - Sampler and trainer share one distribution (`code_logprobs`): pi / pi_old is exactly 1 at the
-    first update. The policy trained is the whole softmax; the sampler's top-p (GLM-Image: 0.75) and
-    bf16 rounding are corrected by importance weights (`--sampler-correction`, TRL's way).
-  - The AR uses 3D rotary positions: a teacher-forced forward must get generation's
-    (`rope_positions`).
-  - The DiT and VAE are frozen and use the same noise for a whole group: rewards differ by tokens.
-  - Variants: `--scale-rewards batch | none` (Dr. GRPO), `--clip-eps-high` (DAPO), `--diversity` (a
-    bonus for layouts a group draws once). Editing: the source is encoded once per group.
-
-helpers/ holds main's plumbing, torchrun and FSDP2, more rewards; copied alone, every section above
-`main` runs in one process. `python dit_grpo.py` trains the DiT instead (Flow-GRPO).
+    first update; the sampler's top-p and bf16 rounding get TRL's importance weights.
+  - The AR's 3D rotary positions are replayed in training (`rope_positions`). The DiT is frozen and
+    decodes a group from one noise. Variants: Dr. GRPO, DAPO's clip-higher, a diversity bonus.
+Copied alone, every section above `main` runs in one process (helpers/: main's plumbing, torchrun
+and FSDP2, more rewards). `python dit_grpo.py` trains the DiT instead (Flow-GRPO).
 
   python grpo.py --prompts prompts.txt                          # the tiny GLM-Image, on a CPU
   python grpo.py --prompts examples/shapes.txt --reward shapes  # draw what the caption asks
@@ -50,8 +44,8 @@ from PIL import Image
 
 try:  # helpers/, beside this file: main's plumbing, torchrun and FSDP2, rewards beyond pixels
     from helpers import run
-    from helpers.parallel import (all_agree, distributed, gather_list, gather_rows, interrupts_held,
-                                  shard, sync_gradients, unsharded)
+    from helpers.parallel import (all_agree, distributed, gather_rows, interrupts_held, shard,
+                                  sync_gradients, unsharded)
     from helpers.rewards import MORE_REWARDS
 except ModuleNotFoundError as missing:  # grpo.py copied alone: all above main, one process
     if missing.name != "helpers":
@@ -59,7 +53,7 @@ except ModuleNotFoundError as missing:  # grpo.py copied alone: all above main, 
     run, shard, MORE_REWARDS = None, None, {}  # main, FSDP2 and the extra rewards need helpers/
     unsharded = interrupts_held = contextlib.nullcontext
     distributed, sync_gradients = (lambda: False), (lambda model, last: None)
-    all_agree = gather_rows = gather_list = lambda x: x  # one process: collectives are identities
+    all_agree = gather_rows = lambda x: x  # one process: collectives are identities
 
 
 # ---- 1. Config ----------------------------------------------------------------------------------
@@ -74,11 +68,8 @@ CORRECTIONS = ("token_truncate", "token_mask", "sequence_truncate", "sequence_ma
 
 @dataclasses.dataclass
 class Config:  # a field per flag (--group-size ...); None: MODEL_DEFAULTS fills it in
-    prompts: str = arg("prompts.txt", "'prompt | target.png' lines, or .jsonl lines: {\"prompt\", "
-                                      "\"target\", \"source\"}")
-    model: str = arg("tiny", "hub id (zai-org/GLM-Image), folder, 'tiny' (tiny_glm_image/), "
-                             "'tiny-edit' (its editing sibling) or 'random' (the published "
-                             "configs, random weights)")
+    prompts: str = arg("prompts.txt", "'prompt | target.png' lines, or .jsonl (docs/editing.md)")
+    model: str = arg("tiny", "hub id, folder, tiny, tiny-edit, or random (published configs)")
     out: str = arg("runs/grpo", "output directory")
     steps: int = arg(100, "optimizer steps")
     seed: int = arg(0, "seed of the AR sampling")
@@ -90,23 +81,18 @@ class Config:  # a field per flag (--group-size ...); None: MODEL_DEFAULTS fills
     max_grad_norm: float = arg(1.0, "gradient-norm clip")
     clip_eps: float = arg(0.2, "PPO clip: the ratio is clipped to [1 - eps, 1 + eps_high]")
     clip_eps_high: float | None = arg(None, "upper clip (DAPO's clip-higher; default: --clip-eps)")
-    scale_rewards: str = arg("group", "advantages divided by the std of the group, the batch or "
-                                      "none (Dr. GRPO)", ("group", "batch", "none"))
-    kl_beta: float | None = arg(None, "weight of the k3 KL to the reference (default 0.1 tiny, "
-                                      "0.04 real)")
-    mu: int | None = arg(None, "updates per batch of rollouts; > 1 lets the clip act (default 2 "
-                               "tiny, 1 real)")
-    diversity: float | None = arg(None, "bonus / c added to each reward, c the samples of the "
-                                        "group that drew the same large grid (default 0)")
+    scale_rewards: str = arg("group", "advantages / the std of the group, the batch or none "
+                                      "(Dr. GRPO)", ("group", "batch", "none"))
+    kl_beta: float | None = arg(None, "k3 KL weight (default 0.1 tiny, 0.04 real)")
+    mu: int | None = arg(None, "updates per batch; > 1 lets the clip act (default 2 tiny, 1 real)")
+    diversity: float | None = arg(None, "bonus / c on each reward, c its group's same-grid samples")
     temperature: float = arg(0.9, "sampling temperature (GLM-Image: 0.9)")
-    top_p: float | None = arg(None, "nucleus sampling: the fewest codes with probability >= p "
-                                    "(default 1.0 tiny: off; 0.75 real)")
+    top_p: float | None = arg(None, "nucleus sampling (default 1.0 tiny: off, 0.75 real)")
     top_k: int = arg(0, "sample from the k most likely codes only (0: off)")
-    sampler_correction: str = arg("token_truncate", "importance weights pi_old / pi_sampler on the "
-                                  "policy gradient (TRL's modes, or none)", CORRECTIONS)
-    policy_dist: str = arg("full", "the distribution trained: full (the softmax, the sampler's "
-                           "truncation corrected by --sampler-correction) or truncated (the codes "
-                           "the sampler kept; docs/real_model.md)", ("full", "truncated"))
+    sampler_correction: str = arg("token_truncate", "TRL's weights pi_old / pi_sampler",
+                                  CORRECTIONS)
+    policy_dist: str = arg("full", "trained: the full softmax (sampler's truncation weighted) or "
+                                   "truncated (docs/real_model.md)", ("full", "truncated"))
     sampler_cap: float = arg(2.0, "weights above it are cut to it (truncate) or to 0 (mask)")
     height: int | None = arg(None, "image height (default 96 tiny, 1024 real)")
     width: int | None = arg(None, "image width (default 96 tiny, 1024 real)")
@@ -116,29 +102,25 @@ class Config:  # a field per flag (--group-size ...); None: MODEL_DEFAULTS fills
     reward: str = arg("ssim=1,mse=0", "rewards and weights, e.g. ssim=1,ocr=0.5 (docs/rewards.md)")
     train_tokens: str = arg("large", "tokens in the loss: large | all", ("large", "all"))
     image_every: int = arg(10, "save an image grid every N steps (0: never)")
-    before_after: int | None = arg(None, "the first N prompts sampled with fixed seeds before and "
-                                         "after training (default 4 tiny, 0 real)")
-    eval_prompts: str = arg("", "held-out prompts (as --prompts; .jsonl lines may carry a "
-                                "\"category\"), scored with fixed seeds")
+    before_after: int | None = arg(None, "N prompts drawn before/after (default 4 tiny, 0 real)")
+    eval_prompts: str = arg("", "held-out prompts (as --prompts; .jsonl may add a \"category\")")
     eval_every: int = arg(25, "evaluate every N steps (0: only before the first and after the end)")
     eval_samples: int = arg(4, "images per eval prompt")
     eval_reward: str = arg("", "rewards only measured on the eval prompts, e.g. shapes_exact")
     save_every: int = arg(50, "save a checkpoint every N steps (0: only at the end)")
     resume: str = arg("", "run directory to continue (--steps is the total)")
     overwrite: bool = arg(False, "replace the run in --out")
-    train: str = arg("ar", "what GRPO trains: ar (grpo.py) or dit (python dit_grpo.py)",
-                     ("ar", "dit"))
+    train: str = arg("ar", "ar (grpo.py) or dit (python dit_grpo.py)", ("ar", "dit"))
     sde_noise: float = arg(0.7, "dit_grpo.py: noise level of the SDE step (Flow-GRPO's a)")
     sde_steps: int = arg(0, "dit_grpo.py: steps of the training chains (0: --num-inference-steps)")
     sde_window: int = arg(0, "dit_grpo.py: SDE (trained) steps first, ODE after (0: all SDE)")
     lora_rank: int | None = arg(None, "LoRA rank, 0: train every weight (default 0 tiny, 16 real)")
-    gradient_checkpointing: bool | None = arg(None, "recompute activations in the backward "
-                                                    "(default: on for --train dit, real model)")
+    gradient_checkpointing: bool | None = arg(None, "recompute activations (default: real DiT)")
     offload: bool = arg(False, "keep DiT, VAE, T5 on CPU except to decode")
     device: str = arg("auto", "cpu | cuda | auto", ("auto", "cpu", "cuda"))
-    report_to: str = arg("none", "also send metrics and grids to: none | tensorboard | "
-                                 "wandb (offline)")
+    report_to: str = arg("none", "also log to: none | tensorboard | wandb (offline)")
     dtype: str = arg("auto", "float32 | bfloat16 | auto", ("auto", "float32", "bfloat16"))
+
 
 MODEL_DEFAULTS = {  # filled in where the command line left a field at None
     # the tiny demo runs the whole loss: the KL and the clip (mu 2); the diversity bonus is a switch
@@ -154,13 +136,12 @@ MODEL_DEFAULTS = {  # filled in where the command line left a field at None
 
 
 def parse_config(argv: list[str] | None = None) -> Config:
-    """Command line -> Config (helpers/run.py builds the parser): flags are the fields with dashes.
-    """
+    """Command line -> Config (helpers/run.py builds the parser): a flag per field."""
     return with_defaults(Config(**vars(run.config_parser(Config).parse_args(argv))))
 
 
 def with_defaults(cfg: Config) -> Config:
-    """`cfg` with its None fields from MODEL_DEFAULTS: the tiny model's, or the real one's."""
+    """`cfg` with its None fields from MODEL_DEFAULTS: the tiny model's or the real one's."""
     tiny = cfg.model in TINY_MODELS
     defaults = MODEL_DEFAULTS["tiny" if tiny else "real"]
     defaults = {"micro_batch_size": cfg.group_size or defaults["group_size"], **defaults,
@@ -180,10 +161,8 @@ TINY_MODELS = {"tiny": TINY, "tiny-edit": TINY.with_name("tiny_glm_image_edit")}
 
 
 def load_glm_image(name: str, device: str = "cpu", dtype: torch.dtype = torch.float32):
-    """GlmImagePipeline.from_pretrained(name): a hub id, a local folder, 'tiny' or 'tiny-edit'
-    (TINY_MODELS); 'random' builds GLM-Image from its published configs with random weights on the
-    device ('random:L': L layers in each part), to measure speed and memory without the download.
-    Only the AR trains."""
+    """GlmImagePipeline from a hub id, a folder or TINY_MODELS; 'random[:L]' builds GLM-Image from
+    its published configs with random weights (L layers a part): speed and memory, no download."""
     from diffusers import GlmImagePipeline
     if name.split(":")[0] == "random":
         from helpers.offline_model import PUBLISHED, glm_image, with_depths
@@ -212,8 +191,7 @@ def only_ar_trains(pipe):
 
 
 def disable_dropout(model) -> None:
-    """Zero every dropout (GLM-Image's are 0 already): dropout in training but not in sampling would
-    make pi != pi_old at step 0."""
+    """Zero every dropout (GLM-Image's are 0): dropout in training only would make pi != pi_old."""
     for module in model.modules():
         if isinstance(module, torch.nn.Dropout):
             module.p = 0.0
@@ -222,10 +200,8 @@ def disable_dropout(model) -> None:
 
 
 def apply_lora(policy, rank: int, seed: int = 0):
-    """LoRA adapters (peft, dropout 0) on the language model's attention and MLP projections, the
-    rest frozen. Injected in place, so the pipeline samples with them; the returned PeftModel can
-    switch them off (`disable_adapter`: the reference). The A matrices come from `seed`, the same on
-    every process."""
+    """LoRA (peft, dropout 0) on the language model's attention and MLP, injected in place (the
+    pipeline samples with it); its `disable_adapter` is the reference. A matrices from `seed`."""
     from peft import LoraConfig, get_peft_model  # optional dependency, only for --lora-rank > 0
     projections = r"(self_attn\.(q|k|v|o)_proj|mlp\.(gate_up|down)_proj)"
     config = LoraConfig(r=rank, lora_alpha=rank, lora_dropout=0.0,
@@ -238,8 +214,7 @@ def apply_lora(policy, rank: int, seed: int = 0):
 
 
 def reference_model(policy, kl_beta: float):
-    """The KL reference: None when beta = 0; with LoRA the policy itself (its base weights, adapter
-    off: no second copy); else a frozen copy of the AR."""
+    """The KL reference: None when beta = 0; with LoRA the policy (adapter off), else a copy."""
     if kl_beta == 0:
         return None
     if hasattr(policy, "disable_adapter"):
@@ -248,9 +223,8 @@ def reference_model(policy, kl_beta: float):
 
 
 def setup_training(pipe, cfg, dtype: torch.dtype, world: int, policy=None, lora=None):
-    """The trained model (default the AR; dit_grpo.py passes the DiT and its `lora`) with LoRA or in
-    float32, --offload, the KL reference, FSDP2 over `world` processes, AdamW.
-    Returns (policy: a PeftModel with LoRA, reference or None, optimizer)."""
+    """The trained model (the AR, or dit_grpo.py's DiT) with LoRA or in float32, --offload, the
+    reference, FSDP2 over `world` processes, AdamW -> (policy, reference or None, optimizer)."""
     policy = pipe.vision_language_encoder if policy is None else policy
     if cfg.lora_rank:  # adapters in float32 (peft's default), base weights frozen
         policy = (lora or apply_lora)(policy, cfg.lora_rank, cfg.seed)
@@ -291,17 +265,14 @@ class Rollout(NamedTuple):
     preview_hw: tuple[int, int]  # preview grid (h', w'), generated first; (0, 0) when editing
     large_hw: tuple[int, int]  # large grid (H/32, W/32), generated last; the only one the DiT sees
     source: Source | None  # the image being edited, or None (text-to-image)
-    support: torch.Tensor | None = None  # (G, N, K/8) uint8 bits: the codes top-k / top-p kept for
-    # each token (None: all K); the trainer scores over this set (code_logprobs' `support`)
+    support: torch.Tensor | None = None  # (G, N, K/8) bits: the codes top-k / top-p kept (None: all)
 
 
 def code_logprobs(logits: torch.Tensor, temperature: float, codebook_size: int, top_k: int = 0,
                   top_p: float = 1.0, support: torch.Tensor | None = None) -> torch.Tensor:
-    """(..., V) AR logits -> (..., K) float32 log-probs over the codebook: softmax(logits / T)
-    truncated to the `top_k` most likely codes and to the nucleus (`top_p`), renormalised; or over
-    the (..., K) bool `support` the sampler kept. The one definition of the policy: the sampler
-    draws from it and the trainer scores with it, so pi / pi_old is exactly 1 before the first
-    update. Codes outside the truncation get -inf."""
+    """(..., V) AR logits -> (..., K) float32 log-probs over the codebook: softmax(logits / T) cut
+    to `top_k` / `top_p` (or to the sampler's kept codes, `support`), renormalised, -inf outside.
+    One definition of the policy: the sampler draws from it, the trainer scores with it."""
     scores = logits[..., :codebook_size].float() / temperature  # ids >= K are never drawn
     if support is not None:
         return torch.log_softmax(scores.masked_fill(~support, -math.inf), dim=-1)
@@ -316,25 +287,22 @@ def code_logprobs(logits: torch.Tensor, temperature: float, codebook_size: int, 
 
 
 def support_bits(kept: torch.Tensor) -> torch.Tensor:
-    """(..., K) bool -> (..., ceil(K/8)) uint8: a truncation's kept codes, 8 to a byte (2 KiB a
-    token at K = 16384)."""
+    """(..., K) bool -> (..., K/8) uint8: the codes a truncation kept, 8 to a byte."""
     kept = F.pad(kept, (0, -kept.shape[-1] % 8)).unflatten(-1, (-1, 8)).to(torch.uint8)
     shifts = torch.arange(8, device=kept.device, dtype=torch.uint8)
     return (kept << shifts).sum(-1, dtype=torch.uint8)
 
 
 def code_support(bits: torch.Tensor, codebook_size: int) -> torch.Tensor:
-    """support_bits' (..., ceil(K/8)) uint8 -> the (..., K) bool set again."""
+    """support_bits' (..., K/8) uint8 -> the (..., K) bool set again."""
     shifts = torch.arange(8, device=bits.device, dtype=torch.uint8)
     return ((bits[..., None] >> shifts) & 1).bool().flatten(-2)[..., :codebook_size]
 
 
 def group_inputs(processor, prompt: str, group_size: int, height: int, width: int, device,
                  source: Image.Image | None = None) -> dict:
-    """One prompt (and an image to edit) -> AR inputs repeated G times, each sample's grid rows
-    together (generate(num_return_sequences=G) would interleave them). image_grid_thw holds [large,
-    preview] per sample, or [source, large] when editing; then `pixel_values` holds the source's
-    patches and input_ids one <|image|> placeholder per source token (encode_source fills them)."""
+    """One prompt (and an image to edit) -> its AR inputs repeated G times, a sample's grid rows
+    together. image_grid_thw: [large, preview] a sample, or [source, large] (and pixel_values)."""
     content = [{"type": "text", "text": prompt}]
     content = ([{"type": "image", "image": source}] if source is not None else []) + content
     one = processor.apply_chat_template(
@@ -353,9 +321,8 @@ def group_inputs(processor, prompt: str, group_size: int, height: int, width: in
 
 @torch.no_grad()
 def encode_source(model, inputs: dict, source: Image.Image) -> tuple[dict, Source]:
-    """The source's patches -> its VQ codes, written into input_ids in place of the placeholders:
-    what GlmImageModel.forward does with pixel_values, done ONCE per group, so the sampler and every
-    training forward see the same source tokens (and need no pixel_values)."""
+    """The source's VQ codes written into input_ids in place of its placeholders, ONCE per group (as
+    GlmImageModel.forward does with pixel_values): sampler and trainer see the same tokens."""
     core, grid = model.model, inputs["image_grid_thw"][:1]  # (1, 3): the source row of sample 0
     features = core.get_image_features(inputs["pixel_values"], grid, return_dict=True).pooler_output
     codes = core.get_image_tokens(features).view(-1)  # (h_s * w_s,)
@@ -370,16 +337,15 @@ def encode_source(model, inputs: dict, source: Image.Image) -> tuple[dict, Sourc
 
 
 def to_pil(image: torch.Tensor) -> Image.Image:
-    """(3, H, W) float in [0, 1] -> PIL (exact for 8-bit images): the processor rescales by 1/255.
-    """
+    """(3, H, W) float in [0, 1] -> PIL (exact for 8-bit images)."""
     array = (image.float().clamp(0, 1).permute(1, 2, 0).cpu().numpy() * 255).round()
     return Image.fromarray(array.astype(np.uint8))
 
 
 def group_prompt(pipe, prompt: str, group_size: int, height: int, width: int,
                  source: torch.Tensor | None = None) -> tuple[dict, Source | None, tuple, tuple]:
-    """One prompt (and a (3, H, W) source) -> the group's AR inputs (with the source's codes), the
-    Source, and the grids the AR will write: preview (h', w') first ((0, 0) when editing), large."""
+    """One prompt (and a (3, H, W) source) -> AR inputs, Source, and the grids the AR writes:
+    preview (h', w') ((0, 0) when editing), then large."""
     model = pipe.vision_language_encoder
     image = to_pil(source) if source is not None else None
     inputs = group_inputs(pipe.processor, prompt, group_size, height, width, model.device, image)
@@ -392,11 +358,10 @@ def group_prompt(pipe, prompt: str, group_size: int, height: int, width: int,
 
 def rope_positions(input_ids: torch.Tensor, image_grid_thw: torch.Tensor, num_tokens: int,
                    image_start_id: int, image_end_id: int) -> torch.Tensor:
-    """3D rotary positions (3, 1, P + N - 1) of one sample's prompt (input_ids (P,)) and its N
-    generated tokens but the last, as GlmImageModel.get_rope_index gives them to generate. Text is
-    a 1D ramp on all three axes; an image h x w starting at p puts cell (row, col) at (p, p + row,
-    p + col), and the ramp goes on at p + max(h, w). Grids the prompt does not hold are generated
-    in REVERSE order of image_grid_thw (text-to-image: preview, then large)."""
+    """3D rotary positions (3, 1, P + N - 1) of a prompt and its N tokens but the last, as
+    GlmImageModel.get_rope_index gives generate: text is a ramp on all 3 axes; a grid h x w at p
+    puts cell (row, col) at (p, p + row, p + col) and the ramp resumes at p + max(h, w). Generated
+    grids come in REVERSE order of image_grid_thw (text-to-image: preview, then large)."""
     ids = input_ids.tolist()
     starts = [i + 1 for i, t in enumerate(ids) if t == image_start_id]  # each image's first token
     ends = [i for i, t in enumerate(ids) if t == image_end_id]  # a source image has an end
@@ -423,10 +388,9 @@ def rope_positions(input_ids: torch.Tensor, image_grid_thw: torch.Tensor, num_to
 def sample_groups(pipe, prompts: list[str], group_size: int, height: int, width: int,
                   temperature: float, seeds: list[int], sources: list | None = None, top_k: int = 0,
                   top_p: float = 1.0) -> list[Rollout]:
-    """G samples for each of P prompts (and source images), with their log-probs, from ONE decode of
-    all P*G rows: the prompts left-padded, each row at its own rotary positions. A sample is
-    N = h'w' + (H/32)(W/32) codes (editing: (H/32)(W/32); groups of another N are decoded apart).
-    Group p draws from a generator seeded with seeds[p]: the tokens it would get alone (tested)."""
+    """G samples and their log-probs for each of P prompts from ONE decode of all P*G rows,
+    left-padded, each at its own positions (groups of another length N apart). Group p draws from a
+    generator seeded with seeds[p]: the tokens it would get alone."""
     model = pipe.vision_language_encoder.eval()  # no dropout: one distribution
     groups = [group_prompt(pipe, prompt, group_size, height, width, source)
               for prompt, source in zip(prompts, sources or [None] * len(prompts))]
@@ -474,11 +438,10 @@ def sample_group(pipe, prompt: str, group_size: int, height: int, width: int, te
 def decode(model, input_ids: torch.Tensor, valid: torch.Tensor, positions: torch.Tensor,
            n_tokens: int, temperature: float, top_k: int, top_p: float, generators: list,
            static: bool | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """The AR's decode loop: prefill the prompts once, then one token a step with a KV cache.
-    input_ids (B, P) left-padded prompts, valid (B, P) False on padding, positions (3, B, P + N),
-    one generator per group -> the (B, N) codes, their float32 log-probs and, with top-k / top-p,
-    the (B, N, K/8) bits of the codes each draw kept (else None). `static` (default: on a GPU)
-    pre-allocates the cache so that the step can be one CUDA graph (repeat_step)."""
+    """The AR's decode loop: prefill once, then a token a step with a KV cache. (B, P) left-padded
+    prompts, `valid` False on padding, (3, B, P + N) positions, a generator per group -> (B, N)
+    codes, their log-probs and, with top-k / top-p, the bits of the codes each draw kept (else
+    None). `static` (default on a GPU): a pre-allocated cache, so the step can be a CUDA graph."""
     from transformers import DynamicCache, StaticCache
     K, V = model.config.vq_config.num_embeddings, model.lm_head.out_features
     (B, P), N, device = input_ids.shape, n_tokens, input_ids.device
@@ -530,9 +493,9 @@ def decode(model, input_ids: torch.Tensor, valid: torch.Tensor, positions: torch
 
 def decode_mask(seen: torch.Tensor, slots: torch.Tensor, kv: int, dtype: torch.dtype
                 ) -> torch.Tensor:
-    """(B, L) slots that hold a token, the (S,) slots fed -> the (B, 1, S, kv) additive mask:
-    causal, without the padding (a pad slot attends to itself: a query that sees nothing makes
-    NaN). A float mask: sdpa reads a bool one as "attend where True", eager attention ADDS it."""
+    """(B, L) slots that hold a token, (S,) slots fed -> (B, 1, S, kv) mask: causal, padding blocked
+    (a pad slot sees itself: no NaN). Additive float: eager attention adds a mask, sdpa would read a
+    bool one as "attend where True", so only this form means the same to both."""
     slot = torch.arange(seen.shape[1], device=seen.device)
     attend = (seen[:, None, None, :] & (slot <= slots[:, None])) | (slot == slots[:, None])
     blocked = torch.finfo(dtype).min  # added to masked scores, by eager and sdpa alike
@@ -541,11 +504,9 @@ def decode_mask(seen: torch.Tensor, slots: torch.Tensor, kv: int, dtype: torch.d
 
 
 def repeat_step(step, n: int, draw, capture: bool = False) -> None:
-    """draw(); step() n times. With `capture` (one GPU process, fixed shapes) the first step runs
-    eagerly and the rest replay ONE CUDA graph of it: no Python or launches inside a step (a step of
-    the real AR is ~2,000 small kernels, which the CPU cannot launch as fast as the GPU runs them).
-    draw(), the step's noise, stays outside the graph: no generator state in it (the same tokens and
-    speed; with the generators captured, the CUDA tests once drew other tokens for a seed)."""
+    """draw(); step(), n times. With `capture` the first step runs eagerly and the rest replay ONE
+    CUDA graph of it (a real AR step is ~2,000 small kernels). draw(), the noise, stays outside the
+    graph: no generator state in it (docs/real_model.md)."""
     draw()
     step()
     if n == 1 or not capture or distributed():  # FSDP's hooks are not captured
@@ -568,7 +529,7 @@ def repeat_step(step, n: int, draw, capture: bool = False) -> None:
 def token_logprobs(model, inputs: dict, tokens: torch.Tensor, temperature: float, top_k: int = 0,
                    top_p: float = 1.0, support: torch.Tensor | None = None) -> torch.Tensor:
     """(G, N) float32 log-probs of `tokens` from one teacher-forced forward, under code_logprobs
-    (over the sampler's kept codes when `support`, a Rollout's bits, is given). Differentiable."""
+    (over the sampler's kept codes when `support` is given). Differentiable."""
     K = model.config.vq_config.num_embeddings
     support = None if support is None else code_support(support, K)
     logits = token_logits(model, inputs, tokens)  # (G, N, V)
@@ -576,16 +537,13 @@ def token_logprobs(model, inputs: dict, tokens: torch.Tensor, temperature: float
 
 
 def logprob_of(distribution: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-    """(G, N, K) log-probs of every code and (G, N) tokens -> (G, N) each token's log-prob."""
+    """(G, N, K) log-probs of every code, (G, N) tokens -> (G, N) each token's log-prob."""
     return distribution.gather(-1, tokens[..., None]).squeeze(-1)
 
 
 def token_logits(model, inputs: dict, tokens: torch.Tensor) -> torch.Tensor:
-    """(G, N, V) logits that predict each of `tokens` given the prompt: one teacher-forced forward.
-
-    The explicit `position_ids` make it agree with the sampler: without them the model puts the
-    image tokens on the 1D text ramp (the notebook shows the cost). The rows must share one prompt
-    (a group): the positions come from row 0."""
+    """(G, N, V) logits that predict each of `tokens`: one teacher-forced forward of ONE group, at
+    generation's positions (rope_positions; without them image tokens sit on the text ramp)."""
     G, P = inputs["input_ids"].shape
     if not (inputs["input_ids"] == inputs["input_ids"][:1]).all():
         raise ValueError("token_logits scores one prompt per call (its positions come from row 0), "
@@ -604,14 +562,12 @@ def token_logits(model, inputs: dict, tokens: torch.Tensor) -> torch.Tensor:
 # ---- 5. Decoding tokens to images ---------------------------------------------------------------
 
 def large_grid(tokens: torch.Tensor, large_hw: tuple[int, int]) -> torch.Tensor:
-    """(G, N) AR tokens -> (G, hw) the large grid: the last h*w tokens, the only ones the DiT sees
-    (in the tiny world, one token a cell: the picture's layout)."""
+    """(G, N) tokens -> (G, hw) the large grid: the last h*w tokens, the only ones the DiT sees."""
     return tokens[:, -large_hw[0] * large_hw[1]:]
 
 
 def prior_ids(tokens: torch.Tensor, large_hw: tuple[int, int]) -> torch.Tensor:
-    """(G, N) AR tokens -> (G, 4hw) the DiT's prior ids: the large grid upsampled 2x (nearest) to
-    the DiT's H/16 x W/16 grid."""
+    """(G, N) tokens -> (G, 4hw) the DiT's prior ids: the large grid upsampled 2x (nearest)."""
     G, (h, w) = tokens.shape[0], large_hw
     large = large_grid(tokens, large_hw).reshape(G, 1, h, w).float()  # (G, 1, H/32, W/32)
     return F.interpolate(large, scale_factor=2, mode="nearest").long().reshape(G, -1)
@@ -621,10 +577,9 @@ def prior_ids(tokens: torch.Tensor, large_hw: tuple[int, int]) -> torch.Tensor:
 def decode_images(pipe, prompt: str, tokens: torch.Tensor, large_hw: tuple[int, int], height: int,
                   width: int, num_inference_steps: int, seed: int, guidance_scale: float = 1.5,
                   source: Source | None = None) -> torch.Tensor:
-    """(G, N) tokens -> (G, 3, H, W) float32 images in [0, 1]: large grid -> prior ids -> DiT ->
-    VAE, the whole group from the same latent noise (the images differ only by their tokens).
-    Editing: the DiT also attends to the source (VAE latents and codes), as GLM-Image edits. Our
-    tokens as prior_token_ids skip the pipeline's own AR step."""
+    """(G, N) tokens -> (G, 3, H, W) float32 images in [0, 1] by the pipeline (prior ids, DiT, VAE),
+    the group from one latent noise: images differ by their tokens only. Editing: the DiT also sees
+    the source, as GLM-Image edits."""
     G, device, dtype = tokens.shape[0], pipe.transformer.device, pipe.transformer.dtype
     prior = prior_ids(tokens, large_hw)  # (G, 4hw) at H/16
     embeds, negative = pipe.encode_prompt(prompt, do_classifier_free_guidance=guidance_scale > 1,
@@ -660,9 +615,8 @@ def mse_reward(images: torch.Tensor, example: dict) -> torch.Tensor:
 
 
 def ssim_reward(images: torch.Tensor, example: dict) -> torch.Tensor:
-    """(G, 3, H, W) in [0, 1], example["target"] (3, H, W) -> (G,) SSIM (Wang et al. 2004) in [-1,
-    1]: 11-tap Gaussian window (sigma 1.5), K1 = 0.01, K2 = 0.03, valid windows, mean over channels.
-    """
+    """(G, 3, H, W) in [0, 1], example["target"] (3, H, W) -> (G,) SSIM (Wang et al. 2004) in
+    [-1, 1]: 11-tap Gaussian window (sigma 1.5), K1 0.01, K2 0.03, valid windows."""
     C1, C2 = 0.01 ** 2, 0.03 ** 2
     g = torch.exp(-((torch.arange(11, dtype=torch.float32) - 5) ** 2) / (2 * 1.5 ** 2))
     g = (g / g.sum()).to(images.device)
@@ -687,8 +641,7 @@ REWARDS = {"ssim": ssim_reward, "mse": mse_reward, **MORE_REWARDS}  # helpers/re
 
 def group_rewards(images: list[torch.Tensor], examples: list[dict], rewards: dict[str, tuple]
                   ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """P groups of (G, 3, H, W) images and their P examples -> (P, G) weighted sum, and each
-    reward's (P, G). Row p scores group p against example p only."""
+    """P groups of (G, 3, H, W) images and their examples -> (P, G) weighted sum, each reward's."""
     each = {name: torch.stack([fn(group, example).float().reshape(-1).to(group.device)
                                for group, example in zip(images, examples, strict=True)])
             for name, (fn, _) in rewards.items()}
@@ -700,11 +653,8 @@ def group_rewards(images: list[torch.Tensor], examples: list[dict], rewards: dic
 
 def group_advantages(rewards: torch.Tensor, eps: float = 1e-6, scale: str = "group",
                      batch: torch.Tensor | None = None) -> torch.Tensor:
-    """(P, G) or (G,) rewards -> advantages: each reward minus its group's mean, divided by the
-    group's std ("group", the paper), by the std of every reward of the step ("batch": `batch`,
-    default `rewards`) or by nothing ("none": Dr. GRPO). Population stds. A group with no spread
-    (std <= eps x its largest |reward|: float rounding at any scale) gets zeros rather than a
-    division by ~0."""
+    """(P, G) or (G,) rewards -> advantages: minus the group's mean, over the group's std ("group"),
+    the step's ("batch") or 1 ("none": Dr. GRPO). A group with no spread (rounding) gets zeros."""
     mean = rewards.mean(dim=-1, keepdim=True)
     std = rewards.std(dim=-1, unbiased=False, keepdim=True)
     spread = std > eps * rewards.abs().amax(dim=-1, keepdim=True)
@@ -717,19 +667,15 @@ def group_advantages(rewards: torch.Tensor, eps: float = 1e-6, scale: str = "gro
 
 
 def repeats(grids: list[torch.Tensor]) -> torch.Tensor:
-    """Each group's (G, n) large grids -> (P, G) c: the samples of its group that drew the same
-    grid. The diversity bonus (DiverseGRPO's) adds diversity / c to each reward: a layout drawn
-    once earns it all. Exact repeats only (the real model's grids never repeat: GARDO's feature
-    distance would be needed there)."""
+    """Each group's (G, n) large grids -> (P, G): how many of its group drew the same grid. The
+    diversity bonus adds diversity / c to a reward: a layout drawn once earns it all."""
     return torch.stack([(g[:, None] == g[None]).all(-1).sum(-1) for g in grids])
 
 
 def score(images: list[torch.Tensor], batch: list[dict], rewards: dict, scale: str = "group",
           grids: list[torch.Tensor] | None = None, diversity: float = 0.0) -> tuple:
-    """Steps 3-4 for P groups of images and their examples: the (P, G) rewards (and each reward's)
-    and the (P, G) advantages (group_advantages; "batch": every process's rewards), from the rewards
-    plus the bonus diversity / c (`grids`: each group's (G, n) large grids). Returns the rewards
-    alone."""
+    """Steps 3-4: P groups of images -> (P, G) rewards, each reward's, and the advantages of the
+    rewards plus the diversity bonus (`grids`: each group's large grids)."""
     reward, each = group_rewards(images, batch, rewards)  # 3. score them: (P, G)
     shaped = reward + diversity / repeats(grids).to(reward) if diversity > 0 else reward
     everyone = gather_rows(shaped) if scale == "batch" else None
@@ -741,12 +687,9 @@ def score(images: list[torch.Tensor], batch: list[dict], rewards: dict, scale: s
 
 def sampler_correction(old_logprobs: torch.Tensor, sampled_logprobs: torch.Tensor,
                        mode: str = "none", cap: float = 2.0) -> tuple[torch.Tensor, dict]:
-    """TRL's importance-sampling correction: (S, T) log-probs of the sampled tokens under pi_old
-    (the trainer) and the sampler -> the weights on the policy gradient and the mismatch metrics
-    (TRL's names). r = pi_old / pi_sampler per token (token_*, (S, T)) or its product over the
-    sequence (sequence_*, (S, 1): give every token); *_truncate caps r at `cap`, *_mask zeroes it
-    above. In float32 r = 1 within 1e-5; bf16 rounds the two apart; with --policy-dist full r also
-    holds the sampler's truncation."""
+    """TRL's importance-sampling correction: (S, T) log-probs under pi_old and under the sampler ->
+    weights r = pi_old / pi_sampler per token (token_*) or sequence (sequence_*), capped at `cap`
+    (*_truncate) or zeroed above it (*_mask), and TRL's mismatch metrics."""
     both = old_logprobs.isfinite() & sampled_logprobs.isfinite()  # outside a truncation: no ratio
     log_ratio = torch.where(both, old_logprobs - sampled_logprobs, 0.0)  # (S, T)
     sequence = mode.startswith("sequence")
@@ -771,11 +714,8 @@ def sampler_correction(old_logprobs: torch.Tensor, sampled_logprobs: torch.Tenso
 def grpo_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, ref_logprobs: torch.Tensor | None,
               advantages: torch.Tensor, clip_eps: float | tuple[float, float], kl_beta: float,
               weights: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
-    """PPO-clipped GRPO loss with a k3 KL penalty: (S, T) log-probs, (S,) advantages -> scalar loss.
-    Per token r = exp(logp - old), surrogate = min(r A, clip(r, 1 - eps, 1 + eps_high) A) (eps_high:
-    DAPO's clip-higher), loss = -(surrogate - beta k3_kl), averaged over a sequence's tokens, then
-    over sequences (the paper's 1/|o_i|). `weights` (sampler_correction's) multiply the surrogate,
-    not the KL. `ref_logprobs`: None when beta is 0."""
+    """(S, T) log-probs, (S,) advantages -> the loss -(min(r A, clip(r) A) * weights - beta k3 KL),
+    averaged over a sequence's tokens, then over sequences (1/|o_i|); and metrics."""
     # a token the old policy could not draw (-inf: outside its truncation): ratio 1, no gradient
     ratio = torch.exp(torch.where(old_logprobs.isneginf(), 0.0, logprobs - old_logprobs))  # (S, T)
     adv = advantages[:, None].to(ratio)  # (S, 1), on the log-probs' device
@@ -793,11 +733,9 @@ def grpo_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, ref_logprobs: 
 
 
 def k3_kl(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
-    """(S, T) log-probs of the sampled tokens under the policy and the reference -> (S, T) k3 =
-    exp(d) - d - 1, d = ref - logp (Schulman's estimator): >= 0, its mean over tokens drawn from pi
-    is KL(pi || ref); as a loss its gradient is, in expectation, that of KL(ref || pi)
-    (mass-covering). d is capped at +-20 (exp stays finite; an overflow guard,
-    tools/bench_kl_cap.py); a token outside the policy's truncation (-inf) has no estimate: 0."""
+    """(S, T) -> k3 = exp(d) - d - 1, d = ref - logp (Schulman): >= 0, unbiased for KL(pi || ref);
+    as a loss its expected gradient is that of KL(ref || pi) (mass-covering). d capped at +-20
+    (tools/bench_kl_cap.py); a token outside the truncation (-inf) gets 0."""
     d = (ref_logprobs - logprobs).clamp(-20.0, 20.0)
     kl = (torch.exp(d) - d - 1).clamp_min(0)  # >= 0; the clamp only removes rounding
     return torch.where(logprobs.isfinite(), kl, 0.0)
@@ -809,9 +747,8 @@ def k3_kl(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
 def reference_logprobs(ref_model, inputs: dict, tokens: torch.Tensor, temperature: float,
                        top_k: int = 0, top_p: float = 1.0, support: torch.Tensor | None = None
                        ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(G, N) log-probs under the reference (a frozen copy, or the LoRA policy with its adapter off)
-    from one forward: under the policy's distribution, and under the full softmax (for
-    kl_untruncated, which sees the reference's mass outside the sampler's nucleus)."""
+    """(G, N) log-probs under the reference (a frozen copy, or LoRA with its adapter off), under
+    the policy's distribution and under the full softmax (for kl_untruncated)."""
     K = ref_model.config.vq_config.num_embeddings
     off = ref_model.disable_adapter() if hasattr(ref_model, "disable_adapter") else None
     with off or contextlib.nullcontext():
@@ -822,7 +759,7 @@ def reference_logprobs(ref_model, inputs: dict, tokens: torch.Tensor, temperatur
 
 
 def select_rows(inputs: dict, rows: slice) -> dict:
-    """The AR inputs of samples `rows` of a group (images_per_sample grid rows per sample)."""
+    """The AR inputs of samples `rows` of a group."""
     per_sample = int(inputs["images_per_sample"][0])
     return {"input_ids": inputs["input_ids"][rows],
             "attention_mask": inputs["attention_mask"][rows],
@@ -832,8 +769,7 @@ def select_rows(inputs: dict, rows: slice) -> dict:
 
 def region_metrics(regions: dict, logp: torch.Tensor, old: torch.Tensor, ref: torch.Tensor | None,
                    adv: torch.Tensor, clip_eps: float, kl_beta: float) -> dict:
-    """Mean log-prob, KL and clip fraction of each region (preview / large grid) of (mb, N)
-    log-probs; a region with no tokens (the preview when editing) is left out."""
+    """Log-prob, KL and clip fraction of each region (preview, large grid) that has tokens."""
     metrics = {}
     for name, cut in regions.items():
         if logp[:, cut].numel():
@@ -851,11 +787,8 @@ def micro_batch_loss(policy, inputs: dict, tokens: torch.Tensor, sampled: torch.
                      clip_eps: float | tuple[float, float], kl_beta: float, train_tokens: str,
                      top_k: int, top_p: float, correction: str = "none", cap: float = 2.0,
                      policy_dist: str = "truncated") -> tuple[torch.Tensor, dict]:
-    """One micro-batch's GRPO loss: the trainer's log-probs of the sampled tokens (with gradient)
-    under `policy_dist` (truncated: the sampler's kept codes; full: the codebook), the policy
-    gradient weighted by sampler_correction. `old` None: the old policy is the current one (mu 1);
-    `ref`: the reference's two log-probs, or None. Also the metrics of docs/healthy_training.md
-    (each region's, kl_untruncated, no_gradient_frac, sampler_gap, outside_truncation)."""
+    """One micro-batch's loss: the trainer's log-probs (with gradient) under `policy_dist`, the
+    sampler correction and grpo_loss (`old` None: mu 1), docs/healthy_training.md's diagnostics."""
     K = policy.config.vq_config.num_embeddings
     logits = token_logits(policy, inputs, tokens)  # (mb, N, V), with grad
     kept = None if support is None else code_support(support, K)  # (mb, N, K): the sampler's
@@ -892,10 +825,8 @@ def train_step(policy, optimizer, rollouts: list[Rollout], advantages: torch.Ten
                max_grad_norm: float, mu: int = 1, train_tokens: str = "large", top_k: int = 0,
                top_p: float = 1.0, correction: str = "none", cap: float = 2.0,
                policy_dist: str = "truncated") -> dict:
-    """`mu` optimizer steps on P groups of rollouts with (P, G) advantages; returns metrics.
-    Micro-batches of `micro_batch_size` sequences, each loss weighted by its share of the P*G
-    sequences: the accumulated gradient is the full batch's. Every log-prob (policy, old,
-    reference) is under `policy_dist`."""
+    """`mu` optimizer steps on P groups with (P, G) advantages -> metrics. Each micro-batch's loss
+    is weighted by its share of the P*G sequences: the accumulated gradient is the batch's."""
     # transformers only checkpoints in train mode; without dropout, train and eval are one policy
     policy.train(policy.is_activation_checkpointing)
     # micro-batches: (AR inputs, tokens, sampler log-probs and supports, advantages, preview tokens)
@@ -958,9 +889,7 @@ def extreme(key: str):
 
 
 def merge_metrics(parts: list[tuple[dict, float]]) -> dict:
-    """Micro-batches' metrics with their shares of the sequences -> one dict: extremes by their
-    rule, the rest the mean over the sequences that have the metric (an edit has no preview region).
-    """
+    """Micro-batches' (metrics, share) -> one dict: extremes by rule, the rest weighted means."""
     keys = dict.fromkeys(k for m, _ in parts for k in m)
     return {k: extreme(k)([m[k] for m, _ in parts if k in m]) if extreme(k) else
             sum(m[k] * s for m, s in parts if k in m) / sum(s for m, s in parts if k in m)
@@ -972,38 +901,25 @@ def merge_metrics(parts: list[tuple[dict, float]]) -> dict:
 # only by the weights: it tells learning from overfitting the training prompts or gaming a reward.
 
 @torch.no_grad()
-def evaluate(pipe, examples: list[dict], rewards: dict, n_samples: int, seed: int, cfg: Config,
-             rank: int = 0, world: int = 1, keep_images: int = 0) -> tuple:
-    """`n_samples` images of each example, sampled and decoded as in training with fixed seeds
-    (example i: AR seed `seed + i`), scored by `rewards`, and its distinct large grids (layouts).
-    Process r takes examples r, r + world, ... -> the images of the first `keep_images` examples
-    (8 bits), the (P, K) total, each reward's (P, K) and the (P,) layouts, in example order."""
-    mine = list(range(rank, len(examples), world))
+def evaluate(pipe, examples: list[dict], seeds: list[int], rewards: dict, n_samples: int,
+             cfg: Config) -> tuple:
+    """`n_samples` images of each example (AR seed seeds[i]) sampled and decoded as in training ->
+    the images, the (P, K) total reward, each reward's (P, K) and the (P,) distinct large grids."""
     chunk = max(1, cfg.prompts_per_step * cfg.group_size // n_samples)  # a training step's rows
     rollouts = []
-    for c in range(0, len(mine), chunk):
-        some = [examples[i] for i in mine[c:c + chunk]]
+    for c in range(0, len(examples), chunk):
+        some = examples[c:c + chunk]
         rollouts += sample_groups(pipe, [ex["prompt"] for ex in some], n_samples, cfg.height,
-                                  cfg.width, cfg.temperature, [seed + i for i in mine[c:c + chunk]],
+                                  cfg.width, cfg.temperature, seeds[c:c + chunk],
                                   [ex.get("source") for ex in some], cfg.top_k, cfg.top_p)
-    images = [decode_images(pipe, examples[i]["prompt"], r.tokens, r.large_hw, cfg.height,
-                            cfg.width, cfg.num_inference_steps, cfg.decode_seed,
-                            cfg.guidance_scale, r.source)
-              for i, r in zip(mine, rollouts)]
-    if mine:
-        total, each = group_rewards(images, [examples[i] for i in mine], rewards)
-    else:  # more processes than examples
-        total, each = torch.zeros(0, n_samples), {k: torch.zeros(0, n_samples) for k in rewards}
+    images = [decode_images(pipe, ex["prompt"], r.tokens, r.large_hw, cfg.height, cfg.width,
+                            cfg.num_inference_steps, cfg.decode_seed, cfg.guidance_scale, r.source)
+              for ex, r in zip(examples, rollouts)]
     layouts = torch.tensor([float(len(large_grid(r.tokens, r.large_hw).unique(dim=0)))
                             for r in rollouts])
-    order = torch.tensor(gather_list(mine)).argsort()  # rows arrive in rank order: example order
-    total = gather_rows(total).cpu()[order]
-    each = {name: gather_rows(v).cpu()[order] for name, v in each.items()}
-    layouts = gather_rows(layouts).cpu()[order]  # (P,)
-    kept = gather_list([(i, (im * 255).round().to(torch.uint8).cpu())
-                        for i, im in zip(mine, images) if i < keep_images])
-    kept = [im.float() / 255 for _, im in sorted(kept, key=lambda pair: pair[0])]
-    return kept, total, each, layouts
+    if not examples:  # a process with no share of the examples
+        return [], torch.zeros(0, n_samples), {k: torch.zeros(0, n_samples) for k in rewards}, layouts
+    return (images, *group_rewards(images, examples, rewards), layouts)
 
 
 # ---- 11. Main -----------------------------------------------------------------------------------
@@ -1018,9 +934,9 @@ def main(argv: list[str] | None = None) -> dict:
         policy, ref_model, optimizer = setup_training(pipe, cfg, r.dtype, r.world)  # the AR trains
         run.open_run(r, policy, optimizer)  # --resume's checkpoint; the run directory
 
-    def evaluate_policy(examples: list[dict], rewards: dict, n_samples: int, seed: int, keep: int):
+    def evaluate_policy(examples: list[dict], seeds: list[int], rewards: dict, n_samples: int):
         with r.autocast, unsharded(policy), run.decoder_on(pipe, r.device, cfg.offload):  # 10.
-            return evaluate(pipe, examples, rewards, n_samples, seed, cfg, r.rank, r.world, keep)
+            return evaluate(pipe, examples, seeds, rewards, n_samples, cfg)
     r.evaluate, r.extreme = evaluate_policy, extreme  # for before / after grids, --eval-prompts
 
     with run.training(r):  # Ctrl-C: a checkpoint, exit 130; a full disk: one line, exit 1

@@ -52,8 +52,8 @@ class Run:
     autocast: object = contextlib.nullcontext()  # bf16 autocast on the device when --dtype is bf16
     policy: object = None  # the trained model and its optimizer, for checkpoints
     optimizer: object = None
-    evaluate: Callable | None = None  # (examples, rewards, n_samples, seed, keep_images) -> images, total, each,
-    # layouts (grpo.evaluate)
+    evaluate: Callable | None = None  # (examples, seeds, rewards, n_samples) -> images, total, each, layouts: one
+    # process's grpo.evaluate, with the policy ready to sample (evaluate_shared shares the examples out)
     extreme: Callable | None = None  # how a metric combines over processes: min, max, sum or None (grpo.extreme)
     reporter: Reporter | None = None
     progress: object = None
@@ -680,11 +680,11 @@ EVAL_GRID = 4  # the eval prompts shown in each evaluation's image grid (the fir
 
 
 def show(r: Run, name: str, when: str) -> float:
-    """G samples of each of the first --before-after examples with fixed seeds (r.evaluate), into images/`name`
+    """G samples of each of the first --before-after examples with fixed seeds (evaluate_shared), into images/`name`
     (rank 0); after training also images/before_after.png beside the grid from before. Returns the mean reward."""
     examples, path = r.examples[:r.cfg.before_after], r.out / "images" / name
     with timed({}, "show", r.cfg):
-        images, reward, _, _ = r.evaluate(examples, r.rewards, r.cfg.group_size, SHOW_SEED, len(examples))
+        images, reward, _, _ = evaluate_shared(r, examples, r.rewards, r.cfg.group_size, SHOW_SEED, len(examples))
     if r.rank == 0:
         save_grid(path, examples, images, reward, [f"{ex['prompt']} ({when})" for ex in examples])
         with contextlib.suppress(OSError):  # the mean reward, for the summary line of a resumed run
@@ -694,6 +694,21 @@ def show(r: Run, name: str, when: str) -> float:
             with contextlib.suppress(OSError):
                 save_image(side_by_side(path.parent / "before.png", path), path.parent / "before_after.png")
     return reward.mean().item()
+
+
+def evaluate_shared(r: Run, examples: list[dict], rewards: dict, n_samples: int, seed: int, keep_images: int) -> tuple:
+    """r.evaluate on every process, process r taking examples r, r + world, ... (example i drawn with seed + i) ->
+    on every process, in example order: the images of the first `keep_images` examples (rounded to 8 bits, as a PNG
+    keeps them), the (P, K) total reward, each reward's (P, K) and the (P,) distinct layouts."""
+    mine = list(range(r.rank, len(examples), r.world))  # every process calls r.evaluate: FSDP gathers in each
+    images, total, each, layouts = r.evaluate([examples[i] for i in mine], [seed + i for i in mine], rewards,
+                                              n_samples)
+    order = torch.tensor(gather_list(mine)).argsort()  # rows arrive in rank order: example order
+    total, layouts = gather_rows(total).cpu()[order], gather_rows(layouts).cpu()[order]
+    each = {name: gather_rows(v).cpu()[order] for name, v in each.items()}
+    kept = gather_list([(i, (im * 255).round().to(torch.uint8).cpu())
+                        for i, im in zip(mine, images) if i < keep_images])
+    return [im.float() / 255 for _, im in sorted(kept, key=lambda pair: pair[0])], total, each, layouts
 
 
 def eval_due(step: int, cfg) -> bool:
@@ -707,7 +722,7 @@ def run_evaluation(r: Run, step: int) -> None:
     followed through training) and a line on the terminal (rank 0). Every process takes part."""
     (examples, rewards), seconds = r.evals, {}
     with timed(seconds, "eval", r.cfg):
-        images, total, each, layouts = r.evaluate(examples, rewards, r.cfg.eval_samples, EVAL_SEED, EVAL_GRID)
+        images, total, each, layouts = evaluate_shared(r, examples, rewards, r.cfg.eval_samples, EVAL_SEED, EVAL_GRID)
     record = eval_record(step, examples, total, each, layouts, seconds["eval"])
     if r.rank == 0:
         append_metrics(r.out, record)

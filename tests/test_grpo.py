@@ -1296,25 +1296,26 @@ def test_main_truncated_sampling(tmp_path, flags):
 
 
 def test_evaluate(random_pipe, tmp_path, monkeypatch):
-    """Example i is sampled with seed + i whatever else is evaluated or the global RNG: the same weights give the same
-    images, rewards and layout counts; rows come back in example order; the kept images are the first ones, rounded
-    to 8 bits; an example's distinct large grids are counted (K where every sample differs, 1 for one layout)."""
+    """Example i is sampled with seeds[i] whatever else is evaluated or the global RNG: the same weights give the same
+    images, rewards and layout counts; an example's distinct large grids are counted (K where every sample differs, 1
+    for one layout); no examples (a process with no share): empty results of the right shapes."""
     pipe = random_pipe
     cfg = grpo.parse_config([*TINY, "--num-inference-steps", "1"])
     examples = run.load_examples(run.read_prompts(write_evals(tmp_path)), {"ssim": (grpo.ssim_reward, 1.0)}, 64, 64)
     examples = [{**e, "target": e["target"].to(DEVICE)} for e in examples]  # as main moves them
     rewards = {"ssim": (grpo.ssim_reward, 1.0), "mse": (grpo.mse_reward, 0.0)}
-    images, total, each, layouts = grpo.evaluate(pipe, examples, rewards, 3, 7, cfg, keep_images=2)
+    images, total, each, layouts = grpo.evaluate(pipe, examples, [7, 8, 9], rewards, 3, cfg)
     torch.manual_seed(123)  # the global RNG must not matter
-    again_images, again, _, again_layouts = grpo.evaluate(pipe, examples, rewards, 3, 7, cfg, keep_images=2)
+    again_images, again, _, again_layouts = grpo.evaluate(pipe, examples, [7, 8, 9], rewards, 3, cfg)
     assert total.shape == (3, 3) and torch.equal(total, again) and torch.equal(total, each["ssim"])
-    assert len(images) == 2 and all(torch.equal(a, b) for a, b in zip(images, again_images))
-    assert all(torch.equal(im, (im * 255).round() / 255) for im in images)  # 8-bit exact
+    assert len(images) == 3 and all(torch.equal(a, b) for a, b in zip(images, again_images))
     assert layouts.tolist() == again_layouts.tolist() == [3.0, 3.0, 3.0]  # the random model: every sample differs
-    _, last, last_each, last_layouts = grpo.evaluate(pipe, examples[2:], rewards, 3, 9, cfg)  # example 2 alone
+    _, last, last_each, last_layouts = grpo.evaluate(pipe, examples[2:], [9], rewards, 3, cfg)  # example 2 alone
     assert torch.equal(last[0], total[2]) and torch.equal(last_each["mse"][0], each["mse"][2])
-    _, other, _, _ = grpo.evaluate(pipe, examples, rewards, 3, 8, cfg)
-    assert not torch.equal(other, total)  # another seed, other samples
+    _, other, _, _ = grpo.evaluate(pipe, examples, [7, 8, 10], rewards, 3, cfg)
+    assert torch.equal(other[:2], total[:2]) and not torch.equal(other[2], total[2])  # another seed, other samples
+    none = grpo.evaluate(pipe, [], [], rewards, 3, cfg)
+    assert none[0] == [] and none[1].shape == (0, 3) and none[2]["mse"].shape == (0, 3) and none[3].shape == (0,)
     sample_groups = grpo.sample_groups
 
     def repeats(*args, **kw):  # the large grids of example 0: three copies of one; 1: two of one, one other; 2: as
@@ -1325,7 +1326,7 @@ def test_evaluate(random_pipe, tmp_path, monkeypatch):
         return rollouts
     monkeypatch.setattr(grpo, "sample_groups", repeats)
     cfg1 = dataclasses.replace(cfg, prompts_per_step=3, group_size=3)  # the three examples in one decode
-    assert grpo.evaluate(pipe, examples, rewards, 3, 7, cfg1)[3].tolist() == [1.0, 2.0, 3.0]
+    assert grpo.evaluate(pipe, examples, [7, 8, 9], rewards, 3, cfg1)[3].tolist() == [1.0, 2.0, 3.0]
 
 
 def test_main_eval(tmp_path):

@@ -188,6 +188,31 @@ def test_eval_record():
     assert not any(k.endswith("/None") for k in record)
 
 
+def test_evaluate_shared():
+    """Process r of w evaluates examples r, r + w, ... with seed + i (r.evaluate is called even with no share: FSDP
+    gathers in every process); rows come back in example order; only the first keep_images examples' images, rounded
+    to 8 bits."""
+    calls = []
+
+    def fake(examples, seeds, rewards, n_samples):  # images that are not 8-bit exact; rewards = the seeds
+        calls.append(seeds)
+        total = torch.tensor([[float(s)] * n_samples for s in seeds]).reshape(-1, n_samples)
+        return ([torch.full((3, 2, 2), 0.3) for _ in seeds], total, {"r": total * 2},
+                torch.tensor([float(s) for s in seeds]))
+    r = types.SimpleNamespace(rank=1, world=2, evaluate=fake)
+    examples = [{"prompt": str(i)} for i in range(5)]
+    images, total, each, layouts = run.evaluate_shared(r, examples, {}, 2, 100, keep_images=4)
+    assert calls == [[101, 103]]  # process 1 of 2: examples 1 and 3
+    assert total.tolist() == [[101.0] * 2, [103.0] * 2] and each["r"].tolist() == [[202.0] * 2, [206.0] * 2]
+    assert layouts.tolist() == [101.0, 103.0] and len(images) == 2  # example 3 < keep_images 4: both kept
+    assert all(torch.equal(im, torch.full((3, 2, 2), round(0.3 * 255) / 255)) for im in images)
+    assert len(run.evaluate_shared(r, examples, {}, 2, 100, keep_images=3)[0]) == 1  # example 3 not kept
+    r.rank, r.world = 0, 9  # more processes than examples: rank 0 still takes part, its share is example 0
+    assert run.evaluate_shared(r, examples[:1], {}, 2, 100, keep_images=1)[1].tolist() == [[100.0] * 2]
+    r.rank = 3
+    assert run.evaluate_shared(r, examples[:1], {}, 2, 100, keep_images=1)[1].shape == (0, 2) and calls[-1] == []
+
+
 def test_main_report_to(tmp_path, monkeypatch):
     """--report-to tensorboard sends every metrics line's numbers at its step (training and eval) and the image grids,
     and closes the writer (a stand-in SummaryWriter records the calls: the package is optional); the metrics file is

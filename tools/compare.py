@@ -72,15 +72,14 @@ def compare(path: Path, eval_prompts: str | None = None, eval_samples: int | Non
     policy, _, optimizer = setup(pipe, dataclasses.replace(cfg, kl_beta=0.0), dtype, world=1)
     autocast = torch.autocast(device, dtype=torch.bfloat16, enabled=dtype == torch.bfloat16)
     examples = [{k: v.to(device) if torch.is_tensor(v) else v for k, v in e.items()} for e in evals[0]]
-    result, grids = {}, []
+    result, grids, seeds = {}, [], [run.EVAL_SEED + i for i in range(len(examples))]  # a run's evaluation seeds
     for name in ("base", "trained"):
         if name == "trained":
             result["step"] = load_trained(policy, optimizer, path, cfg.train)
         with autocast:
-            images, total, each, layouts = grpo.evaluate(pipe, examples, evals[1], cfg.eval_samples, run.EVAL_SEED,
-                                                         cfg, keep_images=grid)
+            images, total, each, layouts = grpo.evaluate(pipe, examples, seeds, evals[1], cfg.eval_samples, cfg)
         result[name] = run.eval_record(0, examples, total, each, layouts, 0.0)
-        grids.append((images, total))
+        grids.append((images[:grid], total))
     with tempfile.TemporaryDirectory() as tmp:
         for (images, total), name in zip(grids, ("base", "trained")):
             shown = examples[:grid]
