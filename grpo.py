@@ -265,7 +265,7 @@ class Rollout(NamedTuple):
     preview_hw: tuple[int, int]  # preview grid (h', w'), generated first; (0, 0) when editing
     large_hw: tuple[int, int]  # large grid (H/32, W/32), generated last; the only one the DiT sees
     source: Source | None  # the image being edited, or None (text-to-image)
-    support: torch.Tensor | None = None  # (G, N, K/8) bits: the codes top-k / top-p kept (None: all)
+    support: torch.Tensor | None = None  # (G, N, K/8) bits: codes top-k / top-p kept (None: all)
 
 
 def code_logprobs(logits: torch.Tensor, temperature: float, codebook_size: int, top_k: int = 0,
@@ -918,7 +918,8 @@ def evaluate(pipe, examples: list[dict], seeds: list[int], rewards: dict, n_samp
     layouts = torch.tensor([float(len(large_grid(r.tokens, r.large_hw).unique(dim=0)))
                             for r in rollouts])
     if not examples:  # a process with no share of the examples
-        return [], torch.zeros(0, n_samples), {k: torch.zeros(0, n_samples) for k in rewards}, layouts
+        none = torch.zeros(0, n_samples)
+        return [], none, {k: none for k in rewards}, layouts
     return (images, *group_rewards(images, examples, rewards), layouts)
 
 
