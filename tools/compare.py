@@ -16,6 +16,7 @@ import dataclasses
 import json
 import sys
 import tempfile
+import types
 from pathlib import Path
 
 import torch
@@ -72,14 +73,17 @@ def compare(path: Path, eval_prompts: str | None = None, eval_samples: int | Non
     policy, _, optimizer = setup(pipe, dataclasses.replace(cfg, kl_beta=0.0), dtype, world=1)
     autocast = torch.autocast(device, dtype=torch.bfloat16, enabled=dtype == torch.bfloat16)
     examples = [{k: v.to(device) if torch.is_tensor(v) else v for k, v in e.items()} for e in evals[0]]
-    result, grids, seeds = {}, [], [run.EVAL_SEED + i for i in range(len(examples))]  # a run's evaluation seeds
+    result, grids = {}, []
+    one = types.SimpleNamespace(rank=0, world=1, evaluate=lambda examples, seeds, rewards, n_samples: grpo.evaluate(
+        pipe, examples, seeds, rewards, n_samples, cfg))  # one process of a run's evaluation: the same seeds and sums
     for name in ("base", "trained"):
         if name == "trained":
             result["step"] = load_trained(policy, optimizer, path, cfg.train)
         with autocast:
-            images, total, each, layouts = grpo.evaluate(pipe, examples, seeds, evals[1], cfg.eval_samples, cfg)
+            images, total, each, layouts = run.evaluate_shared(one, examples, evals[1], cfg.eval_samples, run.EVAL_SEED,
+                                                               grid)
         result[name] = run.eval_record(0, examples, total, each, layouts, 0.0)
-        grids.append((images[:grid], total))
+        grids.append((images, total))
     with tempfile.TemporaryDirectory() as tmp:
         for (images, total), name in zip(grids, ("base", "trained")):
             shown = examples[:grid]
