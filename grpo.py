@@ -590,11 +590,8 @@ def decode_images(pipe, prompt: str, tokens: torch.Tensor, large_hw: tuple[int, 
     latents = torch.randn(shape, generator=generator).to(device, dtype).repeat(G, 1, 1, 1)
     edit = {}
     if source is not None:  # one copy per sample: the pipeline's batch is the group
-        hs, ws = source.grid_hw
-        codes = source.codes.view(1, 1, hs, ws).float()
-        codes = F.interpolate(codes, scale_factor=2, mode="nearest")
-        edit = dict(image=[[source.image]] * G,
-                    prior_token_image_ids=[codes.long().view(-1).to(device)] * G,
+        (hs, ws), codes = source.grid_hw, prior_ids(source.codes[None], source.grid_hw)[0]
+        edit = dict(image=[[source.image]] * G, prior_token_image_ids=[codes.to(device)] * G,
                     source_image_grid_thw=[torch.tensor([[1, 2 * hs, 2 * ws]], device=device)] * G)
     images = pipe(prompt_embeds=embeds.repeat(G, 1, 1),
                   negative_prompt_embeds=None if negative is None else negative.repeat(G, 1, 1),

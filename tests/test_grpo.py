@@ -555,6 +555,19 @@ def test_decode_images_editing(pipe):
     assert (images - decode(None)).abs().max() > 1e-2 and (images - decode(other)).abs().max() > 1e-2
 
 
+def test_decode_images_edits_as_the_pipeline(pipe, monkeypatch):
+    """Editing: the source's prior ids and grid that decode_images hands the DiT are what GlmImagePipeline makes of the
+    source's codes (its _upsample_token_ids: 2x, as generate_prior_tokens does), one copy per sample."""
+    r = grpo.sample_group(pipe, "make it red", 2, 64, 64, T, seed=0, source=smooth_source(seed=0))
+    (hs, ws), upsampled = r.source.grid_hw, pipe._upsample_token_ids(r.source.codes, *r.source.grid_hw)
+    calls, call = [], type(pipe).__call__
+    monkeypatch.setattr(type(pipe), "__call__", lambda self, **kw: calls.append(kw) or call(self, **kw))
+    grpo.decode_images(pipe, "make it red", r.tokens, r.large_hw, 64, 64, 1, seed=0, source=r.source)
+    assert len(calls[0]["prior_token_image_ids"]) == len(calls[0]["source_image_grid_thw"]) == 2
+    for ids, grid in zip(calls[0]["prior_token_image_ids"], calls[0]["source_image_grid_thw"]):
+        assert torch.equal(ids, upsampled.reshape(-1)) and grid.tolist() == [[1, 2 * hs, 2 * ws]]
+
+
 # ---- 6. decoding --------------------------------------------------------------------------------
 
 def test_decode_images(pipe):
