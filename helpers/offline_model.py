@@ -5,7 +5,8 @@ set of component configs and a tokenizer made with the `tokenizers` library:
 
   - `PUBLISHED`: zai-org/GLM-Image's published configs (the one copy in this repository; `tools/memory_plan.py`
     reads them too). `real_shapes_glm_image()` builds them at reduced depth: every width, head count,
-    vocabulary size, special token id and rope setting as published, only fewer layers.
+    vocabulary size, special token id and rope setting as published, only fewer layers; `random_glm_image()` is
+    `grpo.py --model random[:L]`.
   - `TINY`: the same layout at tiny sizes (~0.3M parameters). `tiny_glm_image()` is what
     `grpo.py --model tiny`, the tests and the notebook run on.
 """
@@ -228,6 +229,19 @@ def glm_image(configs: dict, seed: int = 0, device: str | torch.device | None = 
     return GlmImagePipeline(tokenizer=ByT5Tokenizer(), processor=processor, text_encoder=text_encoder,
                             vision_language_encoder=ar, vae=vae, transformer=dit,
                             scheduler=FlowMatchEulerDiscreteScheduler())
+
+
+def random_glm_image(name: str, device: str | torch.device | None = None, dtype: torch.dtype | None = None):
+    """--model 'random' (zai-org/GLM-Image's published configs) or 'random:L' (L layers in each part) with random
+    weights, built in `dtype` on `device`: the real model's speed and memory without its download."""
+    layers = int(name[len("random:"):]) if ":" in name else None
+    configs = with_depths(PUBLISHED, *[layers] * 4) if layers else PUBLISHED
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype or default)
+    try:
+        return glm_image(configs, device=device)
+    finally:
+        torch.set_default_dtype(default)
 
 
 def tiny_glm_image(seed: int = 0):

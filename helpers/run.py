@@ -379,9 +379,8 @@ def parameter_counts(model: str) -> dict[str, int] | None:
     of --model: 'random[:L]' counted on the meta device (no memory), a folder (or the hub's local cache) from its
     safetensors headers; None where it cannot be told without loading (a hub id not downloaded yet, 'tiny')."""
     if model.split(":")[0] == "random":
-        from .offline_model import PUBLISHED, glm_image, with_depths
-        layers = int(model[len("random:"):]) if ":" in model else None
-        pipe = glm_image(with_depths(PUBLISHED, layers, layers, layers, layers) if layers else PUBLISHED, device="meta")
+        from .offline_model import random_glm_image
+        pipe = random_glm_image(model, device="meta")
         named = {part: dict(getattr(pipe, part).named_parameters()) for part in COMPONENTS}
         counts = {part: {name: p.numel() for name, p in params.items()} for part, params in named.items()}
     else:

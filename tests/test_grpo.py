@@ -89,6 +89,19 @@ def test_load_glm_image(pipe, monkeypatch):
         assert not any(p.requires_grad for p in module.parameters())
 
 
+def test_load_glm_image_random():
+    """'random:L': the published widths at depth L, every part in the dtype asked (bf16 here, on the meta device: no
+    memory), only the AR's language model trainable; the default dtype is left as it was."""
+    random = grpo.load_glm_image("random:1", "meta", torch.bfloat16)
+    assert torch.get_default_dtype() == torch.float32
+    ar = random.vision_language_encoder
+    assert ar.model.language_model.embed_tokens.weight.shape == (168064, 4096)
+    assert len(ar.model.language_model.layers) == len(random.transformer.transformer_blocks) == 1
+    assert {p.dtype for part in (ar, random.transformer, random.vae) for p in part.parameters()} == {torch.bfloat16}
+    trainable = {n for n, p in ar.named_parameters() if p.requires_grad}
+    assert trainable and all(n.startswith(("model.language_model", "lm_head")) for n in trainable)
+
+
 def test_reference_model(pipe):
     """None when beta = 0; otherwise a frozen copy with equal weights and its own storage."""
     assert grpo.reference_model(pipe.vision_language_encoder, 0.0) is None
