@@ -15,7 +15,7 @@ Where this departs from the paper (docs/ measures each):
   - Only the large grid (H/32 x W/32, after a preview grid) reaches the DiT, so only its tokens are
     in the loss. Sampling stays in the codebook and never stops early: a group's N tokens are equal.
   - Sampler and trainer share one distribution (`code_logprobs`): pi / pi_old is exactly 1 at the
-    first update; the sampler's top-p and bf16 rounding get TRL's importance weights.
+    first update; TRL's importance weights correct the sampler's top-p and bf16 rounding.
   - The AR's 3D rotary positions are replayed in training (`rope_positions`). The DiT is frozen and
     decodes a group from one noise. Variants: Dr. GRPO, DAPO's clip-higher, a diversity bonus.
 Copied alone, every section above `main` runs in one process (helpers/: main's plumbing, torchrun
@@ -83,7 +83,7 @@ class Config:  # a field per flag (--group-size ...); None: MODEL_DEFAULTS fills
     clip_eps_high: float | None = arg(None, "upper clip (DAPO's clip-higher; default: --clip-eps)")
     scale_rewards: str = arg("group", "advantages / the std of the group, the batch or none "
                                       "(Dr. GRPO)", ("group", "batch", "none"))
-    kl_beta: float | None = arg(None, "k3 KL weight (default 0.1 tiny, 0.04 real)")
+    kl_beta: float | None = arg(None, "weight of the KL to the reference (default 0.1 tiny, 0.04)")
     mu: int | None = arg(None, "updates per batch; > 1 lets the clip act (default 2 tiny, 1 real)")
     diversity: float | None = arg(None, "bonus / c on each reward, c its group's same-grid samples")
     temperature: float = arg(0.9, "sampling temperature (GLM-Image: 0.9)")
@@ -295,7 +295,8 @@ def code_support(bits: torch.Tensor, codebook_size: int) -> torch.Tensor:
 def group_inputs(processor, prompt: str, group_size: int, height: int, width: int, device,
                  source: Image.Image | None = None) -> dict:
     """One prompt (and an image to edit) -> its AR inputs repeated G times, a sample's grid rows
-    together. image_grid_thw: [large, preview] a sample, or [source, large] (and pixel_values)."""
+    together (generate would interleave them). image_grid_thw: [large, preview] a sample, or
+    [source, large] (and pixel_values)."""
     content = [{"type": "text", "text": prompt}]
     content = ([{"type": "image", "image": source}] if source is not None else []) + content
     one = processor.apply_chat_template(
