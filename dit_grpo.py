@@ -1,10 +1,11 @@
 """GRPO for GLM-Image's decoder: the DiT's denoising chain as a policy (Flow-GRPO), beside grpo.py's AR.
 
-`python dit_grpo.py --prompts prompts.txt ...` (grpo.py's flags; `main` last): one AR sample per prompt, shared by the
-group, G pictures from the SDE sampler, the same rewards and advantages (grpo.score), and `train_step` below (grpo_loss
-with each denoising step as a token). It imports grpo.py and helpers/run.py, neither imports it. Text-to-image, one process
-or torchrun (FSDP2 over the DiT's blocks: parallel.shard); not yet: editing, PPO epochs (--mu > 1). The demo of docs/dit.md:
-`--reward shapes,size=0.3` (the DiT alone decides how large objects are painted).
+`python dit_grpo.py --prompts prompts.txt ...` (grpo.py's flags and DitConfig's; `main` last): one AR sample per
+prompt, shared by the group, G pictures from the SDE sampler, the same rewards and advantages (grpo.score), and
+`train_step` below (grpo_loss with each denoising step as a token). It imports grpo.py and helpers/run.py, neither
+imports it. Text-to-image, one process or torchrun (FSDP2 over the DiT's blocks: parallel.shard); not yet: editing,
+PPO epochs (--mu > 1). The demo of docs/dit.md: `--reward shapes,size=0.3` (the DiT alone decides how large objects
+are painted).
 
 The DiT is sampled by integrating a flow-matching ODE, x_{t+1} = x_t + (sigma_{t+1} - sigma_t) v, with the velocity
 v = DiT(x_t, t) guided as the pipeline guides it. A deterministic chain has no log-probs, so Flow-GRPO (Liu et al.
@@ -32,6 +33,7 @@ trainer recomputes the same steps with `velocity` (the pipeline's two transforme
 """
 
 import contextlib
+import dataclasses
 import math
 import sys
 from typing import NamedTuple
@@ -255,10 +257,26 @@ def window(chain_steps: int, sde_window: int) -> list[int]:
     return list(range(min(sde_window, chain_steps) if sde_window else chain_steps))
 
 
+@dataclasses.dataclass
+class DitConfig(grpo.Config):  # grpo.py's flags, and the SDE sampler's
+    sde_noise: float = grpo.arg(0.7, "noise level of the SDE step (Flow-GRPO's a)")
+    sde_steps: int = grpo.arg(0, "steps of the training chains (0: --num-inference-steps)")
+    sde_window: int = grpo.arg(0, "SDE (trained) steps first, ODE steps after (0: all SDE)")
+
+
+def parse_config(argv: list[str]) -> DitConfig:
+    """Command line -> DitConfig: grpo.py's defaults, but one update per batch of chains (--mu 1), no diversity bonus
+    (a group shares its tokens), no KL on the tiny model, gradient checkpointing on the real DiT."""
+    cfg = DitConfig(**vars(run.config_parser(DitConfig).parse_args(["--train", "dit", *argv])))
+    tiny = cfg.model in grpo.TINY_MODELS
+    dit = dict(mu=1, diversity=0.0, kl_beta=0.0 if tiny else None, gradient_checkpointing=not tiny)
+    return grpo.with_defaults(dataclasses.replace(cfg, **{k: v for k, v in dit.items() if getattr(cfg, k) is None}))
+
+
 def main(argv: list[str] | None = None) -> dict:
     """grpo.py's main with the DiT as the policy: the same checks, set-up, logging and checkpoints (helpers/run.py)."""
     argv = sys.argv[1:] if argv is None else argv
-    r = run.prepare(grpo.parse_config(["--train", "dit", *argv]), argv, grpo.REWARDS, train="dit")
+    r = run.prepare(parse_config(argv), argv, grpo.REWARDS, train="dit")
     cfg, rewards = r.cfg, r.rewards
     run.start(r)
     with run.timed({}, "load", cfg), run.loading(cfg.model):

@@ -110,12 +110,10 @@ class Config:  # a field per flag (--group-size ...); None: MODEL_DEFAULTS fills
     save_every: int = arg(50, "save a checkpoint every N steps (0: only at the end)")
     resume: str = arg("", "run directory to continue (--steps is the total)")
     overwrite: bool = arg(False, "replace the run in --out")
-    train: str = arg("ar", "ar (grpo.py) or dit (python dit_grpo.py)", ("ar", "dit"))
-    sde_noise: float = arg(0.7, "dit_grpo.py: noise level of the SDE step (Flow-GRPO's a)")
-    sde_steps: int = arg(0, "dit_grpo.py: steps of the training chains (0: --num-inference-steps)")
-    sde_window: int = arg(0, "dit_grpo.py: SDE (trained) steps first, ODE after (0: all SDE)")
+    train: str = arg("ar", "ar (grpo.py) or dit (python dit_grpo.py, with its own flags)",
+                     ("ar", "dit"))
     lora_rank: int | None = arg(None, "LoRA rank, 0: train every weight (default 0 tiny, 16 real)")
-    gradient_checkpointing: bool | None = arg(None, "recompute activations (default: real DiT)")
+    gradient_checkpointing: bool | None = arg(None, "recompute activations in the backward")
     offload: bool = arg(False, "keep DiT, VAE, T5 on CPU except to decode")
     device: str = arg("auto", "cpu | cuda | auto", ("auto", "cpu", "cuda"))
     report_to: str = arg("none", "also log to: none | tensorboard | wandb (offline)")
@@ -145,10 +143,7 @@ def with_defaults(cfg: Config) -> Config:
     tiny = cfg.model in TINY_MODELS
     defaults = MODEL_DEFAULTS["tiny" if tiny else "real"]
     defaults = {"micro_batch_size": cfg.group_size or defaults["group_size"], **defaults,
-                "gradient_checkpointing": not tiny and cfg.train == "dit"}
-    if cfg.train == "dit":  # dit_grpo.py: one update per batch of chains, its own KL, shared tokens
-        kl_beta = 0.0 if tiny else defaults["kl_beta"]
-        defaults |= dict(mu=1, diversity=0.0, kl_beta=kl_beta)
+                "gradient_checkpointing": False}
     unset = {k: v for k, v in defaults.items() if getattr(cfg, k) is None}
     return dataclasses.replace(cfg, **unset)
 

@@ -293,10 +293,15 @@ def prepare(cfg, argv: list[str] | None, table: dict, train: str = "ar") -> Run:
     --resume the saved config instead), the prompts and their images, the rewards (names from `table`), --out or
     --resume, and that `train` (ar: grpo.py, dit: dit_grpo.py) is what this script trains. Returns the Run."""
     PROG["name"] = SCRIPTS[train]
-    out, start = Path(cfg.resume or cfg.out), 0
+    out, start, trains = Path(cfg.resume or cfg.out), 0, cfg.train
     try:
         if cfg.resume:
             saved, start, saved_world = read_resume(out)  # config.json; step and processes from checkpoint.pt
+            trains = saved.get("train", "ar")
+        if trains != train and trains in SCRIPTS:  # one entry point per trained model (each its own Config)
+            what = f"{out} trains the {trains.upper()}" if cfg.resume else f"--train {trains}"
+            raise ValueError(f"{what} is {SCRIPTS[trains]}'s to run: python {SCRIPTS[trains]} with the same flags")
+        if cfg.resume:
             given = given_flags(type(cfg), argv)
             refused = sorted(given - {"resume", "steps", "device", "report_to"})  # a run goes on as it was, but these
             if refused:
@@ -318,10 +323,6 @@ def prepare(cfg, argv: list[str] | None, table: dict, train: str = "ar") -> Run:
             if cfg.steps < start:
                 raise ValueError(f"--steps {cfg.steps} is below the {start} steps {out} has done; --steps is the "
                                  f"total, so pass more than {start}")
-        if cfg.train != train and cfg.train in SCRIPTS:  # one entry point per trained model
-            what = f"{out} trains the {cfg.train.upper()}" if cfg.resume else f"--train {cfg.train}"
-            script = SCRIPTS[cfg.train]
-            raise ValueError(f"{what} is {script}'s to run: python {script} with the same flags")
         validate(cfg)
         check_reporter(cfg.report_to)
         check_out_dir(out)

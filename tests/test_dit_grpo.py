@@ -1,6 +1,7 @@
 """Tests for dit_grpo.py (Flow-GRPO on the DiT's denoising chain), on the pre-trained tiny model, on conftest.DEVICE
 (the CPU in CI; GRPO_TEST_DEVICE=cuda on a GPU)."""
 
+import dataclasses
 import math
 from pathlib import Path
 
@@ -214,6 +215,21 @@ def test_train_step_learns():
     assert darker < before < brighter, results
 
 
+def test_parse_config():
+    """dit_grpo.py's flags are grpo.py's plus the SDE's (grpo.py's Config has none of them); its defaults: one update
+    per batch, no diversity bonus, no KL on the tiny model (the real model's 0.04), gradient checkpointing on the real
+    DiT; what the command line gives is kept."""
+    tiny, real = dit_grpo.parse_config([]), dit_grpo.parse_config(["--model", "zai-org/GLM-Image"])
+    assert (tiny.train, tiny.mu, tiny.diversity, tiny.kl_beta, tiny.gradient_checkpointing) == ("dit", 1, 0.0, 0.0, False)
+    assert (real.mu, real.kl_beta, real.gradient_checkpointing, real.lora_rank) == (1, 0.04, True, 16)
+    given = dit_grpo.parse_config(["--kl-beta", "0.1", "--no-gradient-checkpointing", "--model", "random",
+                                   "--sde-window", "2", "--group-size", "3"])
+    assert (given.kl_beta, given.gradient_checkpointing, given.sde_window, given.sde_noise) == (0.1, False, 2, 0.7)
+    assert given.micro_batch_size == 1 and tiny.micro_batch_size == tiny.group_size == 8
+    assert not {f.name for f in dataclasses.fields(grpo.Config)} & {"sde_noise", "sde_steps", "sde_window"}
+    assert grpo.parse_config([]).gradient_checkpointing is False and grpo.parse_config([]).mu == 2
+
+
 def run(tmp_path, out, *extra):
     import json
     target = str(ROOT / "examples" / "target_0.png")
@@ -225,7 +241,7 @@ def run(tmp_path, out, *extra):
                       "shapes_exact", "--device", DEVICE, *extra])
 
 
-def test_main_train_dit(tmp_path):
+def test_main_train_dit(tmp_path, capsys):
     """python dit_grpo.py: the first update's ratio is exactly 1 and the trainer agrees with the sampler; 4 steps equal
     2 steps + resume + 2 (metrics, evaluations, weights); final/ loads with GlmImageTransformer2DModel; tools/compare.py
     reproduces the run's first and last evaluations; LoRA with a KL term runs (with --sde-steps 3: training chains of 3
@@ -244,6 +260,10 @@ def test_main_train_dit(tmp_path):
     assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
     fresh = grpo.load_glm_image("tiny").transformer
     assert not all(torch.equal(p, q) for p, q in zip(a.parameters(), fresh.parameters()))
+    with pytest.raises(SystemExit) as stop:  # grpo.py does not resume a DiT run (its config has the SDE's fields)
+        grpo.main(["--resume", str(tmp_path / "whole"), "--steps", "5"])
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and "trains the DIT is dit_grpo.py's to run: python dit_grpo.py" in err, err
     evals = [x for x in whole if x.get("eval")]
     result = compare.main([str(tmp_path / "whole" / "final")])
     assert {**result["trained"], "step": 4} == {**evals[-1], "sec_eval": 0.0}

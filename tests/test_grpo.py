@@ -1626,19 +1626,22 @@ def test_torchrun_collectives(tmp_path, lora):
 
 
 def test_readme_commands():
-    """Every grpo.py command in the code blocks of the README and docs/ parses; those that run as written here (the
-    tiny model on the shipped prompts) write to different --out directories, so they run in any order."""
+    """Every grpo.py and dit_grpo.py command in the code blocks of the README and docs/ parses (each with its own
+    flags); those that run as written here (the tiny model on the shipped prompts) write to different --out
+    directories, so they run in any order."""
     import shlex
+    import dit_grpo
     text = "\n".join(p.read_text() for p in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))])
     blocks = re.findall(r"```bash\n(.*?)```", text.replace("\\\n", " "), flags=re.S)
     code = [line.split("#")[0] for block in blocks for line in block.splitlines()]  # continued lines joined
-    commands = [line.split("grpo.py", 1)[1] for line in code if "grpo.py" in line and "..." not in line]
-    commands = list(dict.fromkeys(" ".join(shlex.split(c)) for c in commands))  # one page may repeat another's
-    assert len(commands) >= 8
+    commands = [re.split(r"\b(dit_grpo|grpo)\.py", line, maxsplit=1)[1:] for line in code
+                if "grpo.py" in line and "..." not in line]
+    commands = list(dict.fromkeys((s, " ".join(shlex.split(c))) for s, c in commands))  # pages repeat each other
+    assert len(commands) >= 8 and {s for s, _ in commands} == {"grpo", "dit_grpo"}
     outs = []
-    for command in commands:
+    for script, command in commands:
         argv = shlex.split(command)
-        cfg = grpo.parse_config(argv)  # a bad flag would exit 2 here
+        cfg = (dit_grpo if script == "dit_grpo" else grpo).parse_config(argv)  # a bad flag would exit 2 here
         if cfg.model == "tiny" and not cfg.resume and (ROOT / cfg.prompts).is_file():
             outs.append(cfg.out)
     assert len(outs) >= 3 and len(set(outs)) == len(outs), outs
