@@ -663,12 +663,13 @@ def save_grid(path: Path, batch: list[dict], images: list[torch.Tensor], reward:
 @contextlib.contextmanager
 def decoder_on(pipe, device: str, offload: bool):
     """With --offload the T5, DiT and VAE sit on the CPU and come to `device` only in this block."""
-    for module in (pipe.text_encoder, pipe.transformer, pipe.vae) if offload else ():
+    modules = (pipe.text_encoder, pipe.transformer, pipe.vae) if offload else ()
+    for module in modules:
         module.to(device)
     try:
         yield
     finally:
-        for module in (pipe.text_encoder, pipe.transformer, pipe.vae) if offload else ():
+        for module in modules:
             module.to("cpu")
 
 
