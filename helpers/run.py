@@ -685,7 +685,8 @@ def show(r: Run, name: str, when: str) -> float:
     (rank 0); after training also images/before_after.png beside the grid from before. Returns the mean reward."""
     examples, path = r.examples[:r.cfg.before_after], r.out / "images" / name
     with timed({}, "show", r.cfg):
-        images, reward, _, _ = evaluate_shared(r, examples, r.rewards, r.cfg.group_size, SHOW_SEED, len(examples))
+        images, reward, _, _ = evaluate_shared(r.evaluate, examples, r.rewards, r.cfg.group_size, SHOW_SEED,
+                                               len(examples), r.rank, r.world)
     if r.rank == 0:
         save_grid(path, examples, images, reward, [f"{ex['prompt']} ({when})" for ex in examples])
         with contextlib.suppress(OSError):  # the mean reward, for the summary line of a resumed run
@@ -697,13 +698,14 @@ def show(r: Run, name: str, when: str) -> float:
     return reward.mean().item()
 
 
-def evaluate_shared(r: Run, examples: list[dict], rewards: dict, n_samples: int, seed: int, keep_images: int) -> tuple:
-    """r.evaluate on every process, process r taking examples r, r + world, ... (example i drawn with seed + i) ->
-    on every process, in example order: the images of the first `keep_images` examples (rounded to 8 bits, as a PNG
-    keeps them), the (P, K) total reward, each reward's (P, K) and the (P,) distinct layouts."""
-    mine = list(range(r.rank, len(examples), r.world))  # every process calls r.evaluate: FSDP gathers in each
-    images, total, each, layouts = r.evaluate([examples[i] for i in mine], [seed + i for i in mine], rewards,
-                                              n_samples)
+def evaluate_shared(evaluate: Callable, examples: list[dict], rewards: dict, n_samples: int, seed: int,
+                    keep_images: int, rank: int = 0, world: int = 1) -> tuple:
+    """`evaluate` (Run.evaluate's signature) on every process, process `rank` taking examples rank, rank + world, ...
+    (example i drawn with seed + i) -> on every process, in example order: the images of the first `keep_images`
+    examples (rounded to 8 bits, as a PNG keeps them), the (P, K) total reward, each reward's (P, K) and the (P,)
+    distinct layouts."""
+    mine = list(range(rank, len(examples), world))  # every process calls evaluate: FSDP gathers in each
+    images, total, each, layouts = evaluate([examples[i] for i in mine], [seed + i for i in mine], rewards, n_samples)
     order = torch.tensor(gather_list(mine)).argsort()  # rows arrive in rank order: example order
     total, layouts = gather_rows(total).cpu()[order], gather_rows(layouts).cpu()[order]
     each = {name: gather_rows(v).cpu()[order] for name, v in each.items()}
@@ -723,7 +725,8 @@ def run_evaluation(r: Run, step: int) -> None:
     followed through training) and a line on the terminal (rank 0). Every process takes part."""
     (examples, rewards), seconds = r.evals, {}
     with timed(seconds, "eval", r.cfg):
-        images, total, each, layouts = evaluate_shared(r, examples, rewards, r.cfg.eval_samples, EVAL_SEED, EVAL_GRID)
+        images, total, each, layouts = evaluate_shared(r.evaluate, examples, rewards, r.cfg.eval_samples, EVAL_SEED,
+                                                       EVAL_GRID, r.rank, r.world)
     record = eval_record(step, examples, total, each, layouts, seconds["eval"])
     if r.rank == 0:
         append_metrics(r.out, record)

@@ -199,18 +199,17 @@ def test_evaluate_shared():
         total = torch.tensor([[float(s)] * n_samples for s in seeds]).reshape(-1, n_samples)
         return ([torch.full((3, 2, 2), 0.3) for _ in seeds], total, {"r": total * 2},
                 torch.tensor([float(s) for s in seeds]))
-    r = types.SimpleNamespace(rank=1, world=2, evaluate=fake)
     examples = [{"prompt": str(i)} for i in range(5)]
-    images, total, each, layouts = run.evaluate_shared(r, examples, {}, 2, 100, keep_images=4)
+    images, total, each, layouts = run.evaluate_shared(fake, examples, {}, 2, 100, 4, rank=1, world=2)
     assert calls == [[101, 103]]  # process 1 of 2: examples 1 and 3
     assert total.tolist() == [[101.0] * 2, [103.0] * 2] and each["r"].tolist() == [[202.0] * 2, [206.0] * 2]
     assert layouts.tolist() == [101.0, 103.0] and len(images) == 2  # example 3 < keep_images 4: both kept
     assert all(torch.equal(im, torch.full((3, 2, 2), round(0.3 * 255) / 255)) for im in images)
-    assert len(run.evaluate_shared(r, examples, {}, 2, 100, keep_images=3)[0]) == 1  # example 3 not kept
-    r.rank, r.world = 0, 9  # more processes than examples: rank 0 still takes part, its share is example 0
-    assert run.evaluate_shared(r, examples[:1], {}, 2, 100, keep_images=1)[1].tolist() == [[100.0] * 2]
-    r.rank = 3
-    assert run.evaluate_shared(r, examples[:1], {}, 2, 100, keep_images=1)[1].shape == (0, 2) and calls[-1] == []
+    assert len(run.evaluate_shared(fake, examples, {}, 2, 100, 3, rank=1, world=2)[0]) == 1  # example 3 not kept
+    # more processes than examples: rank 0's share is example 0, rank 3 has none and still takes part
+    assert run.evaluate_shared(fake, examples[:1], {}, 2, 100, 1, rank=0, world=9)[1].tolist() == [[100.0] * 2]
+    assert run.evaluate_shared(fake, examples[:1], {}, 2, 100, 1, rank=3, world=9)[1].shape == (0, 2)
+    assert calls[-1] == []
 
 
 def test_main_report_to(tmp_path, monkeypatch):

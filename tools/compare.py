@@ -16,7 +16,6 @@ import dataclasses
 import json
 import sys
 import tempfile
-import types
 from pathlib import Path
 
 import torch
@@ -75,14 +74,15 @@ def compare(path: Path, eval_prompts: str | None = None, eval_samples: int | Non
     autocast = torch.autocast(device, dtype=torch.bfloat16, enabled=dtype == torch.bfloat16)
     examples = [{k: v.to(device) if torch.is_tensor(v) else v for k, v in e.items()} for e in evals[0]]
     result, grids = {}, []
-    one = types.SimpleNamespace(rank=0, world=1, evaluate=lambda examples, seeds, rewards, n_samples: grpo.evaluate(
-        pipe, examples, seeds, rewards, n_samples, cfg))  # one process of a run's evaluation: the same seeds and sums
+
+    def evaluate(examples: list[dict], seeds: list[int], rewards: dict, n_samples: int):
+        return grpo.evaluate(pipe, examples, seeds, rewards, n_samples, cfg)
     for name in ("base", "trained"):
         if name == "trained":
             result["step"] = load_trained(policy, optimizer, path, cfg.train)
         with autocast:
-            images, total, each, layouts = run.evaluate_shared(one, examples, evals[1], cfg.eval_samples, run.EVAL_SEED,
-                                                               grid)
+            images, total, each, layouts = run.evaluate_shared(evaluate, examples, evals[1], cfg.eval_samples,
+                                                               run.EVAL_SEED, grid)  # as a run of one process
         result[name] = run.eval_record(0, examples, total, each, layouts, 0.0)
         grids.append((images, total))
     with tempfile.TemporaryDirectory() as tmp:
