@@ -14,8 +14,10 @@ group and KL_it the k3 estimator exp(ref - logp) - (ref - logp) - 1 against a fr
 Where this departs from the paper (docs/ measures each):
   - Only the large grid (H/32 x W/32, after a preview grid) reaches the DiT, so only its tokens are
     in the loss. Sampling stays in the codebook and never stops early: a group's N tokens are equal.
-  - Sampler and trainer share one distribution (`code_logprobs`): pi / pi_old is exactly 1 at the
-    first update; TRL's importance weights correct the sampler's top-p and bf16 rounding.
+  - One definition of the sampled distribution (`code_logprobs`): pi / pi_old is exactly 1 at the
+    first update. With top-p the sampler draws from the nucleus q and the trained policy is the
+    whole softmax p (`--policy-dist full`): each token is weighed by the mass p puts on the nucleus
+    (Z_t = p / q), and TRL's mismatch weights, on p alone, correct only the sampler's rounding.
   - The AR's 3D rotary positions are replayed in training (`rope_positions`). The DiT is frozen and
     decodes a group from one noise. Variants: Dr. GRPO, DAPO's clip-higher, a diversity bonus.
 Copied alone, every section above `main` runs in one process (helpers/: main's plumbing, torchrun
@@ -64,6 +66,7 @@ def arg(default, help: str, choices: tuple = ()):
 
 
 CORRECTIONS = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask", "none")
+TRUNCATION_WEIGHTS = ("mass", "none")
 
 
 @dataclasses.dataclass
@@ -89,10 +92,12 @@ class Config:  # a field per flag (--group-size ...); None: MODEL_DEFAULTS fills
     temperature: float = arg(0.9, "sampling temperature (GLM-Image: 0.9)")
     top_p: float | None = arg(None, "nucleus sampling (default 1.0 tiny: off, 0.75 real)")
     top_k: int = arg(0, "sample from the k most likely codes only (0: off)")
-    sampler_correction: str = arg("token_truncate", "TRL's weights pi_old / pi_sampler",
-                                  CORRECTIONS)
-    policy_dist: str = arg("full", "trained: the full softmax (sampler's truncation weighted) or "
-                                   "truncated (docs/real_model.md)", ("full", "truncated"))
+    sampler_correction: str = arg("token_truncate", "mismatch weights pi_old / pi_sampler, both on "
+                                  "the trained distribution (TRL's TIS / MIS)", CORRECTIONS)
+    policy_dist: str = arg("full", "trained: the full softmax or the sampler's truncated one "
+                                   "(docs/real_model.md)", ("full", "truncated"))
+    truncation_weight: str = arg("mass", "--policy-dist full, top-k / top-p: tokens weighed by "
+                                         "their nucleus' mass (p / q) or not", TRUNCATION_WEIGHTS)
     sampler_cap: float = arg(2.0, "weights above it are cut to it (truncate) or to 0 (mask)")
     height: int | None = arg(None, "image height (default 96 tiny, 1024 real)")
     width: int | None = arg(None, "image width (default 96 tiny, 1024 real)")
@@ -135,6 +140,9 @@ MODEL_DEFAULTS = {  # filled in where the command line left a field at None
 
 def parse_config(argv: list[str] | None = None) -> Config:
     """Command line -> Config (helpers/run.py builds the parser): a flag per field."""
+    if run is None:  # grpo.py copied alone
+        raise SystemExit("grpo.py: parse_config needs helpers/run.py beside grpo.py; copied alone, "
+                         "build the config in code: with_defaults(Config(model='tiny', ...))")
     return with_defaults(Config(**vars(run.config_parser(Config).parse_args(argv))))
 
 
@@ -248,7 +256,8 @@ class Source(NamedTuple):
 
 class Rollout(NamedTuple):
     tokens: torch.Tensor  # (G, N) long codes: preview grid then large grid (editing: large only)
-    logprobs: torch.Tensor  # (G, N) float32, each token's log-prob under the sampled distribution
+    logprobs: torch.Tensor  # (G, N) float32, each token's log-prob under what it was drawn from (q)
+    full_logprobs: torch.Tensor  # (G, N) float32, under the whole softmax (p; = q without top-k/p)
     inputs: dict  # AR inputs of the group: input_ids (G, P), attention_mask, image_grid_thw (2G, 3)
     preview_hw: tuple[int, int]  # preview grid (h', w'), generated first; (0, 0) when editing
     large_hw: tuple[int, int]  # large grid (H/32, W/32), generated last; the only one the DiT sees
@@ -401,7 +410,7 @@ def sample_groups(pipe, prompts: list[str], group_size: int, height: int, width:
                              dim).repeat_interleave(group_size, dim)
 
         valid = [torch.ones_like(ids[None], dtype=torch.bool) for ids in prompt_ids]
-        tokens, logprobs, support = decode(
+        tokens, logprobs, full_logprobs, support = decode(
             model, left_pad([ids[None] for ids in prompt_ids], 0),  # (P*G, width_p), pad id 0
             left_pad(valid, 0),  # False on the padding
             left_pad(positions, 1),  # (3, P*G, width_p + N)
@@ -410,9 +419,22 @@ def sample_groups(pipe, prompts: list[str], group_size: int, height: int, width:
         for j, i in enumerate(mine):
             inputs, source, preview_hw, large_hw = groups[i]
             rows = slice(j * group_size, (j + 1) * group_size)
-            rollouts[i] = Rollout(tokens[rows], logprobs[rows], inputs, preview_hw, large_hw,
-                                  source, None if support is None else support[rows])
+            check_tokens(tokens[rows], n, model.config.vq_config.num_embeddings, prompts[i])
+            rollouts[i] = Rollout(tokens[rows], logprobs[rows], full_logprobs[rows], inputs,
+                                  preview_hw, large_hw, source,
+                                  None if support is None else support[rows])
     return rollouts
+
+
+def check_tokens(tokens: torch.Tensor, n_tokens: int, codebook_size: int, prompt: str) -> None:
+    """A group's (G, N') tokens must fill its N grid cells with codes: a sample cut short (an
+    end-of-image drawn early, as other clients allow) or off the codebook cannot be decoded. decode
+    draws N codes by construction: this guards a decoder put in its place."""
+    if tokens.shape[1] != n_tokens or not ((0 <= tokens) & (tokens < codebook_size)).all():
+        codes = f"codes {int(tokens.min())}..{int(tokens.max())}" if tokens.numel() else "no codes"
+        raise ValueError(f"sample_groups: '{prompt}' was sampled {tokens.shape[1]} tokens "
+                         f"({codes}) for its {n_tokens} grid cells of codes < {codebook_size}; "
+                         "the decode loop must draw every cell")
 
 
 def sample_group(pipe, prompt: str, group_size: int, height: int, width: int, temperature: float,
@@ -426,11 +448,12 @@ def sample_group(pipe, prompt: str, group_size: int, height: int, width: int, te
 @torch.no_grad()
 def decode(model, input_ids: torch.Tensor, valid: torch.Tensor, positions: torch.Tensor,
            n_tokens: int, temperature: float, top_k: int, top_p: float, generators: list,
-           static: bool | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+           static: bool | None = None) -> tuple[torch.Tensor, ...]:
     """The AR's decode loop: prefill once, then a token a step with a KV cache. (B, P) left-padded
     prompts, `valid` False on padding, (3, B, P + N) positions, a generator per group -> (B, N)
-    codes, their log-probs and, with top-k / top-p, the bits of the codes each draw kept (else
-    None). `static` (default on a GPU): a pre-allocated cache, so the step can be a CUDA graph."""
+    codes, their log-probs under the distribution drawn from (q: after top-k / top-p) and under
+    the whole softmax (p: before them) and, with top-k / top-p, the bits of the codes each draw kept
+    (else None). `static` (default on a GPU): a pre-allocated cache, for a CUDA graph."""
     from transformers import DynamicCache, StaticCache
     K, V = model.config.vq_config.num_embeddings, model.lm_head.out_features
     (B, P), N, device = input_ids.shape, n_tokens, input_ids.device
@@ -453,7 +476,7 @@ def decode(model, input_ids: torch.Tensor, valid: torch.Tensor, positions: torch
                      cache=cache, logits_to_keep=1).logits[:, -1]  # the trainer's forward, a token
 
     tokens = torch.zeros(B, N, dtype=torch.long, device=device)
-    logprobs = torch.zeros(B, N, device=device)
+    logprobs, full_logprobs = torch.zeros(B, N, device=device), torch.zeros(B, N, device=device)
     truncated = 0 < top_k < K or top_p < 1
     support = (torch.zeros(B, N, (K + 7) // 8, dtype=torch.uint8, device=device) if truncated
                else None)
@@ -471,13 +494,15 @@ def decode(model, input_ids: torch.Tensor, valid: torch.Tensor, positions: torch
         token = (logp.exp() / noise[:, :K]).argmax(dim=-1, keepdim=True)  # torch.multinomial(p, 1)
         tokens.index_copy_(1, t, token)
         logprobs.index_copy_(1, t, logp.gather(-1, token))
+        full = code_logprobs(logits, temperature, K) if truncated else logp  # the whole softmax
+        full_logprobs.index_copy_(1, t, full.gather(-1, token))
         if truncated:  # the sampling mask, kept for the trainer
             support.index_copy_(1, t, support_bits(logp.isfinite())[:, None])
         logits.copy_(forward(token, P + t))
         t.add_(1)
 
     repeat_step(step, N, draw, capture=static and device.type == "cuda")
-    return tokens, logprobs, support
+    return tokens, logprobs, full_logprobs, support
 
 
 def decode_mask(seen: torch.Tensor, slots: torch.Tensor, kv: int, dtype: torch.dtype
@@ -640,9 +665,11 @@ def group_rewards(images: list[torch.Tensor], examples: list[dict], rewards: dic
 def group_advantages(rewards: torch.Tensor, eps: float = 1e-6, scale: str = "group",
                      batch: torch.Tensor | None = None) -> torch.Tensor:
     """(P, G) or (G,) rewards -> advantages: minus the group's mean, over the group's std ("group"),
-    the step's ("batch") or 1 ("none": Dr. GRPO). A group with no spread (rounding) gets zeros."""
+    the step's ("batch") or 1 ("none": Dr. GRPO). A group with no spread (rounding) gets zeros.
+    The std is the population std (divide by G): TRL's is the sample std (G - 1), so at G = 4 these
+    advantages are sqrt(4/3) = 1.15x TRL's, at G = 8 1.07x (the same direction, a larger step)."""
     mean = rewards.mean(dim=-1, keepdim=True)
-    std = rewards.std(dim=-1, unbiased=False, keepdim=True)
+    std = rewards.std(dim=-1, unbiased=False, keepdim=True)  # population std: / G, not / (G - 1)
     spread = std > eps * rewards.abs().amax(dim=-1, keepdim=True)
     if scale == "batch":
         std = (rewards if batch is None else batch).std(unbiased=False)
@@ -672,10 +699,11 @@ def score(images: list[torch.Tensor], batch: list[dict], rewards: dict, scale: s
 # ---- 8. Loss ------------------------------------------------------------------------------------
 
 def sampler_correction(old_logprobs: torch.Tensor, sampled_logprobs: torch.Tensor,
-                       mode: str = "none", cap: float = 2.0) -> tuple[torch.Tensor, dict]:
-    """TRL's importance-sampling correction: (S, T) log-probs under pi_old and under the sampler ->
-    weights r = pi_old / pi_sampler per token (token_*) or sequence (sequence_*), capped at `cap`
-    (*_truncate) or zeroed above it (*_mask), and TRL's mismatch metrics."""
+                       mode: str = "token_truncate", cap: float = 2.0) -> tuple[torch.Tensor, dict]:
+    """TRL's mismatch correction: (S, T) log-probs of ONE distribution (the trained one) by the
+    trainer (pi_old) and by the sampler (its kernels, bf16, batch shape) -> weights pi_old /
+    pi_sampler per token (token_*) or sequence (sequence_*), capped at `cap` (*_truncate) or zeroed
+    above it (*_mask), and TRL's mismatch metrics. An exact sampler gets 1 (float32: 1 +- 1e-4)."""
     both = old_logprobs.isfinite() & sampled_logprobs.isfinite()  # outside a truncation: no ratio
     log_ratio = torch.where(both, old_logprobs - sampled_logprobs, 0.0)  # (S, T)
     sequence = mode.startswith("sequence")
@@ -697,11 +725,28 @@ def sampler_correction(old_logprobs: torch.Tensor, sampled_logprobs: torch.Tenso
     return weights.detach(), metrics
 
 
+def truncation_weights(sampled: torch.Tensor, sampled_full: torch.Tensor, mode: str = "mass"
+                       ) -> tuple[torch.Tensor, dict]:
+    """(S, T) log-probs of the drawn tokens under the sampler's nucleus q and its whole softmax p ->
+    per-token weights p / q = Z_t, the mass p puts on the nucleus ("mass": the importance weight
+    from q's samples to p's per-token objective, over the nucleus: codes q never draws stay unseen,
+    and earlier tokens' weights are left out, as PPO leaves the prefix's ratio out), or 1 ("none":
+    the sampler's top-k / top-p ignored, as TRL and verl do). Without truncation Z_t = 1."""
+    mass = torch.exp(torch.where(sampled.isfinite(), sampled_full - sampled, 0.0)).clamp(max=1.0)
+    metrics = {"truncation/nucleus_mass/mean": mass.mean().item(),
+               "truncation/nucleus_mass/min": mass.min().item()}
+    return (mass if mode == "mass" else torch.ones_like(mass)), metrics
+
+
 def grpo_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, ref_logprobs: torch.Tensor | None,
               advantages: torch.Tensor, clip_eps: float | tuple[float, float], kl_beta: float,
-              weights: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
-    """(S, T) log-probs, (S,) advantages -> the loss -(min(r A, clip(r) A) * weights - beta k3 KL),
-    averaged over a sequence's tokens, then over sequences (1/|o_i|); and metrics."""
+              weights: torch.Tensor | None = None, mass: torch.Tensor | None = None
+              ) -> tuple[torch.Tensor, dict]:
+    """(S, T) log-probs, (S,) advantages -> the loss -(min(r A, clip(r) A) * weights - beta k3 KL)
+    * mass, averaged over a sequence's tokens, then over sequences (1/|o_i|); and metrics.
+    `weights` (the mismatch correction) scale the surrogate only, as TRL's; `mass` (the truncation
+    weight) the whole token's term: it changes which distribution the samples stand for. The
+    metrics policy_loss and kl are unweighted: with a mass, loss != policy_loss + beta kl."""
     # a token the old policy could not draw (-inf: outside its truncation): ratio 1, no gradient
     ratio = torch.exp(torch.where(old_logprobs.isneginf(), 0.0, logprobs - old_logprobs))  # (S, T)
     adv = advantages[:, None].to(ratio)  # (S, 1), on the log-probs' device
@@ -709,7 +754,8 @@ def grpo_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, ref_logprobs: 
     unclipped, clipped = ratio * adv, ratio.clamp(1 - low, 1 + high) * adv
     surrogate = torch.min(unclipped, clipped) * (1.0 if weights is None else weights)
     kl = torch.zeros_like(ratio) if ref_logprobs is None else k3_kl(logprobs, ref_logprobs)
-    loss = (-(surrogate - kl_beta * kl)).mean(dim=1).mean()
+    per_token = (surrogate - kl_beta * kl) * (1.0 if mass is None else mass)
+    loss = -per_token.mean(dim=1).mean()
     with torch.no_grad():  # the clip stops the gradient: r > 1+eps with A > 0, r < 1-eps with A < 0
         clipped_out = ((ratio > 1 + high) & (adv > 0)) | ((ratio < 1 - low) & (adv < 0))
         metrics = {"policy_loss": -surrogate.mean(dim=1).mean().item(), "kl": kl.mean().item(),
@@ -767,41 +813,69 @@ def region_metrics(regions: dict, logp: torch.Tensor, old: torch.Tensor, ref: to
     return metrics
 
 
-def micro_batch_loss(policy, inputs: dict, tokens: torch.Tensor, sampled: torch.Tensor,
-                     support: torch.Tensor | None, adv: torch.Tensor, n_preview: int,
-                     old: torch.Tensor | None, ref: tuple | None, *, temperature: float,
-                     clip_eps: float | tuple[float, float], kl_beta: float, train_tokens: str,
-                     top_k: int, top_p: float, correction: str = "none", cap: float = 2.0,
-                     policy_dist: str = "truncated") -> tuple[torch.Tensor, dict]:
-    """One micro-batch's loss: the trainer's log-probs (with gradient) under `policy_dist`, the
-    sampler correction and grpo_loss (`old` None: mu 1), docs/healthy_training.md's diagnostics."""
-    K = policy.config.vq_config.num_embeddings
-    logits = token_logits(policy, inputs, tokens)  # (mb, N, V), with grad
-    kept = None if support is None else code_support(support, K)  # (mb, N, K): the sampler's
-    replayed = code_logprobs(logits, temperature, K, top_k, top_p, kept)  # the sampler's pi
-    full = code_logprobs(logits, temperature, K)  # (mb, N, K): the whole codebook
-    pi = full if policy_dist == "full" else replayed
-    logp = logprob_of(pi, tokens)  # (mb, N)
+class MicroBatch(NamedTuple):
+    inputs: dict  # AR inputs of its rows (select_rows)
+    tokens: torch.Tensor  # (mb, N) the sampled codes
+    sampled: torch.Tensor  # (mb, N) their log-probs under the sampler's q (what it drew from)
+    sampled_full: torch.Tensor  # (mb, N) under the sampler's whole softmax p
+    support: torch.Tensor | None  # (mb, N, K/8) the codes each draw kept (None: all)
+    advantages: torch.Tensor  # (mb,)
+    n_preview: int  # the preview grid's tokens, first in `tokens` (0 when editing)
+
+
+def micro_batches(rollouts: list[Rollout], advantages: torch.Tensor, size: int) -> list:
+    """P rollouts and their (P, G) advantages -> MicroBatches of `size` rows, a group's in order."""
+    return [MicroBatch(select_rows(r.inputs, rows), r.tokens[rows], r.logprobs[rows],
+                       r.full_logprobs[rows], None if r.support is None else r.support[rows],
+                       adv[rows], r.preview_hw[0] * r.preview_hw[1])
+            for r, adv in zip(rollouts, advantages)
+            for rows in (slice(i, i + size) for i in range(0, len(adv), size))]
+
+
+def micro_batch_loss(policy, mb: MicroBatch, old: torch.Tensor | None, ref: tuple | None,
+                     **objective) -> tuple[torch.Tensor, dict]:
+    """One micro-batch's loss and metrics: logits_loss of the policy's teacher-forced logits."""
+    logits = token_logits(policy, mb.inputs, mb.tokens)  # (mb, N, V), with grad
+    return logits_loss(logits, policy.config.vq_config.num_embeddings, mb, old, ref, **objective)
+
+
+def logits_loss(logits: torch.Tensor, codebook_size: int, mb: MicroBatch, old: torch.Tensor | None,
+                ref: tuple | None, *, temperature: float, clip_eps: float | tuple[float, float],
+                kl_beta: float, train_tokens: str = "large", top_k: int = 0, top_p: float = 1.0,
+                correction: str = "token_truncate", cap: float = 2.0, policy_dist: str = "full",
+                truncation_weight: str = "mass") -> tuple[torch.Tensor, dict]:
+    """(mb, N, V) logits -> the loss: the trained distribution's log-probs (the whole softmax p, or
+    the sampler's truncation q), the mismatch correction on THAT distribution (trainer vs sampler),
+    the truncation weight (p only) and grpo_loss (`old` None: mu 1); docs/healthy_training.md's
+    diagnostics. Defaults: the command line's."""
+    K = codebook_size
+    kept = None if mb.support is None else code_support(mb.support, K)  # (mb, N, K): the sampler's
+    replayed = code_logprobs(logits, temperature, K, top_k, top_p, kept)  # q, replayed
+    full = code_logprobs(logits, temperature, K)  # (mb, N, K): p, the whole codebook
+    pi, behaviour = (full, mb.sampled_full) if policy_dist == "full" else (replayed, mb.sampled)
+    logp = logprob_of(pi, mb.tokens)  # (mb, N)
     old = logp.detach() if old is None else old
     ref, ref_full = (None, None) if ref is None else ref
-    regions = {"preview": slice(0, n_preview), "large": slice(n_preview, None)}
+    regions = {"preview": slice(0, mb.n_preview), "large": slice(mb.n_preview, None)}
     cols = regions["large"] if train_tokens == "large" else slice(None)
-    weights, m_corr = sampler_correction(old, sampled, correction, cap)  # over all N tokens
+    weights, m_corr = sampler_correction(old, behaviour, correction, cap)  # over all N tokens
     weights = weights if correction.startswith("sequence") else weights[:, cols]
-    loss, m = grpo_loss(logp[:, cols], old[:, cols], None if ref is None else ref[:, cols], adv,
-                        clip_eps, kl_beta, weights)
+    mass, m_mass = truncation_weights(mb.sampled, mb.sampled_full,
+                                      truncation_weight if policy_dist == "full" else "none")
+    loss, m = grpo_loss(logp[:, cols], old[:, cols], None if ref is None else ref[:, cols],
+                        mb.advantages, clip_eps, kl_beta, weights, mass[:, cols])
     with torch.no_grad():
-        own = logprob_of(code_logprobs(logits.detach(), temperature, K, top_k, top_p), tokens)
-        trainer = logprob_of(replayed.detach(), tokens)  # the sampler's pi, by the trainer
-        both = trainer.isfinite() & sampled.isfinite()
+        own = logprob_of(code_logprobs(logits.detach(), temperature, K, top_k, top_p), mb.tokens)
+        trainer = logprob_of(replayed.detach(), mb.tokens)  # q, by the trainer
+        both = trainer.isfinite() & mb.sampled.isfinite()
         m.update(loss=loss.item(),
-                 sampler_gap=(trainer - sampled).where(both, 0.0).abs().max().item(),
+                 sampler_gap=(trainer - mb.sampled).where(both, 0.0).abs().max().item(),
                  outside_truncation=int((~own.isfinite()).sum()),
                  no_gradient_frac=(pi[:, cols].isfinite().sum(-1) == 1).float().mean().item(),
-                 **m_corr, **region_metrics(regions, logp.detach(), old, ref, adv, clip_eps,
-                                            kl_beta))
+                 **m_corr, **m_mass, **region_metrics(regions, logp.detach(), old, ref,
+                                                      mb.advantages, clip_eps, kl_beta))
         if ref_full is not None:
-            untruncated = k3_kl(logprob_of(full, tokens)[:, cols], ref_full[:, cols])
+            untruncated = k3_kl(logprob_of(full, mb.tokens)[:, cols], ref_full[:, cols])
             m["kl_untruncated"] = untruncated.mean().item()
     return loss, m
 
@@ -809,20 +883,17 @@ def micro_batch_loss(policy, inputs: dict, tokens: torch.Tensor, sampled: torch.
 def train_step(policy, optimizer, rollouts: list[Rollout], advantages: torch.Tensor, ref_model, *,
                temperature: float, clip_eps: float, kl_beta: float, micro_batch_size: int,
                max_grad_norm: float, mu: int = 1, train_tokens: str = "large", top_k: int = 0,
-               top_p: float = 1.0, correction: str = "none", cap: float = 2.0,
-               policy_dist: str = "truncated") -> dict:
+               top_p: float = 1.0, correction: str = "token_truncate", cap: float = 2.0,
+               policy_dist: str = "full", truncation_weight: str = "mass") -> dict:
     """`mu` optimizer steps on P groups with (P, G) advantages -> metrics. Each micro-batch's loss
     is weighted by its share of the P*G sequences: the accumulated gradient is the batch's."""
     # transformers only checkpoints in train mode; without dropout, train and eval are one policy
     policy.train(policy.is_activation_checkpointing)
-    # micro-batches: (AR inputs, tokens, sampler log-probs and supports, advantages, preview tokens)
-    batches = [(select_rows(r.inputs, rows), r.tokens[rows], r.logprobs[rows],
-                None if r.support is None else r.support[rows], adv[rows],
-                r.preview_hw[0] * r.preview_hw[1])
-               for r, adv in zip(rollouts, advantages)
-               for rows in (slice(i, i + micro_batch_size)
-                            for i in range(0, len(adv), micro_batch_size))]
+    batches = micro_batches(rollouts, advantages, micro_batch_size)
     n_seqs = advantages.numel()
+    objective = dict(temperature=temperature, clip_eps=clip_eps, kl_beta=kl_beta,
+                     train_tokens=train_tokens, top_k=top_k, top_p=top_p, correction=correction,
+                     cap=cap, policy_dist=policy_dist, truncation_weight=truncation_weight)
 
     def trained(support):  # the trained distribution's truncation: top_k, top_p, support
         return (top_k, top_p, support) if policy_dist == "truncated" else (0, 1.0, None)
@@ -830,22 +901,19 @@ def train_step(policy, optimizer, rollouts: list[Rollout], advantages: torch.Ten
     with torch.no_grad():
         # mu = 1: the old policy IS the current one (old = logp.detach(): ratio 1, the clip idles);
         # mu > 1: the old log-probs are frozen before the first update and the clip acts after it
-        olds = ([token_logprobs(policy, inp, tok, temperature, *trained(sup))
-                 for inp, tok, _, sup, *_ in batches] if mu > 1 else None)
-        refs = ([reference_logprobs(ref_model, inp, tok, temperature, *trained(sup))
-                 for inp, tok, _, sup, *_ in batches] if kl_beta > 0 else None)
+        olds = ([token_logprobs(policy, mb.inputs, mb.tokens, temperature, *trained(mb.support))
+                 for mb in batches] if mu > 1 else None)
+        refs = ([reference_logprobs(ref_model, mb.inputs, mb.tokens, temperature,
+                                    *trained(mb.support)) for mb in batches]
+                if kl_beta > 0 else None)
     skipped, parts = 0, []  # parts: every micro-batch's metrics and share, over all mu updates
     for _ in range(mu):
         optimizer.zero_grad(set_to_none=True)
         update_parts, finite = [], True
-        for k, (inputs, tokens, sampled, support, adv, n_preview) in enumerate(batches):
-            loss, m = micro_batch_loss(
-                policy, inputs, tokens, sampled, support, adv, n_preview,
-                None if olds is None else olds[k], None if refs is None else refs[k],
-                temperature=temperature, clip_eps=clip_eps, kl_beta=kl_beta,
-                train_tokens=train_tokens, top_k=top_k, top_p=top_p, correction=correction,
-                cap=cap, policy_dist=policy_dist)
-            share = tokens.shape[0] / n_seqs  # micro-batch losses are means: weight to the batch's
+        for k, mb in enumerate(batches):
+            loss, m = micro_batch_loss(policy, mb, None if olds is None else olds[k],
+                                       None if refs is None else refs[k], **objective)
+            share = mb.tokens.shape[0] / n_seqs  # losses are means: weigh each to the batch's
             finite = finite and bool(torch.isfinite(loss))
             sync_gradients(policy, k == len(batches) - 1)  # FSDP + LoRA: reduce after the last
             (loss * share).backward()  # even when not finite: with FSDP every process joins
@@ -858,10 +926,12 @@ def train_step(policy, optimizer, rollouts: list[Rollout], advantages: torch.Ten
         else:  # a NaN / inf loss or gradient never reaches the weights: this update is skipped
             optimizer.zero_grad(set_to_none=True)
             skipped += 1
-    # extremes over all mu updates, but sampler_gap of the first only: the weights the sampler used
-    gap = max(m["sampler_gap"] for m, _ in parts[:len(batches)])
+    # extremes over all mu updates; the sampler's own diagnostics from the first update only (its
+    # weights are the sampler's): counted once, not mu times
+    first = merge_metrics(parts[:len(batches)])
     return {**totals, **{k: v for k, v in merge_metrics(parts).items() if extreme(k)},
-            "sampler_gap": gap, "skipped": skipped}
+            "sampler_gap": first["sampler_gap"], "outside_truncation": first["outside_truncation"],
+            "skipped": skipped}
 
 
 EXTREMES = {"ratio_min": min, "ratio_max": max, "sampler_gap": max, "skipped": max,
@@ -950,7 +1020,8 @@ def main(argv: list[str] | None = None) -> dict:
                         temperature=cfg.temperature, micro_batch_size=cfg.micro_batch_size,
                         max_grad_norm=cfg.max_grad_norm, mu=cfg.mu, train_tokens=cfg.train_tokens,
                         top_k=cfg.top_k, top_p=cfg.top_p, correction=cfg.sampler_correction,
-                        cap=cfg.sampler_cap, policy_dist=cfg.policy_dist)
+                        cap=cfg.sampler_cap, policy_dist=cfg.policy_dist,
+                        truncation_weight=cfg.truncation_weight)
                 run.log_step(r, step, groups, reward, each, advantages, grids, metrics, seconds)
             run.after_step(r, step, batch, images, reward)  # image grids, checkpoints, evaluations
     return run.finish(r)  # the last checkpoint, final/, curves.png, the after grid, the summary

@@ -566,6 +566,10 @@ def training(r: Run):
             yield
     except KeyboardInterrupt:
         interrupted(r)
+    except ValueError as error:  # grpo.check_tokens: a sample that does not fill its grid
+        if not str(error).startswith("sample_groups:"):
+            raise
+        fail(f"{str(error).removeprefix('sample_groups: ')} (the last checkpoint is kept)", code=1)
     except OSError as error:  # a full disk, a vanished directory: the last checkpoint stays good
         fail(f"cannot write {error.filename or r.out} ({error.strerror or error}); make room, then continue with "
              f"--resume {r.out}", code=1)
@@ -600,6 +604,11 @@ def log_step(r: Run, step: int, groups: list[int], reward: torch.Tensor, each: d
     if record["skipped"]:
         r.progress.write(f"warning: step {step}: non-finite loss or gradient, update skipped ({r.skipped} so far)",
                          file=sys.stderr)
+    if record.get("rollout/collapsed_groups"):
+        r.progress.write(f"warning: step {step}: {record['rollout/collapsed_groups']} group(s) collapsed to a few codes "
+                         f"(the fewest: {record['rollout/group_codes_min']} distinct codes in all its images): a bypassed "
+                         "processor, a broken sampler or a policy gone bad; see docs/healthy_training.md",
+                         file=sys.stderr)
 
 
 def step_record(step: int, groups: list[int], n_examples: int, reward: torch.Tensor, each: dict,
@@ -610,14 +619,27 @@ def step_record(step: int, groups: list[int], n_examples: int, reward: torch.Ten
     (this process)."""
     reward, advantages, groups = gather_rows(reward), gather_rows(advantages), gather_list(groups)
     distinct = gather_rows(torch.tensor([[len({tuple(t) for t in s.flatten(1).tolist()})] for s in samples]))
+    codes = code_health(samples) if samples and not samples[0].is_floating_point() else {}
     return {"step": step, "prompts": [g % n_examples for g in groups], "reward_mean": reward.mean().item(),
             "reward_std": reward.std(dim=-1, unbiased=False).mean().item(),  # within groups
             **{f"reward/{name}": gather_rows(value).mean().item() for name, value in each.items()},
             "advantage/max": advantages.max().item(), "advantage/min": advantages.min().item(),
             "advantage/abs_mean": advantages.abs().mean().item(),
             "zero_std_groups": int((advantages == 0).all(dim=-1).sum()),  # groups that carry no signal
-            "distinct_in_group": distinct.float().mean().item(), **metrics,
+            "distinct_in_group": distinct.float().mean().item(), **codes, **metrics,
             **{f"sec_{phase}": value for phase, value in seconds.items()}}
+
+
+def code_health(grids: list[torch.Tensor]) -> dict:
+    """Each group's (G, hw) large grids (every process's) -> the distinct codes per image (mean, min), the fewest a
+    group used in all its images, and how many groups collapsed: at most max(1, hw / 64) codes in all G images (a
+    1024-cell grid of 16 codes or fewer; the tiny model's 9 cells, one code). GLM-Image's users saw 15 codes of 16384
+    (white pictures) when the processor was bypassed."""
+    per_image = gather_rows(torch.stack([g.sort(-1).values.diff(dim=-1).ne(0).sum(-1) + 1 for g in grids]))
+    per_group = gather_rows(torch.tensor([[len(g.unique())] for g in grids]))
+    limit = max(1, grids[0].shape[-1] // 64)
+    return {"rollout/unique_codes": per_image.float().mean().item(), "rollout/unique_codes_min": int(per_image.min()),
+            "rollout/group_codes_min": int(per_group.min()), "rollout/collapsed_groups": int((per_group <= limit).sum())}
 
 
 def after_step(r: Run, step: int, batch: list[dict], images: list[torch.Tensor], reward: torch.Tensor) -> None:

@@ -11,6 +11,7 @@ and the CUDA graph on a GPU), only_ar_trains and setup_training (every run of ma
 import copy
 import dataclasses
 import functools
+import inspect
 import json
 import math
 import re
@@ -313,6 +314,47 @@ def test_decode_keeps_sampling_mask(sharp_pipe):
     assert grpo.sample_group(sharp_pipe, "a cat", 3, 64, 96, T, seed=4).support is None
 
 
+def test_decode_full_logprobs(random_pipe):
+    """The sampler records each draw's log-prob under the whole softmax p as well as under the nucleus q it drew
+    from (vLLM's raw and processed log-probs): p's equal the trainer's full-softmax log-probs within 1e-5, q's the
+    trainer's replayed nucleus, and log p - log q = log Z_t <= 0 (< 0 where the nucleus cut codes); without top-k /
+    top-p the two are one."""
+    ar = random_pipe.vision_language_encoder
+    r = grpo.sample_group(random_pipe, "a red circle", 3, 64, 64, T, seed=7, top_p=0.75)
+    with torch.no_grad():
+        full = grpo.token_logprobs(ar, r.inputs, r.tokens, T)
+        nucleus = grpo.token_logprobs(ar, r.inputs, r.tokens, T, 0, 0.75, r.support)
+    assert (r.full_logprobs - full).abs().max() <= PARITY and (r.logprobs - nucleus).abs().max() <= PARITY
+    assert (r.full_logprobs <= r.logprobs + 1e-6).all() and (r.full_logprobs < r.logprobs - 0.05).float().mean() > 0.5
+    plain = grpo.sample_group(random_pipe, "a red circle", 3, 64, 64, T, seed=7)
+    assert torch.equal(plain.full_logprobs, plain.logprobs)
+
+
+def test_check_tokens():
+    """A group's tokens must fill its grid with codes: the full grid passes; a sample cut short (an early end of the
+    image) or a token off the codebook is a one-line error naming the prompt."""
+    grpo.check_tokens(torch.zeros(2, 9, dtype=torch.long), 9, 16, "a cat")
+    with pytest.raises(ValueError, match=r"^sample_groups: 'a cat' was sampled 8 tokens .* for its 9 grid cells"):
+        grpo.check_tokens(torch.zeros(2, 8, dtype=torch.long), 9, 16, "a cat")
+    with pytest.raises(ValueError, match=r"'a dog' .*codes 0\.\.16\) for its 3 grid cells of codes < 16"):
+        grpo.check_tokens(torch.tensor([[0, 16, 3]]), 3, 16, "a dog")
+
+
+def test_main_short_sample(tmp_path, monkeypatch, capsys):
+    """A decode that stops one token early (as a client that lets the AR end the image may): the run stops with one
+    line naming the prompt, exit 1, no traceback."""
+    decode = grpo.decode
+
+    def short(*args, **kw):
+        return tuple(x if x is None else x[:, :-1] for x in decode(*args, **kw))
+    monkeypatch.setattr(grpo, "decode", short)
+    with pytest.raises(SystemExit) as stop:
+        tiny_run(tmp_path, tmp_path / "out", "--steps", "1")
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert stop.value.code == 1 and "Traceback" not in err
+    assert re.search(r"error: 'a gray square' was sampled \d+ tokens .* grid cells", err), err
+
+
 def test_sampler_correction():
     """Each mode against the formula by hand: r = exp(old - sampled) per token or per sequence (the sum), truncated
     at the cap or masked to 0 above it, 1 for none; TRL's metric names, the k3 KL of the sampler from pi_old; a token
@@ -341,6 +383,32 @@ def test_sampler_correction():
     assert seq["sampling/raw_importance_sampling_ratio/max"] == pytest.approx(math.e)  # the sequence's product
     assert seq["sampling/importance_sampling_ratio/max"] == pytest.approx(math.exp(-0.5))  # e is masked to 0
     assert grpo.sampler_correction(old, old, "token_truncate", cap)[0].eq(1).all()  # an exact sampler: weight 1
+
+
+def test_truncation_weights():
+    """The nucleus' mass Z_t = p / q from the sampler's two log-probs ("mass"), 1 for "none" and where nothing was
+    cut (log p = log q); a token outside a truncation (-inf) gets 1; the mass is logged either way."""
+    sampled = torch.tensor([[-0.1, -1.0, -math.inf]])
+    full = torch.tensor([[-0.4, -1.0, -5.0]])
+    mass, m = grpo.truncation_weights(sampled, full, "mass")
+    assert torch.allclose(mass, torch.tensor([[math.exp(-0.3), 1.0, 1.0]]))
+    assert m["truncation/nucleus_mass/min"] == pytest.approx(math.exp(-0.3))
+    none, m_none = grpo.truncation_weights(sampled, full, "none")
+    assert none.eq(1).all() and m_none == m
+
+
+def test_grpo_loss_mass():
+    """The truncation weight multiplies each token's whole term, the surrogate AND the KL (it changes which
+    distribution the samples stand for), where the mismatch weights multiply the surrogate only."""
+    g = torch.Generator().manual_seed(2)
+    logp = (-torch.rand(2, 4, generator=g)).requires_grad_()
+    old, ref, adv = logp.detach() - 0.05, logp.detach() + 0.1, torch.tensor([1.0, -2.0])
+    w, z = torch.rand(2, 4, generator=g) + 0.5, torch.rand(2, 4, generator=g)
+    loss, _ = grpo.grpo_loss(logp, old, ref, adv, 0.2, 2.0, w, z)
+    r = torch.exp(logp - old)
+    surrogate = torch.min(r * adv[:, None], r.clamp(0.8, 1.2) * adv[:, None])
+    d = ref - logp
+    assert torch.allclose(loss, (-(w * surrogate - 2.0 * (d.exp() - d - 1)) * z).mean())
 
 
 def test_grpo_loss_weights():
@@ -941,11 +1009,12 @@ def test_micro_batch_loss(random_pipe):
     adv = torch.tensor([1.0, -1.0, 0.5, -0.5])
     n_preview = r.preview_hw[0] * r.preview_hw[1]
     ar = pipe.vision_language_encoder
-    kw = dict(temperature=T, clip_eps=0.2, kl_beta=0.0, top_k=0, top_p=0.9)
+    kw = dict(temperature=T, clip_eps=0.2, kl_beta=0.0, top_k=0, top_p=0.9, policy_dist="truncated")
+    mb = grpo.micro_batches([r], adv[None], 4)[0]
+    assert mb.n_preview == n_preview and torch.equal(mb.sampled_full, r.full_logprobs)
     for tokens, cols in (("large", slice(n_preview, None)), ("all", slice(None))):
         ar.zero_grad(set_to_none=True)
-        loss, m = grpo.micro_batch_loss(ar, r.inputs, r.tokens, r.logprobs, r.support, adv, n_preview, None, None,
-                                        train_tokens=tokens, **kw)
+        loss, m = grpo.micro_batch_loss(ar, mb, None, None, train_tokens=tokens, **kw)
         with torch.no_grad():
             logp = grpo.token_logprobs(ar, r.inputs, r.tokens, T, 0, 0.9, r.support)
         want, _ = grpo.grpo_loss(logp[:, cols], logp[:, cols], None, adv, 0.2, 0.0)
@@ -957,16 +1026,23 @@ def test_micro_batch_loss(random_pipe):
     ar.zero_grad(set_to_none=True)
 
 
-def test_micro_batch_loss_correction(pipe):
+@pytest.mark.parametrize("policy_dist", ["truncated", "full"])
+def test_micro_batch_loss_correction(pipe, policy_dist):
     """The corrected loss against its formula for every --sampler-correction mode, with a sampler that disagrees with
-    the trainer (its log-probs perturbed): grpo_loss of the trainer's log-probs (over the sampler's support) with the
-    weights exp(old - sampled), per token over the loss's tokens, or per sequence over ALL its sampled tokens (the
-    preview conditions the large grid), truncated or masked at the cap; the mismatch is logged over all tokens."""
+    the trainer (its log-probs of the TRAINED distribution perturbed: the nucleus q's, or the whole softmax p's):
+    grpo_loss of the trainer's log-probs with the weights exp(old - sampled), per token over the loss's tokens, or per
+    sequence over ALL its sampled tokens (the preview conditions the large grid), truncated or masked at the cap,
+    times the nucleus' mass under p; the mismatch is logged over all tokens and reads the perturbation only."""
     r = grpo.sample_group(pipe, "two blue squares", 4, 64, 64, T, seed=3, top_p=0.9)
-    sampled = r.logprobs + 0.3 * torch.randn(r.logprobs.shape, generator=torch.Generator().manual_seed(0)).to(DEVICE)
+    noise = 0.3 * torch.randn(r.logprobs.shape, generator=torch.Generator().manual_seed(0)).to(DEVICE)
+    full = policy_dist == "full"
+    r = r._replace(full_logprobs=r.full_logprobs + noise) if full else r._replace(logprobs=r.logprobs + noise)
+    sampled = r.full_logprobs if full else r.logprobs
     adv, n_preview, ar = torch.tensor([1.0, -1.0, 0.5, -0.5], device=DEVICE), r.preview_hw[0] * r.preview_hw[1], pipe.vision_language_encoder
     with torch.no_grad():
-        logp = grpo.token_logprobs(ar, r.inputs, r.tokens, T, 0, 0.9, r.support)
+        logp = grpo.token_logprobs(ar, r.inputs, r.tokens, T, *((0, 1.0, None) if full else (0, 0.9, r.support)))
+    mass = (r.full_logprobs - r.logprobs).exp().clamp(max=1)[:, n_preview:] if full else 1.0  # p / q: the sampler's
+    assert not full or 0 < mass.min() < mass.max() <= 1  # truncated and perturbed: the mass varies
     d_all = logp - sampled  # (G, N)
     d, seq = d_all[:, n_preview:], d_all.sum(1, keepdim=True)
     cap = 1.2
@@ -975,21 +1051,22 @@ def test_micro_batch_loss_correction(pipe):
                "sequence_mask": seq.clamp(max=20).exp() * (seq.exp() <= cap)}
     for mode, weights in by_hand.items():
         with torch.no_grad():
-            loss, m = grpo.micro_batch_loss(ar, r.inputs, r.tokens, sampled, r.support, adv, n_preview, None, None,
+            loss, m = grpo.micro_batch_loss(ar, grpo.micro_batches([r], adv[None], 4)[0], None, None,
                                             temperature=T, clip_eps=0.2, kl_beta=0.0, train_tokens="large", top_k=0,
-                                            top_p=0.9, correction=mode, cap=cap)
-        want = (-(weights * adv[:, None])).mean()  # ratio 1 at the first update: the surrogate is A
+                                            top_p=0.9, correction=mode, cap=cap, policy_dist=policy_dist)
+        want = (-(weights * adv[:, None] * mass)).mean()  # ratio 1 at the first update: the surrogate is A
         assert loss.item() == pytest.approx(want.item(), abs=1e-5), mode
         assert m["sampling/sampling_logp_difference/max"] == pytest.approx(d_all.abs().max().item(), abs=1e-5)
     assert 0 < by_hand["token_mask"].eq(0).float().mean() < 1  # the cap acted on some tokens, not all
 
 
 def shifted(r, cols, delta):
-    """Rollout `r` as a sampler that disagrees with the trainer: its log-probs moved by -delta on the columns `cols`
-    (r = pi_old / pi_sampler = e^delta there)."""
-    logprobs = r.logprobs.clone()
+    """Rollout `r` as a sampler that disagrees with the trainer: its log-probs (q's and p's) moved by -delta on the
+    columns `cols` (r = pi_old / pi_sampler = e^delta there)."""
+    logprobs, full = r.logprobs.clone(), r.full_logprobs.clone()
     logprobs[:, cols] -= delta
-    return r._replace(logprobs=logprobs)
+    full[:, cols] -= delta
+    return r._replace(logprobs=logprobs, full_logprobs=full)
 
 
 def test_train_step_correction(random_pipe):
@@ -1001,7 +1078,7 @@ def test_train_step_correction(random_pipe):
     r = grpo.sample_group(random_pipe, "a red circle", 4, 64, 64, T, seed=1)
     n_preview = r.preview_hw[0] * r.preview_hw[1]
     adv = torch.tensor([[1.0, -1.0, 0.5, -0.5]])
-    base, _ = grads_after_step(random_pipe, [r], adv, 2)
+    base, _ = grads_after_step(random_pipe, [r], adv, 2, correction="none")
     for cols, delta, mode, factor in [(slice(n_preview, None), 0.3, "token_truncate", math.exp(0.3)),
                                       (slice(n_preview, None), -0.3, "token_truncate", math.exp(-0.3)),
                                       (slice(n_preview, None), 1.0, "token_truncate", 2.0),
@@ -1033,8 +1110,8 @@ def test_main_sampler_correction(tmp_path, monkeypatch):
     decode = grpo.decode
 
     def off_by_half(*args, **kw):
-        tokens, logprobs, support = decode(*args, **kw)
-        return tokens, logprobs - 0.5, support
+        tokens, logprobs, full_logprobs, support = decode(*args, **kw)
+        return tokens, logprobs - 0.5, full_logprobs - 0.5, support
 
     monkeypatch.setattr(grpo, "decode", off_by_half)
     for mode in ("token_truncate", "none"):
@@ -1046,6 +1123,98 @@ def test_main_sampler_correction(tmp_path, monkeypatch):
         want = 1.2 if mode == "token_truncate" else 1.0
         assert line["sampling/importance_sampling_ratio/max"] == pytest.approx(want, rel=1e-5)
         assert line["sampling/capped_frac"] == (1.0 if mode == "token_truncate" else 0.0)
+
+
+def sampled_rows(logits, top_p, generator):
+    """A sampler on given (S, N, K) logits: tokens drawn from code_logprobs at `top_p`, as a MicroBatch with its q
+    and p log-probs and its support (the preview: none)."""
+    K = logits.shape[-1]
+    q = grpo.code_logprobs(logits, T, K, top_p=top_p)
+    tokens = torch.multinomial(q.exp().flatten(0, 1), 1, generator=generator).view(logits.shape[:2])
+    full = grpo.code_logprobs(logits, T, K)
+    support = grpo.support_bits(q.isfinite()) if top_p < 1 else None
+    return grpo.MicroBatch({}, tokens, grpo.logprob_of(q, tokens), grpo.logprob_of(full, tokens), support,
+                           torch.tensor([1.0, -1.0]), 0)
+
+
+def test_logits_loss_real_size():
+    """The bookkeeping at the real model's sizes (N = 1280 tokens, K = 16384 codes, random logits, float32, a sampler
+    with no rounding gap): every accepted combination of --policy-dist, --top-p and --sampler-correction gives the
+    uncorrected gradient (1e-6), and --truncation-weight mass one within 2x of it, never 0; the mismatch metrics read
+    no gap, whatever the nucleus cut. (Before the two corrections were kept apart, a sequence mode under
+    --policy-dist full multiplied 1280 nucleus masses: a weight of exactly 0.) With a real sampler's float error:
+    test_train_step_float32_corrections."""
+    S, N, K = 2, 1280, 16384
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(S, N, K, generator=g) * 3
+    grads = {}
+    # without a truncation p = q (one distribution, a mass of 1); the truncated policy has no mass to weigh
+    combos = [(1.0, "full", w, mode) for w in ("none",) for mode in grpo.CORRECTIONS]
+    combos += [(0.75, "full", w, mode) for w in grpo.TRUNCATION_WEIGHTS for mode in grpo.CORRECTIONS]
+    combos += [(0.75, "truncated", "none", mode) for mode in grpo.CORRECTIONS]
+    rows = {top_p: sampled_rows(logits, top_p, g) for top_p in (1.0, 0.75)}
+    for top_p, dist, weight, mode in combos:
+        x = logits.clone().requires_grad_()
+        loss, m = grpo.logits_loss(x, K, rows[top_p], None, None, temperature=T, clip_eps=0.2, kl_beta=0.0,
+                                   train_tokens="all", top_p=top_p, correction=mode, policy_dist=dist,
+                                   truncation_weight=weight)
+        loss.backward()
+        grads[top_p, dist, weight, mode] = x.grad.norm().item()
+        assert m["sampling/sampling_logp_difference/max"] <= 1e-5, (top_p, dist, weight, mode)
+        assert abs(m["sampling/importance_sampling_ratio/mean"] - 1) <= 1e-4, (top_p, dist, weight, mode)
+        assert m["sampling/importance_sampling_ratio/min"] >= 1 - 1e-4, (top_p, dist, weight, mode)
+    for (top_p, dist, weight, mode), norm in grads.items():
+        same = grads[top_p, dist, weight, "none"]  # the mismatch correction: weight 1, the same gradient
+        assert norm == pytest.approx(same, rel=1e-6), (top_p, dist, weight, mode, norm, same)
+        plain = grads[top_p, dist, "none", "none"]
+        assert plain / 2 <= norm <= 2 * plain, (top_p, dist, weight, mode, norm, plain)
+    assert grads[0.75, "full", "mass", "none"] < 0.9 * grads[0.75, "full", "none", "none"]  # the mass acts (~0.75)
+
+
+def test_train_step_float32_corrections(random_pipe):
+    """The CLI's objective at the real model's top-p 0.75 in float32, with a real sampler (the KV-cached decode, its
+    float error against the teacher-forced trainer, on the random model whose nucleus is wide): in every
+    --sampler-correction mode the mismatch metrics read <= 1e-5, the weights 1 +- 1e-4 and the gradient equals the
+    uncorrected one within 1e-4; the nucleus' mass is below 1 (the truncation is real) and weighs the gradient down."""
+    r = grpo.sample_group(random_pipe, "a red circle", 4, 64, 64, T, seed=2, top_p=0.75)
+    adv = torch.tensor([[1.0, -1.0, 0.5, -0.5]])
+    kw = dict(top_p=0.75, policy_dist="full", truncation_weight="mass")
+    plain, _ = grads_after_step(random_pipe, [r], adv, 4, correction="none", **kw)
+    norm = torch.sqrt(sum((g ** 2).sum() for g in plain.values()))
+    for mode in grpo.CORRECTIONS:
+        grads, m = grads_after_step(random_pipe, [r], adv, 4, correction=mode, **kw)
+        assert m["sampling/sampling_logp_difference/max"] <= PARITY, mode
+        assert m["sampling/importance_sampling_ratio/min"] >= 1 - 1e-4, mode
+        assert m["sampling/importance_sampling_ratio/max"] <= 1 + 1e-4, mode
+        diff = torch.sqrt(sum(((grads[k] - g) ** 2).sum() for k, g in plain.items()))
+        assert diff <= 1e-4 * norm, (mode, diff / norm)
+    assert m["truncation/nucleus_mass/mean"] < 0.95 and m["truncation/nucleus_mass/min"] >= 0.75 - 1e-6
+    unweighted, _ = grads_after_step(random_pipe, [r], adv, 4, **{**kw, "truncation_weight": "none"})
+    assert torch.sqrt(sum((g ** 2).sum() for g in unweighted.values())) > 1.05 * norm
+
+
+def test_objective_defaults_match_cli():
+    """A function copied alone trains what the command line trains: every default of a grpo.py function whose
+    parameter names an objective setting (temperature, top-k / top-p, the corrections and their cap, the trained
+    distribution, the tokens in the loss, the clip, the KL weight, the advantages' scale) equals the command line's
+    default (the tiny model's, the default --model)."""
+    cli = grpo.parse_config([])
+    names = {"temperature": "temperature", "top_k": "top_k", "top_p": "top_p", "correction": "sampler_correction",
+             "cap": "sampler_cap", "policy_dist": "policy_dist", "truncation_weight": "truncation_weight",
+             "train_tokens": "train_tokens", "clip_eps": "clip_eps", "kl_beta": "kl_beta", "scale": "scale_rewards"}
+    modes = {"sampler_correction": "sampler_correction", "truncation_weights": "truncation_weight"}  # their `mode`
+    checked = []
+    for name, fn in vars(grpo).items():
+        if not inspect.isfunction(fn) or fn.__module__ != grpo.__name__:
+            continue
+        for param in inspect.signature(fn).parameters.values():
+            field = modes.get(name) if param.name == "mode" else names.get(param.name)
+            if field and param.default is not inspect.Parameter.empty:
+                assert param.default == getattr(cli, field), f"{name}({param.name}={param.default!r}) but the " \
+                    f"command line's --{field.replace('_', '-')} is {getattr(cli, field)!r}"
+                checked.append(f"{name}.{param.name}")
+    assert {"train_step.policy_dist", "train_step.correction", "logits_loss.truncation_weight",
+            "sampler_correction.mode", "truncation_weights.mode", "code_logprobs.top_p"} <= set(checked)
 
 
 def narrowed(r, K):
@@ -1068,7 +1237,7 @@ def test_train_step_follows_support(random_pipe, kl_beta):
     K = random_pipe.vision_language_encoder.config.vq_config.num_embeddings
     r = grpo.sample_group(random_pipe, "a red circle", 4, 64, 64, T, seed=2, top_p=0.75)
     adv = torch.tensor([[1.0, -1.0, 0.5, -0.5]])
-    kw = dict(kl_beta=kl_beta, mu=2, train_tokens="all", top_p=0.75, lr=1.0)
+    kw = dict(kl_beta=kl_beta, mu=2, train_tokens="all", top_p=0.75, lr=1.0, policy_dist="truncated")
     plain, m_plain = grads_after_step(random_pipe, [r._replace(support=None)], adv, 2, **{**kw, "top_p": 1.0})
     wide, m_wide = grads_after_step(random_pipe, [widened(r, K)], adv, 2, **kw)
     assert wide.keys() == plain.keys() and all(torch.allclose(wide[k], plain[k], atol=1e-7) for k in plain)
@@ -1077,7 +1246,7 @@ def test_train_step_follows_support(random_pipe, kl_beta):
     narrow, m_narrow = grads_after_step(random_pipe, [narrowed(r, K)], adv, 2, **kw)
     assert all(g.abs().max() == 0 for g in narrow.values()) and m_narrow["no_gradient_frac"] == 1.0
     assert m_narrow["ratio_min"] == m_narrow["ratio_max"] == 1.0 and m_narrow["kl"] == 0.0
-    full = {k: grads_after_step(random_pipe, [rollout], adv, 2, **kw, policy_dist="full")[0]
+    full = {k: grads_after_step(random_pipe, [rollout], adv, 2, **{**kw, "policy_dist": "full"})[0]
             for k, rollout in (("wide", widened(r, K)), ("narrow", narrowed(r, K)))}
     assert all(torch.equal(full["wide"][k], full["narrow"][k]) for k in full["wide"])
     assert any(g.abs().max() > 0 for g in full["narrow"].values())
@@ -1094,7 +1263,7 @@ def test_train_step_kl_untruncated(random_pipe):
     opt = torch.optim.SGD([p for p in policy.parameters() if p.requires_grad], lr=0.0)
     m = grpo.train_step(policy, opt, [r], torch.tensor([[1.0, -1.0, 0.5, -0.5]]), random_pipe.vision_language_encoder,
                         temperature=T, clip_eps=0.2, kl_beta=0.1, micro_batch_size=4, max_grad_norm=math.inf,
-                        top_p=0.75)
+                        top_p=0.75, policy_dist="truncated")
     n_preview = r.preview_hw[0] * r.preview_hw[1]
     with torch.no_grad():
         logp = grpo.token_logprobs(policy, r.inputs, r.tokens, T)[:, n_preview:]
@@ -1226,6 +1395,11 @@ COPIED_ALONE = """
 import math, sys, torch
 import grpo
 assert grpo.run is None and "helpers" not in sys.modules  # nothing but grpo.py and the packages
+try:
+    grpo.parse_config([])
+    raise AssertionError("parse_config ran without helpers/")
+except SystemExit as refused:  # one line naming what it needs
+    assert "helpers/run.py" in str(refused) and "\\n" not in str(refused), refused
 cfg = grpo.with_defaults(grpo.Config(model="tiny", group_size=4, height=64, width=64, num_inference_steps=1))
 pipe = grpo.load_glm_image({tiny!r})  # a model folder
 policy, ref, opt = grpo.setup_training(pipe, cfg, torch.float32, world=1)
@@ -1246,7 +1420,7 @@ print("copied alone:", reward.shape, adv.shape, round(m["loss"], 4))
 def test_grpo_copied_alone(tmp_path):
     """grpo.py copied alone into an empty folder (no helpers/, no tools/): `import grpo` works and one process runs
     every section above main on a model folder: load, sample, decode, score (the card's SSIM), advantages, train_step
-    with the tiny defaults (KL, mu 2)."""
+    with the tiny defaults (KL, mu 2); parse_config, which needs helpers/, refuses in one line naming it."""
     import shutil
     import subprocess
     import sys

@@ -768,3 +768,34 @@ def test_decoder_on():
     with run.decoder_on(pipe, "cuda:0", offload=False):
         pass
     assert [p.moves for p in parts] == [["cuda:0", "cpu"] * 2] * 3
+
+
+def test_code_health():
+    """The rollout's codes: distinct codes per image (mean, min) and the fewest a group used in all its images, by
+    hand; a group whose images together hold at most max(1, hw / 64) codes counts as collapsed (a 1024-cell grid of 16
+    codes: yes, of 17: no; a 9-cell grid of one code: yes)."""
+    grids = [torch.tensor([[1, 1, 2], [3, 4, 5]]), torch.tensor([[7, 7, 7], [7, 7, 7]])]
+    m = run.code_health(grids)
+    assert m == {"rollout/unique_codes": 1.75, "rollout/unique_codes_min": 1, "rollout/group_codes_min": 1,
+                 "rollout/collapsed_groups": 1}
+    g = torch.Generator().manual_seed(0)
+    sixteen, seventeen = (torch.randint(0, k, (4, 1024), generator=g) for k in (16, 17))
+    assert run.code_health([sixteen])["rollout/collapsed_groups"] == 1
+    assert run.code_health([seventeen])["rollout/collapsed_groups"] == 0
+    assert run.code_health([torch.tensor([[2, 2, 2, 2, 2, 2, 2, 2, 3]])])["rollout/collapsed_groups"] == 0
+
+
+def test_collapse_warning(tmp_path, monkeypatch, capsys):
+    """A sampler that draws one code everywhere (as a bypassed processor did, giving white pictures): every step's
+    line logs the distinct codes, and one warning line per step names the collapse."""
+    decode = grpo.decode
+
+    def one_code(*args, **kw):
+        tokens, *rest = decode(*args, **kw)
+        return (torch.zeros_like(tokens), *rest)
+    monkeypatch.setattr(grpo, "decode", one_code)
+    tiny_run(tmp_path, tmp_path / "out", "--steps", "2")
+    lines = run_record(tmp_path / "out")
+    assert [x["rollout/unique_codes"] for x in lines] == [1.0, 1.0] and lines[0]["rollout/collapsed_groups"] == 1
+    warnings = [x for x in capsys.readouterr().err.splitlines() if "collapsed to a few codes" in x]
+    assert len(warnings) == 2 and "the fewest: 1 distinct codes" in warnings[0]

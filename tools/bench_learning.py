@@ -55,6 +55,10 @@ ROWS = {
     "top_p_truncated": ("top-p 0.75 as deployed, --policy-dist truncated", ["--top-p", "0.75", "--policy-dist",
                                                                              "truncated"]),
     "top_p_full": ("top-p 0.75 as deployed, --policy-dist full", ["--top-p", "0.75", "--policy-dist", "full"]),
+    # issue 46: the full softmax trained on the nucleus' samples, each token weighed by the nucleus' mass (p / q,
+    # the row above) or not at all (TRL's and verl's practice)
+    "top_p_full_none": ("top-p 0.75, --policy-dist full, --truncation-weight none",
+                        ["--top-p", "0.75", "--policy-dist", "full", "--truncation-weight", "none"]),
 }  # every GRPO row has the tiny defaults' mu 2 (the clip acts); rows of other flags come from `-- flags`
 HELD_OUT = ["--eval-prompts", str(ROOT / "examples" / "shapes_heldout.jsonl"), "--eval-every", "0",
             "--eval-samples", "8", "--eval-reward", "shapes_exact"]
@@ -118,7 +122,7 @@ def run_shapes(row: str, seed: int, steps: int, extra: list[str], runs: Path) ->
     lines = run.read_metrics(out)
     cfg = grpo.parse_config(argv)
     settings = {k: getattr(cfg, k) for k in ("kl_beta", "mu", "diversity", "lr", "top_p", "policy_dist",
-                                             "scale_rewards")}
+                                             "scale_rewards", "truncation_weight")}
     evals, training = [x for x in lines if x.get("eval")], [x for x in lines if not x.get("eval")]
 
     def held_out(x):
@@ -146,6 +150,8 @@ def describe(r: dict) -> tuple:
     parts += [f"positive advantages / c^{share:g} (a variant, not kept)"] if share else []
     parts += [f"--scale-rewards {cfg.scale_rewards}"] if cfg.scale_rewards != "group" else []
     parts += [f"top-p {cfg.top_p:g}, --policy-dist {cfg.policy_dist}"] if cfg.top_p < 1 else []
+    if cfg.top_p < 1 and cfg.policy_dist == "full":  # before issue 46 the mass weighed the surrogate only
+        parts += [f"--truncation-weight {r['settings'].get('truncation_weight', 'mass (surrogate only)')}"]
     parts += [f"lr {cfg.lr:g}"] if cfg.lr != grpo.MODEL_DEFAULTS["tiny"]["lr"] else []
     return ("GRPO, " + ", ".join(parts),)
 
