@@ -425,6 +425,19 @@ def gap_rows(pipe, name, group, size, top_p, emit_row, train_tokens="large"):
                  f"{m['sampling/raw_importance_sampling_ratio/max']:.3f}; "
                  f"{m['sampling/capped_frac']:.2%}; {seq.min():.2f} / {seq.max():.2f}; "
                  f"{int((seq > math.log(2)).sum())} of {len(seq)}")
+        # the default objective (--policy-dist full): the mismatch on the whole softmax p, apart from the truncation
+        with torch.no_grad():
+            trainer_p = grpo.logprob_of(grpo.code_logprobs(raw, T, K), r.tokens)
+        _, p_m = grpo.sampler_correction(trainer_p[:, cols], r.full_logprobs[:, cols], "token_truncate", 2.0)
+        p_seq = (trainer_p[:, cols] - r.full_logprobs[:, cols]).sum(1)
+        mass, _ = grpo.truncation_weights(r.logprobs[:, cols], r.full_logprobs[:, cols])
+        emit_row(f"{name}, {logits} logits, on p (--policy-dist full): gap max / mean (nats), k3 KL; token_truncate "
+                 "weights min / max, capped share; sequences' log-ratio min / max; nucleus mass Z_t mean / min",
+                 f"{p_m['sampling/sampling_logp_difference/max']:.3g} / "
+                 f"{p_m['sampling/sampling_logp_difference/mean']:.3g}, {p_m['sampling/k3_kl']:.2g}; "
+                 f"{p_m['sampling/importance_sampling_ratio/min']:.3f} / "
+                 f"{p_m['sampling/importance_sampling_ratio/max']:.3f}, {p_m['sampling/capped_frac']:.2%}; "
+                 f"{p_seq.min():.2f} / {p_seq.max():.2f}; {mass.mean():.3f} / {mass.min():.3f}")
         if hook is not None:
             hook.remove()
 
