@@ -16,8 +16,8 @@ Where this departs from the paper (docs/ measures each):
     in the loss. Sampling stays in the codebook and never stops early: a group's N tokens are equal.
   - One definition of the sampled distribution (`code_logprobs`): pi / pi_old is exactly 1 at the
     first update. With top-p the sampler draws from the nucleus q and the trained policy is the
-    whole softmax p (`--policy-dist full`): each token is weighed by the mass p puts on the nucleus
-    (Z_t = p / q), and TRL's mismatch weights, on p alone, correct only the sampler's rounding.
+    whole softmax p (`--policy-dist full`), each token unweighted as in TRL (or by the mass p puts
+    on the nucleus, Z_t = p / q); TRL's mismatch weights, on p alone, correct the sampler's rounding.
   - The AR's 3D rotary positions are replayed in training (`rope_positions`). The DiT is frozen and
     decodes a group from one noise. Variants: Dr. GRPO, DAPO's clip-higher, a diversity bonus.
 Copied alone, every section above `main` runs in one process (helpers/: main's plumbing, torchrun
@@ -96,7 +96,7 @@ class Config:  # a field per flag (--group-size ...); None: MODEL_DEFAULTS fills
                                   "the trained distribution (TRL's TIS / MIS)", CORRECTIONS)
     policy_dist: str = arg("full", "trained: the full softmax or the sampler's truncated one "
                                    "(docs/real_model.md)", ("full", "truncated"))
-    truncation_weight: str = arg("mass", "--policy-dist full, top-k / top-p: tokens weighed by "
+    truncation_weight: str = arg("none", "--policy-dist full, top-k / top-p: tokens weighed by "
                                          "their nucleus' mass (p / q) or not", TRUNCATION_WEIGHTS)
     sampler_cap: float = arg(2.0, "weights above it are cut to it (truncate) or to 0 (mask)")
     height: int | None = arg(None, "image height (default 96 tiny, 1024 real)")
@@ -725,7 +725,7 @@ def sampler_correction(old_logprobs: torch.Tensor, sampled_logprobs: torch.Tenso
     return weights.detach(), metrics
 
 
-def truncation_weights(sampled: torch.Tensor, sampled_full: torch.Tensor, mode: str = "mass"
+def truncation_weights(sampled: torch.Tensor, sampled_full: torch.Tensor, mode: str = "none"
                        ) -> tuple[torch.Tensor, dict]:
     """(S, T) log-probs of the drawn tokens under the sampler's nucleus q and its whole softmax p ->
     per-token weights p / q = Z_t, the mass p puts on the nucleus ("mass": the importance weight
@@ -843,7 +843,7 @@ def logits_loss(logits: torch.Tensor, codebook_size: int, mb: MicroBatch, old: t
                 ref: tuple | None, *, temperature: float, clip_eps: float | tuple[float, float],
                 kl_beta: float, train_tokens: str = "large", top_k: int = 0, top_p: float = 1.0,
                 correction: str = "token_truncate", cap: float = 2.0, policy_dist: str = "full",
-                truncation_weight: str = "mass") -> tuple[torch.Tensor, dict]:
+                truncation_weight: str = "none") -> tuple[torch.Tensor, dict]:
     """(mb, N, V) logits -> the loss: the trained distribution's log-probs (the whole softmax p, or
     the sampler's truncation q), the mismatch correction on THAT distribution (trainer vs sampler),
     the truncation weight (p only) and grpo_loss (`old` None: mu 1); docs/healthy_training.md's
@@ -884,7 +884,7 @@ def train_step(policy, optimizer, rollouts: list[Rollout], advantages: torch.Ten
                temperature: float, clip_eps: float, kl_beta: float, micro_batch_size: int,
                max_grad_norm: float, mu: int = 1, train_tokens: str = "large", top_k: int = 0,
                top_p: float = 1.0, correction: str = "token_truncate", cap: float = 2.0,
-               policy_dist: str = "full", truncation_weight: str = "mass") -> dict:
+               policy_dist: str = "full", truncation_weight: str = "none") -> dict:
     """`mu` optimizer steps on P groups with (P, G) advantages -> metrics. Each micro-batch's loss
     is weighted by its share of the P*G sequences: the accumulated gradient is the batch's."""
     # transformers only checkpoints in train mode; without dropout, train and eval are one policy

@@ -1053,7 +1053,8 @@ def test_micro_batch_loss_correction(pipe, policy_dist):
         with torch.no_grad():
             loss, m = grpo.micro_batch_loss(ar, grpo.micro_batches([r], adv[None], 4)[0], None, None,
                                             temperature=T, clip_eps=0.2, kl_beta=0.0, train_tokens="large", top_k=0,
-                                            top_p=0.9, correction=mode, cap=cap, policy_dist=policy_dist)
+                                            top_p=0.9, correction=mode, cap=cap, policy_dist=policy_dist,
+                                            truncation_weight="mass")
         want = (-(weights * adv[:, None] * mass)).mean()  # ratio 1 at the first update: the surrogate is A
         assert loss.item() == pytest.approx(want.item(), abs=1e-5), mode
         assert m["sampling/sampling_logp_difference/max"] == pytest.approx(d_all.abs().max().item(), abs=1e-5)

@@ -54,9 +54,10 @@ ROWS = {
     # truncated policy; the full softmax corrected by importance weights (TRL's way) still trains it
     "top_p_truncated": ("top-p 0.75 as deployed, --policy-dist truncated", ["--top-p", "0.75", "--policy-dist",
                                                                              "truncated"]),
-    "top_p_full": ("top-p 0.75 as deployed, --policy-dist full", ["--top-p", "0.75", "--policy-dist", "full"]),
+    "top_p_full": ("top-p 0.75 as deployed, --policy-dist full, --truncation-weight mass",
+                   ["--top-p", "0.75", "--policy-dist", "full", "--truncation-weight", "mass"]),
     # issue 46: the full softmax trained on the nucleus' samples, each token weighed by the nucleus' mass (p / q,
-    # the row above) or not at all (TRL's and verl's practice)
+    # the row above) or not at all (TRL's and verl's practice, the default since: it kept the layouts)
     "top_p_full_none": ("top-p 0.75, --policy-dist full, --truncation-weight none",
                         ["--top-p", "0.75", "--policy-dist", "full", "--truncation-weight", "none"]),
 }  # every GRPO row has the tiny defaults' mu 2 (the clip acts); rows of other flags come from `-- flags`
