@@ -17,7 +17,7 @@ Where this departs from the paper (docs/ measures each):
   - One definition of the sampled distribution (`code_logprobs`): pi / pi_old is exactly 1 at the
     first update. With top-p the sampler draws from the nucleus q and the trained policy is the
     whole softmax p (`--policy-dist full`), each token unweighted as in TRL (or by the mass p puts
-    on the nucleus, Z_t = p / q); TRL's mismatch weights, on p alone, correct its rounding.
+    on the nucleus, Z_t = p / q); TRL's mismatch weights, on p alone, correct sampler drift.
   - The AR's 3D rotary positions are replayed in training (`rope_positions`). The DiT is frozen and
     decodes a group from one noise. Variants: Dr. GRPO, DAPO's clip-higher, a diversity bonus.
 Copied alone, every section above `main` runs in one process (helpers/: main's plumbing, torchrun
