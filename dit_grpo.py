@@ -267,7 +267,8 @@ class DitConfig(grpo.Config):  # grpo.py's flags, and the SDE sampler's
 def parse_config(argv: list[str]) -> DitConfig:
     """Command line -> DitConfig: grpo.py's defaults, but one update per batch of chains (--mu 1), no diversity bonus
     (a group shares its tokens), no KL on the tiny model, gradient checkpointing on the real DiT."""
-    cfg = DitConfig(**vars(run.config_parser(DitConfig).parse_args(["--train", "dit", *argv])))
+    config = run.with_run_settings(DitConfig)
+    cfg = config(**vars(run.config_parser(config).parse_args(["--train", "dit", *argv])))
     tiny = cfg.model in grpo.TINY_MODELS
     dit = dict(mu=1, diversity=0.0, kl_beta=0.0 if tiny else None, gradient_checkpointing=not tiny)
     return grpo.with_defaults(dataclasses.replace(cfg, **{k: v for k, v in dit.items() if getattr(cfg, k) is None}))

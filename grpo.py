@@ -11,17 +11,13 @@ score them (SSIM / -MSE to a target, or any function of the images) and maximise
 with r_it = pi(o_it | q, o_i<t) / pi_old(o_it | q, o_i<t), A_i = (R_i - mean(R)) / std(R) over the
 group and KL_it the k3 estimator exp(ref - logp) - (ref - logp) - 1 against a frozen reference.
 
-Where this departs from the paper (docs/ measures each):
-  - Only the large grid (H/32 x W/32, after a preview grid) reaches the DiT, so only its tokens are
-    in the loss. Sampling stays in the codebook and never stops early: a group's N tokens are equal.
-  - One definition of the sampled distribution (`code_logprobs`): pi / pi_old is exactly 1 at the
-    first update. With top-p the sampler draws from the nucleus q and the trained policy is the
-    whole softmax p (`--policy-dist full`), each token unweighted as in TRL (or by the mass p puts
-    on the nucleus, Z_t = p / q); TRL's mismatch weights, on p alone, correct sampler drift.
-  - The AR's 3D rotary positions are replayed in training (`rope_positions`). The DiT is frozen and
-    decodes a group from one noise. Variants: Dr. GRPO, DAPO's clip-higher, a diversity bonus.
-Copied alone, every section above `main` runs in one process (helpers/: main's plumbing, torchrun
-and FSDP2, more rewards). `python dit_grpo.py` trains the DiT instead (Flow-GRPO).
+Where this departs from the paper (docs/ measures each): only the large grid (H/32 x W/32, drawn
+after a preview grid) reaches the DiT, so only its tokens are in the loss; one definition of the
+sampled distribution (`code_logprobs`), so pi / pi_old is exactly 1 at the first update; with top-p
+the sampler draws from the nucleus q and the trained policy is the whole softmax p, with TRL's
+mismatch weights for sampler drift; the AR's 3D rotary positions are replayed (`rope_positions`).
+Copied alone this file runs a step; helpers/ holds main's plumbing, the fast decode (the same
+tokens), torchrun + FSDP2 and more rewards. `python dit_grpo.py` trains the DiT instead.
 
   python grpo.py --prompts prompts.txt                          # the tiny GLM-Image, on a CPU
   python grpo.py --prompts examples/shapes.txt --reward shapes  # draw what the caption asks
@@ -44,18 +40,16 @@ import torch
 import torch.nn.functional as F
 from PIL import Image
 
-try:  # helpers/, beside this file: main's plumbing, torchrun and FSDP2, rewards beyond pixels
-    from helpers import run
-    from helpers.parallel import (all_agree, distributed, gather_rows, interrupts_held, shard,
-                                  sync_gradients, unsharded)
+try:  # helpers/, beside this file: main's plumbing, the fast decode, FSDP2, rewards beyond pixels
+    from helpers import fast_decode, run
+    from helpers.parallel import (all_agree, gather_rows, interrupts_held, shard, sync_gradients,
+                                  unsharded)
     from helpers.rewards import MORE_REWARDS
-except ModuleNotFoundError as missing:  # grpo.py copied alone: all above main, one process
+except ModuleNotFoundError as missing:  # copied alone: one process (see the end of this file)
     if missing.name != "helpers":
         raise
-    run, shard, MORE_REWARDS = None, None, {}  # main, FSDP2 and the extra rewards need helpers/
-    unsharded = interrupts_held = contextlib.nullcontext
-    distributed, sync_gradients = (lambda: False), (lambda model, last: None)
-    all_agree = gather_rows = lambda x: x  # one process: collectives are identities
+    fast_decode = run = shard = None
+    MORE_REWARDS = {}
 
 
 # ---- 1. Config ----------------------------------------------------------------------------------
@@ -71,58 +65,48 @@ TRUNCATION_WEIGHTS = ("mass", "none")
 
 @dataclasses.dataclass
 class Config:  # a field per flag (--group-size ...); None: MODEL_DEFAULTS fills it in
-    prompts: str = arg("prompts.txt", "'prompt | target.png' lines, or .jsonl (docs/editing.md)")
-    model: str = arg("tiny", "hub id, folder, tiny, tiny-edit, or random (published configs)")
-    out: str = arg("runs/grpo", "output directory")
-    steps: int = arg(100, "optimizer steps")
-    seed: int = arg(0, "seed of the AR sampling")
+    # the algorithm: a group per prompt, its advantages, the clipped loss and the KL
     group_size: int | None = arg(None, "samples per prompt (G) (default 8 tiny, 4 real)")
     prompts_per_step: int | None = arg(None, "prompts (groups) per step (default 2 tiny, 1 real)")
-    micro_batch_size: int | None = arg(None, "sequences per pass (default: G tiny, 1 real)")
-    lr: float | None = arg(None, "AdamW lr (default 1e-4 tiny, 1e-5 real)")
-    weight_decay: float = arg(0.01, "AdamW weight decay")
-    max_grad_norm: float = arg(1.0, "gradient-norm clip")
-    clip_eps: float = arg(0.2, "PPO clip: the ratio is clipped to [1 - eps, 1 + eps_high]")
-    clip_eps_high: float | None = arg(None, "upper clip (DAPO's clip-higher; default: --clip-eps)")
+    reward: str = arg("ssim=1,mse=0", "rewards and weights, e.g. ssim=1,ocr=0.5 (docs/rewards.md)")
     scale_rewards: str = arg("group", "advantages / the std of the group, the batch or none "
                                       "(Dr. GRPO)", ("group", "batch", "none"))
+    diversity: float | None = arg(None, "bonus / c on each reward, c its group's same-grid samples")
+    clip_eps: float = arg(0.2, "PPO clip: the ratio is clipped to [1 - eps, 1 + eps_high]")
+    clip_eps_high: float | None = arg(None, "upper clip (DAPO's clip-higher; default: --clip-eps)")
     kl_beta: float | None = arg(None, "weight of the KL to the reference (default 0.1 tiny, 0.04)")
     mu: int | None = arg(None, "updates per batch; > 1 lets the clip act (default 2 tiny, 1 real)")
-    diversity: float | None = arg(None, "bonus / c on each reward, c its group's same-grid samples")
+    lr: float | None = arg(None, "AdamW lr (default 1e-4 tiny, 1e-5 real)")
+    steps: int = arg(100, "optimizer steps")
+    micro_batch_size: int | None = arg(None, "sequences per pass (default: G tiny, 1 real)")
+    train_tokens: str = arg("large", "tokens in the loss: large | all", ("large", "all"))
+    # sampling, and what the loss does about top-k / top-p and the sampler's rounding
     temperature: float = arg(0.9, "sampling temperature (GLM-Image: 0.9)")
     top_p: float | None = arg(None, "nucleus sampling (default 1.0 tiny: off, 0.75 real)")
     top_k: int = arg(0, "sample from the k most likely codes only (0: off)")
-    sampler_correction: str = arg("token_truncate", "mismatch weights pi_old / pi_sampler, both on "
-                                  "the trained distribution (TRL's TIS / MIS)", CORRECTIONS)
     policy_dist: str = arg("full", "trained: the full softmax or the sampler's truncated one "
                                    "(docs/real_model.md)", ("full", "truncated"))
+    sampler_correction: str = arg("token_truncate", "mismatch weights pi_old / pi_sampler, both on "
+                                  "the trained distribution (TRL's TIS / MIS)", CORRECTIONS)
+    sampler_cap: float = arg(2.0, "weights above it are cut to it (truncate) or to 0 (mask)")
     truncation_weight: str = arg("none", "--policy-dist full, top-k / top-p: tokens weighed by "
                                          "their nucleus' mass (p / q) or not", TRUNCATION_WEIGHTS)
-    sampler_cap: float = arg(2.0, "weights above it are cut to it (truncate) or to 0 (mask)")
+    seed: int = arg(0, "seed of the AR sampling")
+    # the model, the images, the data
+    prompts: str = arg("prompts.txt", "'prompt | target.png' lines, or .jsonl (docs/editing.md)")
+    model: str = arg("tiny", "hub id, folder, tiny, tiny-edit, or random (published configs)")
     height: int | None = arg(None, "image height (default 96 tiny, 1024 real)")
     width: int | None = arg(None, "image width (default 96 tiny, 1024 real)")
     num_inference_steps: int | None = arg(None, "DiT denoising steps (default 2 tiny, 50 real)")
     guidance_scale: float | None = arg(None, "DiT guidance (default 1.0 tiny, 1.5 real)")
     decode_seed: int = arg(0, "seed of the DiT latent noise (fixed per run)")
-    reward: str = arg("ssim=1,mse=0", "rewards and weights, e.g. ssim=1,ocr=0.5 (docs/rewards.md)")
-    train_tokens: str = arg("large", "tokens in the loss: large | all", ("large", "all"))
-    image_every: int = arg(10, "save an image grid every N steps (0: never)")
-    before_after: int | None = arg(None, "N prompts drawn before/after (default 4 tiny, 0 real)")
-    eval_prompts: str = arg("", "held-out prompts (as --prompts; .jsonl may add a \"category\")")
-    eval_every: int = arg(25, "evaluate every N steps (0: only before the first and after the end)")
-    eval_samples: int = arg(4, "images per eval prompt")
-    eval_reward: str = arg("", "rewards only measured on the eval prompts, e.g. shapes_exact")
-    save_every: int = arg(50, "save a checkpoint every N steps (0: only at the end)")
-    resume: str = arg("", "run directory to continue (--steps is the total)")
-    overwrite: bool = arg(False, "replace the run in --out")
-    train: str = arg("ar", "ar (grpo.py) or dit (python dit_grpo.py, with its own flags)",
-                     ("ar", "dit"))
     lora_rank: int | None = arg(None, "LoRA rank, 0: train every weight (default 0 tiny, 16 real)")
+    weight_decay: float = arg(0.01, "AdamW weight decay")
+    max_grad_norm: float = arg(1.0, "gradient-norm clip")
+    before_after: int | None = arg(None, "N prompts drawn before/after (default 4 tiny, 0 real)")
     gradient_checkpointing: bool | None = arg(None, "recompute activations in the backward")
     offload: bool = arg(False, "keep DiT, VAE, T5 on CPU except to decode")
-    device: str = arg("auto", "cpu | cuda | auto", ("auto", "cpu", "cuda"))
-    report_to: str = arg("none", "also log to: none | tensorboard | wandb (offline)")
-    dtype: str = arg("auto", "float32 | bfloat16 | auto", ("auto", "float32", "bfloat16"))
+    # and the run's: --out, --eval-prompts, --save-every, --resume, --device ... (helpers/run.py)
 
 
 MODEL_DEFAULTS = {  # filled in where the command line left a field at None
@@ -143,17 +127,17 @@ def parse_config(argv: list[str] | None = None) -> Config:
     if run is None:  # grpo.py copied alone
         raise SystemExit("grpo.py: parse_config needs helpers/run.py beside grpo.py; copied alone, "
                          "build the config in code: with_defaults(Config(model='tiny', ...))")
-    return with_defaults(Config(**vars(run.config_parser(Config).parse_args(argv))))
+    config = run.with_run_settings(Config)  # + the run's fields: --out, --resume, --device ...
+    return with_defaults(config(**vars(run.config_parser(config).parse_args(argv))))
 
 
 def with_defaults(cfg: Config) -> Config:
     """`cfg` with its None fields from MODEL_DEFAULTS: the tiny model's or the real one's."""
-    tiny = cfg.model in TINY_MODELS
-    defaults = MODEL_DEFAULTS["tiny" if tiny else "real"]
-    defaults = {"micro_batch_size": cfg.group_size or defaults["group_size"], **defaults,
-                "gradient_checkpointing": False}
-    unset = {k: v for k, v in defaults.items() if getattr(cfg, k) is None}
-    return dataclasses.replace(cfg, **unset)
+    defaults = dict(MODEL_DEFAULTS["tiny" if cfg.model in TINY_MODELS else "real"],
+                    gradient_checkpointing=False)
+    # the tiny model trains a whole group in one pass (its default or --group-size)
+    defaults.setdefault("micro_batch_size", cfg.group_size or defaults["group_size"])
+    return dataclasses.replace(cfg, **{k: v for k, v in defaults.items() if getattr(cfg, k) is None})
 
 
 # ---- 2. Loading GLM-Image -----------------------------------------------------------------------
@@ -254,15 +238,23 @@ class Source(NamedTuple):
     grid_hw: tuple[int, int]  # (h_s, w_s) = its size / 32
 
 
-class Rollout(NamedTuple):
+class Prompt(NamedTuple):  # one prompt's group, ready for the AR (group_prompt)
+    inputs: dict  # input_ids (G, P), attention_mask (G, P), image_grid_thw (2G, 3), images_per_sample
+    preview_hw: tuple[int, int]  # the grid the AR writes FIRST (h', w'); (0, 0) when editing
+    large_hw: tuple[int, int]  # the grid it writes last (H/32, W/32): the only one the DiT sees
+    source: Source | None  # the image being edited, or None (text-to-image)
+
+
+class Rollout(NamedTuple):  # a group's samples (sample_groups): the Prompt's fields after the draws
     tokens: torch.Tensor  # (G, N) long codes: preview grid then large grid (editing: large only)
     logprobs: torch.Tensor  # (G, N) float32, each token's log-prob under what it was drawn from (q)
     full_logprobs: torch.Tensor  # (G, N) float32, under the whole softmax (p; = q without top-k/p)
-    inputs: dict  # AR inputs of the group: input_ids (G, P), attention_mask, image_grid_thw (2G, 3)
-    preview_hw: tuple[int, int]  # preview grid (h', w'), generated first; (0, 0) when editing
-    large_hw: tuple[int, int]  # large grid (H/32, W/32), generated last; the only one the DiT sees
-    source: Source | None  # the image being edited, or None (text-to-image)
-    support: torch.Tensor | None = None  # (G, N, K/8) bits: codes top-k / top-p kept (None: all)
+    inputs: dict
+    preview_hw: tuple[int, int]
+    large_hw: tuple[int, int]
+    source: Source | None
+    support: torch.Tensor | None = None  # (G, N, K/8) bits: the codes each top-k / top-p draw kept
+    # (helpers/fast_decode.py records them; None: every code, or the trainer's own truncation)
 
 
 def code_logprobs(logits: torch.Tensor, temperature: float, codebook_size: int, top_k: int = 0,
@@ -276,22 +268,17 @@ def code_logprobs(logits: torch.Tensor, temperature: float, codebook_size: int, 
     if 0 < top_k < codebook_size:  # as transformers' TopKLogitsWarper
         scores = scores.masked_fill(scores < scores.topk(top_k, dim=-1).values[..., -1:], -math.inf)
     if top_p < 1.0:  # as TopPLogitsWarper: drop the least likely codes while their sum <= 1 - p
-        ascending, order = scores.sort(dim=-1, stable=True)
+        ascending, order = scores.sort(dim=-1, stable=True)  # order[j]: the code in place j
         drop = ascending.softmax(dim=-1).cumsum(dim=-1) <= 1 - top_p
         drop[..., -1] = False  # the most likely code always stays
+        # unsort, code order[j] gets drop[j]: scores [2, 0, 1] sort to order [1, 2, 0]; at p 0.75
+        # place 0 goes (its share 0.09 <= 0.25), so code 1 does: [False, True, False]
         scores = scores.masked_fill(drop.scatter(-1, order, drop), -math.inf)
     return torch.log_softmax(scores, dim=-1)
 
 
-def support_bits(kept: torch.Tensor) -> torch.Tensor:
-    """(..., K) bool -> (..., K/8) uint8: the codes a truncation kept, 8 to a byte."""
-    kept = F.pad(kept, (0, -kept.shape[-1] % 8)).unflatten(-1, (-1, 8)).to(torch.uint8)
-    shifts = torch.arange(8, device=kept.device, dtype=torch.uint8)
-    return (kept << shifts).sum(-1, dtype=torch.uint8)
-
-
 def code_support(bits: torch.Tensor, codebook_size: int) -> torch.Tensor:
-    """support_bits' (..., K/8) uint8 -> the (..., K) bool set again."""
+    """(..., K/8) uint8 bits of kept codes (Rollout.support) -> the (..., K) bool set."""
     shifts = torch.arange(8, device=bits.device, dtype=torch.uint8)
     return ((bits[..., None] >> shifts) & 1).bool().flatten(-2)[..., :codebook_size]
 
@@ -341,17 +328,19 @@ def to_pil(image: torch.Tensor) -> Image.Image:
 
 
 def group_prompt(pipe, prompt: str, group_size: int, height: int, width: int,
-                 source: torch.Tensor | None = None) -> tuple[dict, Source | None, tuple, tuple]:
-    """One prompt (and a (3, H, W) source) -> AR inputs, Source, and the grids the AR writes:
-    preview (h', w') ((0, 0) when editing), then large."""
+                 source: torch.Tensor | None = None) -> Prompt:
+    """One prompt (and a (3, H, W) source to edit) -> its group's Prompt. The processor lists a
+    sample's grids as [large, preview] (or [source, large]), but the AR WRITES the preview first:
+    at 96x96 image_grid_thw holds [1, 3, 3], [1, 16, 16] and the AR draws the 16x16 preview, then
+    the 3x3 large grid (N = 256 + 9 tokens)."""
     model = pipe.vision_language_encoder
     image = to_pil(source) if source is not None else None
     inputs = group_inputs(pipe.processor, prompt, group_size, height, width, model.device, image)
-    first, second = (tuple(row[1:]) for row in inputs["image_grid_thw"][:2].tolist())
-    if image is None:
-        return inputs, None, second, first  # image_grid_thw holds [large, preview]
-    inputs, src = encode_source(model, inputs, image)
-    return inputs, src, (0, 0), second  # [source, large]
+    listed = [tuple(row[1:]) for row in inputs["image_grid_thw"][:2].tolist()]  # sample 0's grids
+    if image is None:  # [large, preview]
+        return Prompt(inputs, preview_hw=listed[1], large_hw=listed[0], source=None)
+    inputs, src = encode_source(model, inputs, image)  # [source, large]
+    return Prompt(inputs, preview_hw=(0, 0), large_hw=listed[1], source=src)
 
 
 def rope_positions(input_ids: torch.Tensor, image_grid_thw: torch.Tensor, num_tokens: int,
@@ -359,7 +348,11 @@ def rope_positions(input_ids: torch.Tensor, image_grid_thw: torch.Tensor, num_to
     """3D rotary positions (3, 1, P + N - 1) of a prompt and its N tokens but the last, as
     GlmImageModel.get_rope_index gives generate: text is a ramp on all 3 axes; a grid h x w at p
     puts cell (row, col) at (p, p + row, p + col) and the ramp resumes at p + max(h, w). Generated
-    grids come in REVERSE order of image_grid_thw (text-to-image: preview, then large)."""
+    grids come in REVERSE order of image_grid_thw (text-to-image: preview, then large). Example:
+    a 5-token prompt, then a 2x3 preview and a 4x4 large grid (image_grid_thw [[1,4,4], [1,2,3]]):
+        prompt  (0,0,0) (1,1,1) (2,2,2) (3,3,3) (4,4,4)
+        preview (5,5,5) (5,5,6) (5,5,7) (5,6,5) (5,6,6) (5,6,7)        the ramp resumes at 5 + 3
+        large   (8,8,8) (8,8,9) (8,8,10) (8,8,11) (8,9,8) ... (8,11,11)  (its last is never fed)"""
     ids = input_ids.tolist()
     starts = [i + 1 for i, t in enumerate(ids) if t == image_start_id]  # each image's first token
     ends = [i for i, t in enumerate(ids) if t == image_end_id]  # a source image has an end
@@ -371,8 +364,9 @@ def rope_positions(input_ids: torch.Tensor, image_grid_thw: torch.Tensor, num_to
 
     positions, p, done = [], 0, 0  # p: the next position; done: prompt tokens placed so far
     for start, end, (h, w) in zip(starts, ends, grids):  # the source images, in order
-        positions += [torch.arange(p, p + start - done).expand(3, -1), grid(p + start - done, h, w)]
-        p, done = p + start - done + max(h, w), end
+        text = start - done  # the prompt's tokens before this image (its start token included)
+        positions += [torch.arange(p, p + text).expand(3, -1), grid(p + text, h, w)]
+        p, done = p + text + max(h, w), end
     positions.append(torch.arange(p, p + len(ids) - done).expand(3, -1))  # the rest of the prompt
     p += len(ids) - done
     for h, w in reversed(grids[len(ends):]):  # the generated grids
@@ -383,58 +377,54 @@ def rope_positions(input_ids: torch.Tensor, image_grid_thw: torch.Tensor, num_to
 
 
 @torch.no_grad()
+def generate(model, group: Prompt, temperature: float, seed: int, top_k: int = 0,
+             top_p: float = 1.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The AR's decode loop, as nanoGPT's generate: prefill the prompt once, then N steps of logits
+    -> code_logprobs -> draw -> append, a KV cache holding the past -> (G, N) codes and their
+    log-probs under q (what the draw used: top-k / top-p) and under p (the whole softmax). Each
+    draw is torch.multinomial's exponential race on noise from a generator seeded with `seed`:
+    helpers/fast_decode.py draws the same tokens (tests/test_fast_decode.py)."""
+    from transformers import DynamicCache
+    ids = group.inputs["input_ids"]  # (G, P): one prompt, G times
+    (G, P), (h0, w0), (h, w) = ids.shape, group.preview_hw, group.large_hw
+    N, K, V = h0 * w0 + h * w, model.config.vq_config.num_embeddings, model.lm_head.out_features
+    grids = group.inputs["image_grid_thw"][:int(group.inputs["images_per_sample"][0])]
+    positions = rope_positions(ids[0], grids, N, model.config.image_start_token_id,
+                               model.config.image_end_token_id).expand(-1, G, -1)  # (3, G, P+N-1)
+    generator = torch.Generator(ids.device).manual_seed(seed)
+    cache, fed, at = DynamicCache(config=model.config.text_config), ids, slice(0, P)
+    tokens, logprobs, full_logprobs = [], [], []
+    for t in range(N):
+        logits = model(input_ids=fed, position_ids=positions[:, :, at], cache=cache,
+                       logits_to_keep=1).logits[:, -1]  # (G, V): the next token's, cache updated
+        q = code_logprobs(logits, temperature, K, top_k, top_p)  # (G, K): what the draw uses
+        p = code_logprobs(logits, temperature, K)  # the whole softmax (= q without top-k / top-p)
+        noise = torch.empty(G, V, device=ids.device).exponential_(generator=generator)[:, :K]
+        fed = (q.exp() / noise).argmax(dim=-1, keepdim=True)  # (G, 1) = torch.multinomial(q, 1)
+        tokens.append(fed)
+        logprobs.append(q.gather(-1, fed))
+        full_logprobs.append(p.gather(-1, fed))
+        at = slice(P + t, P + t + 1)  # the token just drawn is fed next, at its own position
+    return torch.cat(tokens, 1), torch.cat(logprobs, 1), torch.cat(full_logprobs, 1)
+
+
+@torch.no_grad()
 def sample_groups(pipe, prompts: list[str], group_size: int, height: int, width: int,
                   temperature: float, seeds: list[int], sources: list | None = None, top_k: int = 0,
                   top_p: float = 1.0) -> list[Rollout]:
-    """G samples and their log-probs for each of P prompts from ONE decode of all P*G rows,
-    left-padded, each at its own positions (groups of another length N apart). Group p draws from a
-    generator seeded with seeds[p]: the tokens it would get alone."""
+    """G samples and their log-probs for each of P prompts, group p from seeds[p]: `generate` a
+    group at a time, or (helpers/ beside this file) helpers/fast_decode.py's same tokens, faster:
+    every group in one left-padded decode, with a static cache and a CUDA graph on a GPU."""
     model = pipe.vision_language_encoder.eval()  # no dropout: one distribution
     groups = [group_prompt(pipe, prompt, group_size, height, width, source)
               for prompt, source in zip(prompts, sources or [None] * len(prompts))]
-    lengths = [a[0] * a[1] + b[0] * b[1] for _, _, a, b in groups]  # N of each group
-    rollouts = [None] * len(groups)
-    config = model.config
-    for n in sorted(set(lengths)):
-        mine = [i for i, length in enumerate(lengths) if length == n]
-        prompt_ids = [groups[i][0]["input_ids"][0] for i in mine]  # (P_i,) each
-        grids = [groups[i][0]["image_grid_thw"][:int(groups[i][0]["images_per_sample"][0])]
-                 for i in mine]
-        positions = [rope_positions(ids, grid, n + 1, config.image_start_token_id,
-                                    config.image_end_token_id)
-                     for ids, grid in zip(prompt_ids, grids)]  # (3, 1, P_i + N): the last fed too
-        width_p = max(len(ids) for ids in prompt_ids)  # left padding: prompts end in one column
-
-        def left_pad(x, dim=-1):  # pad on the left to width_p (+ N), then G rows a prompt
-            return torch.cat([F.pad(v, (width_p - len(ids), 0)) for v, ids in zip(x, prompt_ids)],
-                             dim).repeat_interleave(group_size, dim)
-
-        valid = [torch.ones_like(ids[None], dtype=torch.bool) for ids in prompt_ids]
-        tokens, logprobs, full_logprobs, support = decode(
-            model, left_pad([ids[None] for ids in prompt_ids], 0),  # (P*G, width_p), pad id 0
-            left_pad(valid, 0),  # False on the padding
-            left_pad(positions, 1),  # (3, P*G, width_p + N)
-            n, temperature, top_k, top_p,
-            [torch.Generator(model.device).manual_seed(seeds[i]) for i in mine])
-        for j, i in enumerate(mine):
-            inputs, source, preview_hw, large_hw = groups[i]
-            rows = slice(j * group_size, (j + 1) * group_size)
-            check_tokens(tokens[rows], n, model.config.vq_config.num_embeddings, prompts[i])
-            rollouts[i] = Rollout(tokens[rows], logprobs[rows], full_logprobs[rows], inputs,
-                                  preview_hw, large_hw, source,
-                                  None if support is None else support[rows])
-    return rollouts
-
-
-def check_tokens(tokens: torch.Tensor, n_tokens: int, codebook_size: int, prompt: str) -> None:
-    """A group's (G, N') tokens must fill its N grid cells with codes: a sample cut short (an
-    end-of-image drawn early, as other clients allow) or off the codebook cannot be decoded. decode
-    draws N codes by construction: this guards a decoder put in its place."""
-    if tokens.shape[1] != n_tokens or not ((0 <= tokens) & (tokens < codebook_size)).all():
-        codes = f"codes {int(tokens.min())}..{int(tokens.max())}" if tokens.numel() else "no codes"
-        raise ValueError(f"sample_groups: '{prompt}' was sampled {tokens.shape[1]} tokens "
-                         f"({codes}) for its {n_tokens} grid cells of codes < {codebook_size}; "
-                         "the decode loop must draw every cell")
+    if fast_decode is None:  # grpo.py copied alone: the lesson's loop
+        drawn = [(*generate(model, group, temperature, seed, top_k, top_p), None)
+                 for group, seed in zip(groups, seeds)]
+    else:
+        drawn = fast_decode.sample_groups(model, groups, temperature, seeds, top_k, top_p, prompts,
+                                          code_logprobs, rope_positions)
+    return [Rollout(*d[:3], *group, support=d[3]) for d, group in zip(drawn, groups)]
 
 
 def sample_group(pipe, prompt: str, group_size: int, height: int, width: int, temperature: float,
@@ -443,99 +433,6 @@ def sample_group(pipe, prompt: str, group_size: int, height: int, width: int, te
     """G samples for one prompt: sample_groups with one group."""
     return sample_groups(pipe, [prompt], group_size, height, width, temperature, [seed],
                          None if source is None else [source], top_k, top_p)[0]
-
-
-@torch.no_grad()
-def decode(model, input_ids: torch.Tensor, valid: torch.Tensor, positions: torch.Tensor,
-           n_tokens: int, temperature: float, top_k: int, top_p: float, generators: list,
-           static: bool | None = None) -> tuple[torch.Tensor, ...]:
-    """The AR's decode loop: prefill once, then a token a step with a KV cache. (B, P) left-padded
-    prompts, `valid` False on padding, (3, B, P + N) positions, a generator per group -> (B, N)
-    codes, their log-probs under the distribution drawn from (q: after top-k / top-p) and under
-    the whole softmax (p: before them) and, with top-k / top-p, the bits of the codes each draw kept
-    (else None). `static` (default on a GPU): a pre-allocated cache, for a CUDA graph."""
-    from transformers import DynamicCache, StaticCache
-    K, V = model.config.vq_config.num_embeddings, model.lm_head.out_features
-    (B, P), N, device = input_ids.shape, n_tokens, input_ids.device
-    L = P + N  # slots: the prompt, then every generated token (the last one is fed too)
-    attention = model.config.text_config._attn_implementation
-    if attention not in ("sdpa", "eager"):  # flash: no 4D mask; flex: another kind of mask
-        raise ValueError(f"decode needs sdpa or eager attention to mask left padding, and the AR "
-                         f"uses {attention}; load it with attn_implementation='sdpa'")
-    static = device.type == "cuda" if static is None else static
-    text_config = model.config.text_config
-    cache = (StaticCache(config=text_config, max_cache_len=L) if static
-             else DynamicCache(config=text_config))
-    seen = F.pad(valid, (0, N), value=True)  # (B, L): slots that hold a token (padding never)
-    slot = torch.arange(L, device=device)
-
-    def forward(ids, slots):  # (B, S) tokens at `slots` (S,) -> (B, V) logits after the last one
-        kv = L if static else int(slots[-1]) + 1  # the slots attended to
-        mask = decode_mask(seen, slots, kv, model.dtype)  # (B, 1, S, kv)
-        return model(input_ids=ids, attention_mask=mask, position_ids=positions[:, :, slots],
-                     cache=cache, logits_to_keep=1).logits[:, -1]  # the trainer's forward, a token
-
-    tokens = torch.zeros(B, N, dtype=torch.long, device=device)
-    logprobs, full_logprobs = torch.zeros(B, N, device=device), torch.zeros(B, N, device=device)
-    truncated = 0 < top_k < K or top_p < 1
-    support = (torch.zeros(B, N, (K + 7) // 8, dtype=torch.uint8, device=device) if truncated
-               else None)
-    t = torch.zeros(1, dtype=torch.long, device=device)  # the step, on the device: graph-safe
-    logits = forward(input_ids, slot[:P])  # prefill: (B, V) logits of the first token
-
-    G, noise = B // len(generators), torch.empty(B, V, device=device)
-
-    def draw():  # each group's (G, V) noise for the next token, as torch.multinomial draws it
-        for i, g in enumerate(generators):
-            noise[i * G:(i + 1) * G].exponential_(generator=g)
-
-    def step():  # draw token t from code_logprobs, then feed it: the logits of token t + 1
-        logp = code_logprobs(logits, temperature, K, top_k, top_p)  # (B, K)
-        token = (logp.exp() / noise[:, :K]).argmax(dim=-1, keepdim=True)  # torch.multinomial(p, 1)
-        tokens.index_copy_(1, t, token)
-        logprobs.index_copy_(1, t, logp.gather(-1, token))
-        full = code_logprobs(logits, temperature, K) if truncated else logp  # the whole softmax
-        full_logprobs.index_copy_(1, t, full.gather(-1, token))
-        if truncated:  # the sampling mask, kept for the trainer
-            support.index_copy_(1, t, support_bits(logp.isfinite())[:, None])
-        logits.copy_(forward(token, P + t))
-        t.add_(1)
-
-    repeat_step(step, N, draw, capture=static and device.type == "cuda")
-    return tokens, logprobs, full_logprobs, support
-
-
-def decode_mask(seen: torch.Tensor, slots: torch.Tensor, kv: int, dtype: torch.dtype
-                ) -> torch.Tensor:
-    """(B, L) slots that hold a token, (S,) slots fed -> (B, 1, S, kv) mask: causal, padding blocked
-    (a pad slot sees itself: no NaN). Additive float: eager attention adds a mask, sdpa would read a
-    bool one as "attend where True", so only this form means the same to both."""
-    slot = torch.arange(seen.shape[1], device=seen.device)
-    attend = (seen[:, None, None, :] & (slot <= slots[:, None])) | (slot == slots[:, None])
-    blocked = torch.finfo(dtype).min  # added to masked scores, by eager and sdpa alike
-    return torch.zeros(attend[..., :kv].shape, dtype=dtype, device=seen.device).masked_fill(
-        ~attend[..., :kv], blocked)
-
-
-def repeat_step(step, n: int, draw, capture: bool = False) -> None:
-    """draw(); step(), n times. With `capture` the first step runs eagerly and the rest replay ONE
-    CUDA graph of it (a real AR step is ~2,000 small kernels). draw(), the noise, stays outside the
-    graph: no generator state in it (docs/real_model.md)."""
-    draw()
-    step()
-    if n == 1 or not capture or distributed():  # FSDP's hooks are not captured
-        for _ in range(n - 1):
-            draw()
-            step()
-        return
-    graph = torch.cuda.CUDAGraph()
-    autocast = torch.autocast("cuda", torch.get_autocast_dtype("cuda"),
-                              torch.is_autocast_enabled("cuda"), cache_enabled=False)  # graph-safe
-    with torch.cuda.graph(graph), autocast:
-        step()
-    for _ in range(n - 1):
-        draw()
-        graph.replay()
 
 
 # ---- 4. Log-probs of given tokens ---------------------------------------------------------------
@@ -664,12 +561,12 @@ def group_rewards(images: list[torch.Tensor], examples: list[dict], rewards: dic
 
 def group_advantages(rewards: torch.Tensor, eps: float = 1e-6, scale: str = "group",
                      batch: torch.Tensor | None = None) -> torch.Tensor:
-    """(P, G) or (G,) rewards -> advantages: minus the group's mean, over the group's std ("group"),
-    the step's ("batch") or 1 ("none": Dr. GRPO). A group with no spread (rounding) gets zeros.
-    The std is the population std (divide by G): TRL's is the sample std (G - 1), so at G = 4 these
-    advantages are sqrt(4/3) = 1.15x TRL's, at G = 8 1.07x (the same direction, a larger step)."""
+    """(P, G) or (G,) rewards R -> advantages A_i = (R_i - mean(R)) / std(R) within each group.
+    Variants: the std of the whole step ("batch") or none ("none": Dr. GRPO). A group with no
+    spread (rounding) gets zeros. The std is the population std (/ G): TRL's is the sample std
+    (/ (G - 1)), so at G = 4 these are 1.15x TRL's, at G = 8 1.07x (the same direction)."""
     mean = rewards.mean(dim=-1, keepdim=True)
-    std = rewards.std(dim=-1, unbiased=False, keepdim=True)  # population std: / G, not / (G - 1)
+    std = rewards.std(dim=-1, unbiased=False, keepdim=True)  # (P, 1), population std
     spread = std > eps * rewards.abs().amax(dim=-1, keepdim=True)
     if scale == "batch":
         std = (rewards if batch is None else batch).std(unbiased=False)
@@ -790,29 +687,6 @@ def reference_logprobs(ref_model, inputs: dict, tokens: torch.Tensor, temperatur
             logprob_of(code_logprobs(logits, temperature, K), tokens))
 
 
-def select_rows(inputs: dict, rows: slice) -> dict:
-    """The AR inputs of samples `rows` of a group."""
-    per_sample = int(inputs["images_per_sample"][0])
-    return {"input_ids": inputs["input_ids"][rows],
-            "attention_mask": inputs["attention_mask"][rows],
-            "image_grid_thw": inputs["image_grid_thw"].view(-1, per_sample, 3)[rows].reshape(-1, 3),
-            "images_per_sample": inputs["images_per_sample"][rows]}
-
-
-def region_metrics(regions: dict, logp: torch.Tensor, old: torch.Tensor, ref: torch.Tensor | None,
-                   adv: torch.Tensor, clip_eps: float, kl_beta: float) -> dict:
-    """Log-prob, KL and clip fraction of each region (preview, large grid) that has tokens."""
-    metrics = {}
-    for name, cut in regions.items():
-        if logp[:, cut].numel():
-            _, m = grpo_loss(logp[:, cut], old[:, cut], None if ref is None else ref[:, cut], adv,
-                             clip_eps, kl_beta)
-            finite = logp[:, cut][logp[:, cut].isfinite()]  # outside the truncation: -inf
-            metrics.update({f"{name}/logprob": finite.mean().item(), f"{name}/kl": m["kl"],
-                            f"{name}/clip_frac": m["clip_frac"]})
-    return metrics
-
-
 class MicroBatch(NamedTuple):
     inputs: dict  # AR inputs of its rows (select_rows)
     tokens: torch.Tensor  # (mb, N) the sampled codes
@@ -821,6 +695,15 @@ class MicroBatch(NamedTuple):
     support: torch.Tensor | None  # (mb, N, K/8) the codes each draw kept (None: all)
     advantages: torch.Tensor  # (mb,)
     n_preview: int  # the preview grid's tokens, first in `tokens` (0 when editing)
+
+
+def select_rows(inputs: dict, rows: slice) -> dict:
+    """The AR inputs of samples `rows` of a group."""
+    per_sample = int(inputs["images_per_sample"][0])
+    return {"input_ids": inputs["input_ids"][rows],
+            "attention_mask": inputs["attention_mask"][rows],
+            "image_grid_thw": inputs["image_grid_thw"].view(-1, per_sample, 3)[rows].reshape(-1, 3),
+            "images_per_sample": inputs["images_per_sample"][rows]}
 
 
 def micro_batches(rollouts: list[Rollout], advantages: torch.Tensor, size: int) -> list:
@@ -832,11 +715,30 @@ def micro_batches(rollouts: list[Rollout], advantages: torch.Tensor, size: int) 
             for rows in (slice(i, i + size) for i in range(0, len(adv), size))]
 
 
+@torch.no_grad()
+def frozen_logprobs(policy, ref_model, batches: list[MicroBatch], mu: int, *, temperature: float,
+                    kl_beta: float, top_k: int = 0, top_p: float = 1.0, policy_dist: str = "full",
+                    **loss_only) -> tuple[list, list]:
+    """Each micro-batch's log-probs before the first update, on the trained distribution: under
+    pi_old (mu > 1; mu = 1: None, the old policy IS the current one: ratio 1, the clip idles) and
+    under the reference, on it and on p (kl_beta > 0, else None). `loss_only`: unused settings."""
+    olds, refs = [], []
+    for mb in batches:  # the trained distribution: p (no cut), or the sampler's truncation q
+        cut = (top_k, top_p, mb.support) if policy_dist == "truncated" else (0, 1.0, None)
+        olds.append(token_logprobs(policy, mb.inputs, mb.tokens, temperature, *cut)
+                    if mu > 1 else None)
+        refs.append(reference_logprobs(ref_model, mb.inputs, mb.tokens, temperature, *cut)
+                    if kl_beta > 0 else None)
+    return olds, refs
+
+
 def micro_batch_loss(policy, mb: MicroBatch, old: torch.Tensor | None, ref: tuple | None,
                      **objective) -> tuple[torch.Tensor, dict]:
-    """One micro-batch's loss and metrics: logits_loss of the policy's teacher-forced logits."""
+    """One micro-batch's loss (logits_loss) and its diagnostics, from the policy's logits."""
     logits = token_logits(policy, mb.inputs, mb.tokens)  # (mb, N, V), with grad
-    return logits_loss(logits, policy.config.vq_config.num_embeddings, mb, old, ref, **objective)
+    K = policy.config.vq_config.num_embeddings
+    loss, metrics = logits_loss(logits, K, mb, old, ref, **objective)
+    return loss, metrics | diagnostics(logits.detach(), K, mb, old, ref, **objective)
 
 
 def logits_loss(logits: torch.Tensor, codebook_size: int, mb: MicroBatch, old: torch.Tensor | None,
@@ -846,79 +748,81 @@ def logits_loss(logits: torch.Tensor, codebook_size: int, mb: MicroBatch, old: t
                 truncation_weight: str = "none") -> tuple[torch.Tensor, dict]:
     """(mb, N, V) logits -> the loss: the trained distribution's log-probs (the whole softmax p, or
     the sampler's truncation q), the mismatch correction on THAT distribution (trainer vs sampler),
-    the truncation weight (p only) and grpo_loss (`old` None: mu 1); docs/healthy_training.md's
-    diagnostics. Defaults: the command line's."""
-    K = codebook_size
-    kept = None if mb.support is None else code_support(mb.support, K)  # (mb, N, K): the sampler's
-    replayed = code_logprobs(logits, temperature, K, top_k, top_p, kept)  # q, replayed
-    full = code_logprobs(logits, temperature, K)  # (mb, N, K): p, the whole codebook
-    pi, behaviour = (full, mb.sampled_full) if policy_dist == "full" else (replayed, mb.sampled)
+    the truncation weight (p only) and grpo_loss. `old` and `ref`: frozen_logprobs' (`old` None:
+    mu 1). Defaults: the command line's."""
+    if policy_dist == "full":  # p, and the sampler's log-probs under p
+        pi, behaviour = code_logprobs(logits, temperature, codebook_size), mb.sampled_full
+    else:  # q: the sampler's truncation, replayed on its kept codes when it recorded them
+        kept = None if mb.support is None else code_support(mb.support, codebook_size)
+        pi = code_logprobs(logits, temperature, codebook_size, top_k, top_p, kept)
+        behaviour = mb.sampled
     logp = logprob_of(pi, mb.tokens)  # (mb, N)
     old = logp.detach() if old is None else old
-    ref, ref_full = (None, None) if ref is None else ref
-    regions = {"preview": slice(0, mb.n_preview), "large": slice(mb.n_preview, None)}
-    cols = regions["large"] if train_tokens == "large" else slice(None)
     weights, m_corr = sampler_correction(old, behaviour, correction, cap)  # over all N tokens
-    weights = weights if correction.startswith("sequence") else weights[:, cols]
     mass, m_mass = truncation_weights(mb.sampled, mb.sampled_full,
                                       truncation_weight if policy_dist == "full" else "none")
-    loss, m = grpo_loss(logp[:, cols], old[:, cols], None if ref is None else ref[:, cols],
+    cols = slice(mb.n_preview, None) if train_tokens == "large" else slice(None)  # in the loss
+    weights = weights if correction.startswith("sequence") else weights[:, cols]
+    loss, m = grpo_loss(logp[:, cols], old[:, cols], None if ref is None else ref[0][:, cols],
                         mb.advantages, clip_eps, kl_beta, weights, mass[:, cols])
-    with torch.no_grad():
-        own = logprob_of(code_logprobs(logits.detach(), temperature, K, top_k, top_p), mb.tokens)
-        trainer = logprob_of(replayed.detach(), mb.tokens)  # q, by the trainer
-        both = trainer.isfinite() & mb.sampled.isfinite()
-        m.update(loss=loss.item(),
-                 sampler_gap=(trainer - mb.sampled).where(both, 0.0).abs().max().item(),
-                 outside_truncation=int((~own.isfinite()).sum()),
-                 no_gradient_frac=(pi[:, cols].isfinite().sum(-1) == 1).float().mean().item(),
-                 **m_corr, **m_mass, **region_metrics(regions, logp.detach(), old, ref,
-                                                      mb.advantages, clip_eps, kl_beta))
-        if ref_full is not None:
-            untruncated = k3_kl(logprob_of(full, mb.tokens)[:, cols], ref_full[:, cols])
-            m["kl_untruncated"] = untruncated.mean().item()
-    return loss, m
+    return loss, {"loss": loss.item(), **m, **m_corr, **m_mass}
+
+
+@torch.no_grad()
+def diagnostics(logits: torch.Tensor, codebook_size: int, mb: MicroBatch, old: torch.Tensor | None,
+                ref: tuple | None, *, temperature: float, clip_eps: float | tuple[float, float],
+                kl_beta: float, train_tokens: str = "large", top_k: int = 0, top_p: float = 1.0,
+                policy_dist: str = "full", **loss_only) -> dict:
+    """docs/healthy_training.md's readings of a micro-batch, beside its loss: each region's log-prob,
+    KL and clip fraction; sampler_gap (the sampler's q against the trainer's: the drift the mismatch
+    weights correct); outside_truncation (tokens the trainer's own top-k / top-p drops);
+    no_gradient_frac (rows whose trained distribution keeps one code); kl_untruncated (on p)."""
+    K, tokens = codebook_size, mb.tokens
+    cols = slice(mb.n_preview, None) if train_tokens == "large" else slice(None)  # in the loss
+    kept = None if mb.support is None else code_support(mb.support, K)
+    full = code_logprobs(logits, temperature, K)  # p
+    replayed = code_logprobs(logits, temperature, K, top_k, top_p, kept)  # q, on the sampler's cut
+    pi = full if policy_dist == "full" else replayed
+    logp = logprob_of(pi, tokens)
+    old = logp if old is None else old
+    trainer, own = logprob_of(replayed, tokens), logprob_of(code_logprobs(logits, temperature, K,
+                                                                          top_k, top_p), tokens)
+    both = trainer.isfinite() & mb.sampled.isfinite()
+    m = {"sampler_gap": (trainer - mb.sampled).where(both, 0.0).abs().max().item(),
+         "outside_truncation": int((~own.isfinite()).sum()),
+         "no_gradient_frac": (pi[:, cols].isfinite().sum(-1) == 1).float().mean().item()}
+    for name, cut in {"preview": slice(0, mb.n_preview), "large": slice(mb.n_preview, None)}.items():
+        if logp[:, cut].numel():  # editing has no preview
+            _, r = grpo_loss(logp[:, cut], old[:, cut], None if ref is None else ref[0][:, cut],
+                             mb.advantages, clip_eps, kl_beta)
+            m |= {f"{name}/logprob": logp[:, cut][logp[:, cut].isfinite()].mean().item(),
+                  f"{name}/kl": r["kl"], f"{name}/clip_frac": r["clip_frac"]}
+    if ref is not None:
+        m["kl_untruncated"] = k3_kl(logprob_of(full, tokens)[:, cols], ref[1][:, cols]).mean().item()
+    return m
 
 
 def train_step(policy, optimizer, rollouts: list[Rollout], advantages: torch.Tensor, ref_model, *,
-               temperature: float, clip_eps: float, kl_beta: float, micro_batch_size: int,
-               max_grad_norm: float, mu: int = 1, train_tokens: str = "large", top_k: int = 0,
-               top_p: float = 1.0, correction: str = "token_truncate", cap: float = 2.0,
-               policy_dist: str = "full", truncation_weight: str = "none") -> dict:
+               micro_batch_size: int, max_grad_norm: float, mu: int = 1, **objective) -> dict:
     """`mu` optimizer steps on P groups with (P, G) advantages -> metrics. Each micro-batch's loss
-    is weighted by its share of the P*G sequences: the accumulated gradient is the batch's."""
+    is weighted by its share of the P*G sequences: the accumulated gradient is the batch's.
+    `objective`: logits_loss' settings (temperature, clip_eps, kl_beta, top_p, ...)."""
     # transformers only checkpoints in train mode; without dropout, train and eval are one policy
     policy.train(policy.is_activation_checkpointing)
     batches = micro_batches(rollouts, advantages, micro_batch_size)
-    n_seqs = advantages.numel()
-    objective = dict(temperature=temperature, clip_eps=clip_eps, kl_beta=kl_beta,
-                     train_tokens=train_tokens, top_k=top_k, top_p=top_p, correction=correction,
-                     cap=cap, policy_dist=policy_dist, truncation_weight=truncation_weight)
-
-    def trained(support):  # the trained distribution's truncation: top_k, top_p, support
-        return (top_k, top_p, support) if policy_dist == "truncated" else (0, 1.0, None)
-
-    with torch.no_grad():
-        # mu = 1: the old policy IS the current one (old = logp.detach(): ratio 1, the clip idles);
-        # mu > 1: the old log-probs are frozen before the first update and the clip acts after it
-        olds = ([token_logprobs(policy, mb.inputs, mb.tokens, temperature, *trained(mb.support))
-                 for mb in batches] if mu > 1 else None)
-        refs = ([reference_logprobs(ref_model, mb.inputs, mb.tokens, temperature,
-                                    *trained(mb.support)) for mb in batches]
-                if kl_beta > 0 else None)
+    olds, refs = frozen_logprobs(policy, ref_model, batches, mu, **objective)
     skipped, parts = 0, []  # parts: every micro-batch's metrics and share, over all mu updates
     for _ in range(mu):
         optimizer.zero_grad(set_to_none=True)
-        update_parts, finite = [], True
+        update, finite = [], True
         for k, mb in enumerate(batches):
-            loss, m = micro_batch_loss(policy, mb, None if olds is None else olds[k],
-                                       None if refs is None else refs[k], **objective)
-            share = mb.tokens.shape[0] / n_seqs  # losses are means: weigh each to the batch's
+            loss, m = micro_batch_loss(policy, mb, olds[k], refs[k], **objective)
+            share = len(mb.tokens) / advantages.numel()  # losses are means: weigh each to the batch
             finite = finite and bool(torch.isfinite(loss))
             sync_gradients(policy, k == len(batches) - 1)  # FSDP + LoRA: reduce after the last
             (loss * share).backward()  # even when not finite: with FSDP every process joins
-            update_parts.append((m, share))
-        totals, parts = merge_metrics(update_parts), parts + update_parts  # means: this update's
+            update.append((m, share))
+        totals, parts = merge_metrics(update), parts + update  # means: this update's
         params = [p for group in optimizer.param_groups for p in group["params"]]
         totals["grad_norm"] = torch.nn.utils.clip_grad_norm_(params, max_grad_norm).item()
         if all_agree(finite) and math.isfinite(totals["grad_norm"]):  # every process steps, or none
@@ -926,12 +830,10 @@ def train_step(policy, optimizer, rollouts: list[Rollout], advantages: torch.Ten
         else:  # a NaN / inf loss or gradient never reaches the weights: this update is skipped
             optimizer.zero_grad(set_to_none=True)
             skipped += 1
-    # extremes over all mu updates; the sampler's own diagnostics from the first update only (its
-    # weights are the sampler's): counted once, not mu times
-    first = merge_metrics(parts[:len(batches)])
+    first = merge_metrics(parts[:len(batches)])  # the sampler's own readings: the first update's
     return {**totals, **{k: v for k, v in merge_metrics(parts).items() if extreme(k)},
             "sampler_gap": first["sampler_gap"], "outside_truncation": first["outside_truncation"],
-            "skipped": skipped}
+            "skipped": skipped}  # extremes over all mu updates, counted once
 
 
 EXTREMES = {"ratio_min": min, "ratio_max": max, "sampler_gap": max, "skipped": max,
@@ -1015,16 +917,24 @@ def main(argv: list[str] | None = None) -> dict:
             with interrupts_held():  # an update and its log line land together (or not at all)
                 with run.timed(seconds, "train", cfg), r.autocast:  # 5. the clipped update
                     metrics = train_step(
-                        policy, optimizer, rollouts, advantages, ref_model, kl_beta=cfg.kl_beta,
+                        policy, optimizer, rollouts, advantages, ref_model,
+                        micro_batch_size=cfg.micro_batch_size, max_grad_norm=cfg.max_grad_norm,
+                        mu=cfg.mu, temperature=cfg.temperature, kl_beta=cfg.kl_beta,
                         clip_eps=(cfg.clip_eps, cfg.clip_eps_high or cfg.clip_eps),
-                        temperature=cfg.temperature, micro_batch_size=cfg.micro_batch_size,
-                        max_grad_norm=cfg.max_grad_norm, mu=cfg.mu, train_tokens=cfg.train_tokens,
-                        top_k=cfg.top_k, top_p=cfg.top_p, correction=cfg.sampler_correction,
-                        cap=cfg.sampler_cap, policy_dist=cfg.policy_dist,
-                        truncation_weight=cfg.truncation_weight)
+                        train_tokens=cfg.train_tokens, top_k=cfg.top_k, top_p=cfg.top_p,
+                        correction=cfg.sampler_correction, cap=cfg.sampler_cap,
+                        policy_dist=cfg.policy_dist, truncation_weight=cfg.truncation_weight)
                 run.log_step(r, step, groups, reward, each, advantages, grids, metrics, seconds)
             run.after_step(r, step, batch, images, reward)  # image grids, checkpoints, evaluations
     return run.finish(r)  # the last checkpoint, final/, curves.png, the after grid, the summary
+
+
+# ---- 12. Copied alone ---------------------------------------------------------------------------
+
+if run is None:  # without helpers/: one process, so each collective is an identity
+    def all_agree(value): return value  # noqa: E704
+    def gather_rows(rows): return rows  # noqa: E704
+    def sync_gradients(model, last): return None  # noqa: E704
 
 
 if __name__ == "__main__":

@@ -166,6 +166,42 @@ def parse_rewards(spec: str, table: dict, flag: str = "--reward") -> dict[str, t
 
 # ---- The command line and its checks, before anything is written ---------------------------------
 
+def _setting(default, help: str, choices: tuple = ()):
+    """A run field whose doc becomes its --help, as grpo.arg."""
+    return dataclasses.field(default=default, metadata={"help": help, "choices": choices})
+
+
+@dataclasses.dataclass
+class RunSettings:  # the run's flags, after the algorithm's (grpo.Config): where it writes, what it evaluates
+    out: str = _setting("runs/grpo", "output directory")
+    image_every: int = _setting(10, "save an image grid every N steps (0: never)")
+    eval_prompts: str = _setting("", "held-out prompts (as --prompts; .jsonl may add a \"category\")")
+    eval_every: int = _setting(25, "evaluate every N steps (0: only before the first and after the end)")
+    eval_samples: int = _setting(4, "images per eval prompt")
+    eval_reward: str = _setting("", "rewards only measured on the eval prompts, e.g. shapes_exact")
+    save_every: int = _setting(50, "save a checkpoint every N steps (0: only at the end)")
+    resume: str = _setting("", "run directory to continue (--steps is the total)")
+    overwrite: bool = _setting(False, "replace the run in --out")
+    train: str = _setting("ar", "ar (grpo.py) or dit (python dit_grpo.py, with its own flags)", ("ar", "dit"))
+    device: str = _setting("auto", "cpu | cuda | auto", ("auto", "cpu", "cuda"))
+    report_to: str = _setting("none", "also log to: none | tensorboard | wandb (offline)")
+    dtype: str = _setting("auto", "float32 | bfloat16 | auto", ("auto", "float32", "bfloat16"))
+
+
+_WITH_RUN = {}  # one combined class per config class: configs of one run compare equal
+
+
+def with_run_settings(config: type) -> type:
+    """The dataclass `config` (grpo.Config, DitConfig) with RunSettings' fields after its own, under its name: what
+    the command line sets and config.json holds."""
+    if config not in _WITH_RUN:
+        fields = [(f.name, f.type, dataclasses.field(default=f.default, metadata=f.metadata))
+                  for f in dataclasses.fields(RunSettings)]
+        _WITH_RUN[config] = dataclasses.make_dataclass(config.__name__, fields, bases=(config,))
+        _WITH_RUN[config].__module__ = config.__module__
+    return _WITH_RUN[config]
+
+
 def config_parser(config, default=None) -> argparse.ArgumentParser:
     """One flag per field of the dataclass `config` (the name with dashes), defaulting to the field's default (or to
     `default`); a field's metadata gives its --help."""
@@ -566,7 +602,7 @@ def training(r: Run):
             yield
     except KeyboardInterrupt:
         interrupted(r)
-    except ValueError as error:  # grpo.check_tokens: a sample that does not fill its grid
+    except ValueError as error:  # fast_decode.check_tokens: a sample that does not fill its grid
         if not str(error).startswith("sample_groups:"):
             raise
         fail(f"{str(error).removeprefix('sample_groups: ')} (the last checkpoint is kept)", code=1)

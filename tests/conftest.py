@@ -31,6 +31,13 @@ TINY = ["--model", "tiny", "--device", DEVICE, "--group-size", "4", "--prompts-p
 TINY_CPU = [*TINY[:2], "--device", "cpu", *TINY[4:]]  # torchrun tests: gloo on the CPU (one GPU cannot host 2 ranks)
 
 
+def smooth_source(height=64, width=64, seed=0) -> torch.Tensor:
+    """A smooth random RGB image (3, H, W) in [0, 1], quantised to 8 bits like an image read from a file."""
+    g = torch.Generator().manual_seed(seed)
+    image = torch.nn.functional.interpolate(torch.rand(1, 3, 4, 4, generator=g), size=(height, width), mode="bilinear")
+    return (image[0] * 255).round() / 255
+
+
 # ---- fixtures -----------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")

@@ -21,6 +21,7 @@ import torch
 from PIL import Image
 
 import grpo
+from helpers import fast_decode
 from helpers import parallel
 from helpers import run
 from helpers import run_io
@@ -788,12 +789,12 @@ def test_code_health():
 def test_collapse_warning(tmp_path, monkeypatch, capsys):
     """A sampler that draws one code everywhere (as a bypassed processor did, giving white pictures): every step's
     line logs the distinct codes, and one warning line per step names the collapse."""
-    decode = grpo.decode
+    decode = fast_decode.decode
 
     def one_code(*args, **kw):
         tokens, *rest = decode(*args, **kw)
         return (torch.zeros_like(tokens), *rest)
-    monkeypatch.setattr(grpo, "decode", one_code)
+    monkeypatch.setattr(fast_decode, "decode", one_code)
     tiny_run(tmp_path, tmp_path / "out", "--steps", "2")
     lines = run_record(tmp_path / "out")
     assert [x["rollout/unique_codes"] for x in lines] == [1.0, 1.0] and lines[0]["rollout/collapsed_groups"] == 1

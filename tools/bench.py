@@ -48,7 +48,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # grpo.py and the files it imports live in the repository root
 
 import grpo  # noqa: E402
-from helpers import run  # noqa: E402
+from helpers import fast_decode, run  # noqa: E402
 from helpers import rewards  # noqa: E402
 from tools.generate_reference import generate_group  # noqa: E402  grpo.py's sampler before its decode loop
 
@@ -261,9 +261,11 @@ def per_step(fn, n_tokens, device, repeats=1):
 
 
 def eager_prefix(n):
-    """grpo.repeat_step that runs only the first n steps, eagerly: the loop without CUDA graphs, timed on a prefix."""
-    def repeat(step, _n, generators):
+    """fast_decode.repeat_step that runs only the first n steps, eagerly: the loop without CUDA graphs, timed on a
+    prefix."""
+    def repeat(step, _n, draw, capture=False):
         for _ in range(n):
+            draw()
             step()
     return repeat
 
@@ -283,12 +285,12 @@ def sampler_compare(pipe, name, device, group, height, width, prefix=0, repeats=
              f"{loop_ms:.2f} vs {gen_ms:.2f}{f' (generate on the first {m} tokens)' if prefix else ''} = "
              f"{gen_ms / loop_ms:.2f}x; {group * 1e3 / loop_ms:.0f} tokens/s; same tokens: {same:.1%}")
     if device.startswith("cuda"):
-        original = grpo.repeat_step
-        grpo.repeat_step = eager_prefix(m)
+        original = fast_decode.repeat_step
+        fast_decode.repeat_step = eager_prefix(m)
         try:
             eager_ms, _ = per_step(lambda: grpo.sample_group(pipe, PROMPT, group, height, width, T, seed=0), m, device)
         finally:
-            grpo.repeat_step = original
+            fast_decode.repeat_step = original
         emit_row(f"{name}: the same loop eager (no CUDA graph), ms per step", f"{eager_ms:.2f} (first {m} tokens)")
         with torch.no_grad():
             trainer = grpo.token_logprobs(model, r.inputs, r.tokens, T)
@@ -308,15 +310,23 @@ def sampler_cpu(emit_row):
     two, _ = timed(lambda: [generate_group(pipe, p, 8, H, W, T, s) for s, p in enumerate(prompts)], repeats=5)
     emit_row("tiny model: a demo step's 2 groups of 8, one decode vs 2 generates", f"{one:.3f} s vs {two:.3f} s = "
              f"{two / one:.2f}x")
+    engine = fast_decode.sample_groups  # the lesson's loop: grpo.sample_groups as grpo.py copied alone runs it
+    grpo.fast_decode = None
+    try:
+        lesson, _ = timed(lambda: grpo.sample_groups(pipe, prompts, 8, H, W, T, [0, 1]), repeats=5)
+    finally:
+        grpo.fast_decode = fast_decode
+    emit_row("tiny model: a demo step's 2 groups of 8, helpers/fast_decode.py vs grpo.generate (the lesson's loop)",
+             f"{one:.3f} s vs {lesson:.3f} s = {lesson / one:.2f}x ({engine.__module__})")
     # torch.compile of the AR's forward, on the pre-allocated cache (fixed shapes: one compilation)
     compiled = torch.compile(pipe.vision_language_encoder)
-    original = grpo.decode
-    grpo.decode = lambda model, *args, **kwargs: original(compiled, *args, **{**kwargs, "static": True})
+    original = fast_decode.decode
+    fast_decode.decode = lambda model, *args, **kwargs: original(compiled, *args, **{**kwargs, "static": True})
     try:
         first, _ = timed(lambda: grpo.sample_group(pipe, PROMPT, 8, H, W, T, seed=0), repeats=1)
         then, _ = timed(lambda: grpo.sample_group(pipe, PROMPT, 8, H, W, T, seed=0), repeats=5)
     finally:
-        grpo.decode = original
+        fast_decode.decode = original
     eager, _ = timed(lambda: grpo.sample_group(pipe, PROMPT, 8, H, W, T, seed=0), repeats=5)
     emit_row("tiny model: torch.compile on the CPU, first group (compiling) / then per group / eager per group",
              f"{first:.1f} s / {then:.3f} s / {eager:.3f} s: pays off after {first / max(eager - then, 1e-9):.0f} "

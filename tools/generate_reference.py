@@ -2,7 +2,7 @@
 
 One transformers `generate` for a group (its DynamicCache, its own 3D rotary positions from get_rope_index) drawing
 from grpo.code_logprobs as a logits processor, seeded with torch.manual_seed(seed). grpo.sample_group must draw the
-very same tokens for a seed (test_grpo.test_decode_samples_what_generate_samples) and be no slower (bench.py
+very same tokens for a seed (test_grpo.test_generate_draws_what_generate_draws) and be no slower (bench.py
 --sampler).
 """
 
@@ -23,7 +23,7 @@ def generate_group(pipe, prompt: str, group_size: int, height: int, width: int, 
     from transformers import LogitsProcessorList
     model = pipe.vision_language_encoder.eval()
     K = model.config.vq_config.num_embeddings
-    inputs, _, preview_hw, large_hw = grpo.group_prompt(pipe, prompt, group_size, height, width, source)
+    inputs, preview_hw, large_hw, _ = grpo.group_prompt(pipe, prompt, group_size, height, width, source)
 
     def processor(input_ids, scores):  # what generate draws from: code_logprobs, -inf beyond the codebook
         return F.pad(grpo.code_logprobs(scores, temperature, K, top_k, top_p), (0, scores.shape[-1] - K),

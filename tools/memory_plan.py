@@ -68,7 +68,7 @@ Assumptions (all byte counts are in the FORMULAS section)
     + a weight-gradient transient with full FT), the end of a later micro-batch's backward (gradient transients).
   - Logits: lm_head on the last N positions only (logits_to_keep=N); kept are the final norm's tensors and the fp32
     log-softmax over the K codebook ids (N x K x 4), two more of those in the backward (logits_bytes).
-  - Sampling (grpo.decode): a KV cache of G x (P + N) slots x layers x kv_heads x head_dim for keys and values (bf16;
+  - Sampling (fast_decode.decode): a KV cache of G x (P + N) slots x layers x kv_heads x head_dim for keys and values (bf16;
     keys fp32 with fp32 weights), the prefill's transients, the token / log-prob / support buffers and one step's
     work over the vocabulary (sampler_bytes); no step's logits are kept.
   - Decoding (no grad): DiT ~12 hidden-widths per token alive inside a block (x, norm, q/k/v, normed/roped q/k,
@@ -118,8 +118,8 @@ PUBLISHED_INFERENCE_PEAK_GB = {1: 37.82, 4: 52.09}  # github.com/zai-org/GLM-Ima
 # recomputed layer's transient per token beside its saved tensors; autocast_layer: autocast's bf16 copies per layer;
 # logits: what lies outside the layers (0-layer model), kept + backward; step_*: the 2-layer step's peak beside the
 # weights and .grad (first / a later micro-batch, without / with checkpointing); step_scaled: the L = 611 peak
-# scaled to L = 1379 (vs step_tokens, measured there); kv: KV cache bytes per position, layer and sequence (grpo.decode's
-# fixed-shape cache); sampler_post: grpo.decode's peak beside its cache (measured 2026-11-24, after the decode loop).
+# scaled to L = 1379 (vs step_tokens, measured there); kv: KV cache bytes per position, layer and sequence (fast_decode.decode's
+# fixed-shape cache); sampler_post: fast_decode.decode's peak beside its cache (measured 2026-11-24, after the decode loop).
 MEASURED = {'when': '2026-11-22',
  'seconds': 401,
  'machine': '2-core CPU, torch 2.13.0+cpu, transformers 5.23.0, peft 0.21.2',
@@ -410,7 +410,7 @@ def kv_cache_bytes(G: int, L: int, mode: str = "lora", layers: int | None = None
 
 
 def sampler_bytes(G: int, N: int, P: int = 100, top_p: bool = True) -> float:
-    """grpo.decode's peak beside the KV cache: the prefill's transients (one layer's forward for the G x P prompt
+    """fast_decode.decode's peak beside the KV cache: the prefill's transients (one layer's forward for the G x P prompt
     tokens), the (G, N) tokens and log-probs, with top-p / top-k the (G, N, K/8) support bits, and one step's fp32 work
     over the vocabulary (logits, probabilities, the exponential draws, the top-p sort: ~12 x G x V x 4 bytes). No
     step's logits are kept (generate kept all N of them: 1.25 GiB at G = 4, N = 1280)."""
@@ -771,11 +771,12 @@ def measure_step(model, length: tuple, passes: int = 1, backward: bool = True, s
 
 
 def measure_sampling(model, length: tuple, G: int, top_p: float = 0.75) -> dict:
-    """grpo.py's decode loop (grpo.decode with the fixed-shape cache a GPU uses) on hand-made inputs (G copies of one
+    """grpo.py's fast decode loop (helpers/fast_decode.decode with the fixed-shape cache a GPU uses) on hand-made inputs (G copies of one
     prompt) under autocast(bf16), arithmetic skipped: the KV cache's bytes per position, layer and sequence (its
     (G, kv_heads, P + N, head_dim) storages) and the loop's peak beside the cache (its token, log-prob and support
     buffers, one step's logits, draws and top-p sort)."""
     import grpo
+    from helpers import fast_decode
     inputs, _ = ar_inputs(model, *length, G=G)
     ids = inputs["input_ids"]
     P, (_, large_h, large_w), (_, prev_h, prev_w) = ids.shape[1], *inputs["image_grid_thw"][:2].tolist()
@@ -785,8 +786,8 @@ def measure_sampling(model, length: tuple, G: int, top_p: float = 0.75) -> dict:
     live = LiveStorages(dict(L=P + N), [*model.parameters(), *model.buffers(), *inputs.values(), positions])
     model.eval()
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16), live:
-        grpo.decode(model, ids, torch.ones_like(ids, dtype=torch.bool), positions, N, 0.9, 0, top_p,
-                    [torch.Generator().manual_seed(0)], static=True)
+        fast_decode.decode(model, ids, torch.ones_like(ids, dtype=torch.bool), positions, N, 0.9, 0, top_p,
+                           [torch.Generator().manual_seed(0)], grpo.code_logprobs, static=True)
     kv_heads = model.config.text_config.num_key_value_heads
     cache = [e for e in live.entries  # keys and values (G, kv_heads, P + N, d), alive to the end (not per-step casts)
              if len(e[5]) == 4 and e[5][1:3] == (kv_heads, P + N) and e[1] is None]
@@ -960,7 +961,7 @@ def section_assumptions() -> list[str]:
         f"Logits only for the last N positions (logits_to_keep): kept are the final norm's fp32 input (and with full "
         f"FT its output), log_softmax's fp32 output over the {s['K']} codebook ids (N x {s['K']} x 4), and in the "
         f"backward two more such tensors; the N x {s['V']} bf16 logits are freed after the forward.",
-        "Sampling (grpo.decode): a KV cache of G x (P + N) slots x layers x kv_heads x head_dim, keys and values in "
+        "Sampling (fast_decode.decode): a KV cache of G x (P + N) slots x layers x kv_heads x head_dim, keys and values in "
         "bf16 (keys fp32 with fp32 weights), the prefill's transients, the token / log-prob / support buffers and "
         "one step's fp32 work over the vocabulary; no step's logits are kept.",
         "Decoding (no grad, sequential phases): DiT ~12 hidden-widths per token inside a block, batch G, CFG passes "
@@ -1037,7 +1038,7 @@ def section_measured(m: dict, fresh: bool) -> list[str]:
         "allocated, less kernel-internal workspaces (`LiveStorages`); parameter gradients are left out (a persistent "
         "term). Matrix products and the attention kernel return zeros of their exact shapes instead of computing "
         "(byte-identical to real arithmetic on a narrow copy, checked by `--measure`). Per-layer terms are 2 layers "
-        "minus 1 layer; what lies outside the layers is the 0-layer model. KV cache and the decode loop: `grpo.decode` "
+        "minus 1 layer; what lies outside the layers is the 0-layer model. KV cache and the decode loop: `fast_decode.decode` "
         "with the fixed-shape cache a GPU uses (G = 4, N = 1280, top-p 0.75; measured 2026-11-24). Cells: "
         "full_fp32 / full_bf16 / lora.",
         table(["term", "formula", "measured", "measured / formula"], ["---", "---:", "---:", "---:"],

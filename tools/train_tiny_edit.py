@@ -216,7 +216,7 @@ def dit_check(pipe, pairs: list[dict]) -> float:
     for pair in pairs:
         source = run.load_image(EXAMPLES / pair["source"], SIZE, SIZE, "source")  # as grpo.py loads it
         _, want = rewards.edit_asked(pair, rewards.to_uint8(source[None])[0])
-        _, src, _, large_hw = grpo.group_prompt(pipe, pair["prompt"], 1, SIZE, SIZE, source)
+        _, _, large_hw, src = grpo.group_prompt(pipe, pair["prompt"], 1, SIZE, SIZE, source)
         images = grpo.decode_images(pipe, pair["prompt"], torch.tensor([world.labels(want)]), large_hw, SIZE, SIZE,
                                     cfg.num_inference_steps, cfg.decode_seed, cfg.guidance_scale, src)
         right.append(float(edit_reward(images, {"prompt": pair["prompt"], "source": source})[0] == 1.0))

@@ -1,11 +1,9 @@
-"""Tests for grpo.py on the tiny GLM-Image: a test_<function> for each function of the algorithm, and main end to end
-(the run's plumbing is test_run.py's). Small helpers are checked through the function that uses them: code_support
-(test_code_logprobs_support), token_logits and reference_logprobs (test_token_logprobs*, test_train_step*),
-group_prompt and to_pil (test_sample_groups, test_encode_source), repeat_step (test_repeat_step, test_decode_static_cache,
-and the CUDA graph on a GPU), only_ar_trains and setup_training (every run of main).
+"""Tests for grpo.py on the tiny GLM-Image: a test_<function> (or test_<function>_<case>) for every function of
+grpo.py, each naming the property it checks, and main end to end. The run's plumbing is tests/test_run.py's, the
+fast decode's (the same tokens as grpo.generate) tests/test_fast_decode.py's.
 
-    python -m pytest -q tests/test_grpo.py                             # CPU (CI)
-    GRPO_TEST_DEVICE=cuda python -m pytest -q tests/test_grpo.py       # on a GPU (conftest.DEVICE; tools/gpu_check.sh: all)
+    python -m pytest -q test_grpo.py                             # CPU (CI)
+    GRPO_TEST_DEVICE=cuda python -m pytest -q test_grpo.py       # on a GPU (tests/conftest.DEVICE)
 """
 
 import copy
@@ -23,13 +21,15 @@ import torch.nn.functional as F
 from PIL import Image
 
 import grpo
+from helpers import fast_decode
 from helpers import rewards
 from helpers import run
 from helpers import run_io
 from helpers.offline_model import tiny_glm_image
-from conftest import (DEVICE, ROOT, PARITY, T, TINY, TINY_CPU, as_line, assert_same_metrics, assert_same_weights,
-                      eval_lines, expect_exit, fresh_pipe, run_record, tiny_run, torchrun,
-                      write_evals, write_example)  # shared helpers and settings
+from tests.conftest import (DEVICE, ROOT, PARITY, T, TINY, TINY_CPU, as_line, assert_same_metrics,
+                            assert_same_weights, eval_lines, expect_exit, fresh_pipe, run_record, smooth_source,
+                            tiny_run, torchrun, write_evals, write_example)  # shared helpers and settings
+from tests.conftest import pipe, random_pipe, sharp_pipe  # noqa: F401  the tiny pipelines (fixtures)
 from tools import rejection_sampling  # the baseline GRPO has to beat, from grpo.py's own pieces
 from tools.generate_reference import generate_group  # grpo.py's sampler before its decode loop
 
@@ -38,6 +38,7 @@ from tools.generate_reference import generate_group  # grpo.py's sampler before 
 
 
 # ---- 1. config ----------------------------------------------------------------------------------
+
 
 def test_parse_config():
     """Flags are field names with dashes; model-dependent defaults fill only what was not given."""
@@ -55,6 +56,7 @@ def test_parse_config():
 
 
 # ---- 2. loading ---------------------------------------------------------------------------------
+
 
 def test_tiny_glm_image():
     """Deterministic per seed; token ids coherent across tokenizer, AR, VQ and DiT; a few 100k parameters."""
@@ -117,6 +119,7 @@ def test_reference_model(pipe):
 
 # ---- 4. group sampling --------------------------------------------------------------------------
 
+
 def test_group_inputs(pipe):
     """The group repeats the prompt G times and keeps each sample's [large, preview] grid pair together."""
     inputs = grpo.group_inputs(pipe.processor, "a cat", 4, 64, 96, DEVICE)
@@ -159,102 +162,40 @@ def test_code_logprobs(pipe):
     assert (torch.log_softmax(scores[..., :K] / T, -1) - sampled).abs().max() > 1e-2
 
 
+@pytest.fixture
+def lesson(monkeypatch):
+    """grpo.py as copied alone samples: grpo.generate a group at a time, without helpers/fast_decode.py."""
+    monkeypatch.setattr(grpo, "fast_decode", None)
+
+
 @pytest.mark.parametrize("top_k,top_p", [(0, 1.0), (0, 0.75), (5, 1.0)], ids=["full", "top-p", "top-k"])
-def test_decode_samples_what_generate_samples(pipe, sharp_pipe, top_k, top_p):
-    """grpo.py's decode loop draws the very tokens `generate` drew with grpo.py's old logits processor for the same
-    seed (the exponential race of torch.multinomial, replayed per group), with log-probs within 1e-5 of
+def test_generate_draws_what_generate_draws(pipe, sharp_pipe, lesson, top_k, top_p):
+    """grpo.generate (the lesson's loop) draws the very tokens transformers' `generate` drew with code_logprobs as its
+    logits processor for the same seed (torch.multinomial's exponential race), with log-probs within 1e-5 of
     code_logprobs of generate's raw logits: pre-trained and sharpened models, square and non-square, editing."""
     for p, (height, width), source in [(pipe, (96, 96), None), (sharp_pipe, (64, 96), None),
                                         (pipe, (96, 64), smooth_source(96, 64))]:
         K = p.vision_language_encoder.config.vq_config.num_embeddings
         r = grpo.sample_group(p, "a red circle", 4, height, width, T, seed=5, source=source, top_k=top_k, top_p=top_p)
         tokens, _, _, logits = generate_group(p, "a red circle", 4, height, width, T, 5, source, top_k, top_p)
-        assert torch.equal(r.tokens, tokens)
+        assert torch.equal(r.tokens, tokens) and r.support is None
         want = grpo.code_logprobs(logits, T, K, top_k, top_p).gather(-1, tokens[..., None]).squeeze(-1)
         assert (r.logprobs - want).abs().max() <= 1e-5
 
 
-def test_decode_static_cache(pipe, monkeypatch):
-    """The fixed-shape step a GPU captures as a CUDA graph (pre-allocated cache, masks over every slot), run eagerly
-    here: the same tokens as generate, log-probs within 1e-5, for one group and for groups of different lengths."""
-    monkeypatch.setattr(grpo, "decode", functools.partial(grpo.decode, static=True))
-    r = grpo.sample_group(pipe, "a red circle", 4, 96, 64, T, seed=5, top_p=0.9)
-    tokens, logprobs, _, _ = generate_group(pipe, "a red circle", 4, 96, 64, T, 5, top_p=0.9)
-    assert torch.equal(r.tokens, tokens) and (r.logprobs - logprobs).abs().max() <= 1e-5
-    both = grpo.sample_groups(pipe, ["a red circle", "two blue squares above a green triangle"], 2, 96, 96, T, [1, 2])
-    for prompt, seed, r in zip(["a red circle", "two blue squares above a green triangle"], [1, 2], both):
-        tokens, logprobs, _, _ = generate_group(pipe, prompt, 2, 96, 96, T, seed)
-        assert torch.equal(r.tokens, tokens) and (r.logprobs - logprobs).abs().max() <= 1e-5
-
-
-def test_sample_groups(random_pipe):
-    """One decode of several prompts of different lengths (left-padded), editing beside text-to-image: each group's
-    tokens equal sampling it alone with its seed, log-probs within 1e-5, the inputs are the group's own. On the random
-    model (not peaked: a sampled token's probability is small, so a wrong row, position or generator changes it)."""
-    pipe = random_pipe
-    prompts = ["a red circle", "two blue squares above a green triangle on the left", "make it red"]
-    sources = [None, None, smooth_source(64, 64)]
-    together = grpo.sample_groups(pipe, prompts, 3, 64, 64, T, [11, 12, 13], sources)
-    assert len({r.inputs["input_ids"].shape[1] for r in together}) == 3  # three prompt lengths
-    assert all(r.logprobs.exp().mean() < 0.2 for r in together)  # no token is forced: the check has teeth
-    for prompt, source, seed, r in zip(prompts, sources, [11, 12, 13], together):
-        alone = grpo.sample_group(pipe, prompt, 3, 64, 64, T, seed, source)
-        assert torch.equal(r.tokens, alone.tokens) and (r.logprobs - alone.logprobs).abs().max() <= 1e-5
-        assert torch.equal(r.inputs["input_ids"], alone.inputs["input_ids"]) and r.large_hw == alone.large_hw
-        assert r.preview_hw == alone.preview_hw and (r.source is None) == (source is None)
-
-
-def test_decode_eager_attention(random_pipe):
-    """The sampler's distribution whatever the attention implementation: with eager attention (which ADDS a 4D mask to
-    the scores, where sdpa reads a bool one as "attend where True"), prompts of different lengths left-padded in one
-    decode keep sampler and trainer within 1e-5; an implementation that cannot take the mask is refused."""
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+def test_generate_exact(random_pipe, lesson, attention):
+    """The lesson's loop against the trainer (token_logprobs, one teacher-forced forward), with sdpa and eager
+    attention, text-to-image and editing: log-probs under q and p within 1e-5 (float32)."""
     pipe = copy.deepcopy(random_pipe)
     ar = pipe.vision_language_encoder
-    ar.set_attn_implementation("eager")
-    assert ar.config.text_config._attn_implementation == "eager"
-    prompts = ["a red circle", "two blue squares above a green triangle on the left"]
-    for r in grpo.sample_groups(pipe, prompts, 2, 64, 64, T, [1, 2]):
+    ar.set_attn_implementation(attention)
+    for source in (None, smooth_source(64, 64)):
+        r = grpo.sample_group(pipe, "make it red", 3, 64, 64, T, seed=2, source=source, top_p=0.75)
         with torch.no_grad():
-            trainer = grpo.token_logprobs(ar, r.inputs, r.tokens, T)
-        assert (trainer - r.logprobs).abs().max() <= PARITY
-    ar.config.text_config._attn_implementation = "flash_attention_2"
-    with pytest.raises(ValueError, match="sdpa or eager attention"):
-        grpo.sample_groups(pipe, prompts, 2, 64, 64, T, [1, 2])
-
-
-def test_repeat_step(pipe, monkeypatch):
-    """A CUDA graph is captured only for a step of fixed shapes on a GPU: decode asks for it exactly when its cache is
-    static there, and repeat_step runs every step eagerly otherwise (a growing cache syncs with the host: not
-    capturable). The noise is drawn outside the step (outside the graph), before each step: the step itself draws
-    nothing, and a group's generator advances once per token."""
-    asked = []
-    monkeypatch.setattr(grpo, "repeat_step", lambda step, n, draw, capture=False: asked.append(capture))
-    ids = torch.tensor([[5, 6]], device=DEVICE)
-    for static in (False, True):
-        grpo.decode(pipe.vision_language_encoder, ids, torch.ones_like(ids, dtype=torch.bool),
-                    torch.arange(4, device=DEVICE).expand(3, 1, 4), 2, T, 0, 1.0, [torch.Generator(DEVICE)],
-                    static=static)
-    assert asked == [False, DEVICE == "cuda"]
-    monkeypatch.undo()
-    generators, states = [torch.Generator(DEVICE).manual_seed(s) for s in (1, 2)], []
-
-    def watched(step, n, draw, capture=False):  # decode's steps, eagerly, the generators' states around each part
-        for _ in range(n):
-            draw()
-            before = [g.get_state() for g in generators]
-            step()
-            states.append((before, [g.get_state() for g in generators]))
-    monkeypatch.setattr(grpo, "repeat_step", watched)
-    ids = torch.tensor([[5, 6], [5, 6]], device=DEVICE)
-    grpo.decode(pipe.vision_language_encoder, ids, torch.ones_like(ids, dtype=torch.bool),
-                torch.arange(5, device=DEVICE).expand(3, 2, 5), 3, T, 0, 1.0, generators)
-    assert len(states) == 3 and all(all(map(torch.equal, a, b)) for a, b in states)  # the step drew nothing
-    assert all(not torch.equal(a[0], b[0]) for (a, _), (b, _) in zip(states, states[1:]))  # draw() did
-    monkeypatch.undo()
-    monkeypatch.setattr(torch.cuda, "CUDAGraph", lambda: pytest.fail("a graph was captured"))
-    calls = []
-    grpo.repeat_step(lambda: calls.append("step"), 3, lambda: calls.append("draw"), capture=False)
-    assert calls == ["draw", "step"] * 3
+            q = grpo.token_logprobs(ar, r.inputs, r.tokens, T, 0, 0.75)
+            p = grpo.token_logprobs(ar, r.inputs, r.tokens, T)
+        assert (r.logprobs - q).abs().max() <= PARITY and (r.full_logprobs - p).abs().max() <= PARITY
 
 
 def test_code_logprobs_truncation():
@@ -277,18 +218,6 @@ def test_code_logprobs_truncation():
         assert abs(lp(**kw).exp().sum().item() - 1) < 1e-6
 
 
-def test_support_bits():
-    """support_bits packs a (..., K) bool set 8 codes to a byte and code_support gives it back, K a multiple of 8 or
-    not; the packed set of a whole group at K = 16384 is 2 KiB a token."""
-    g = torch.Generator().manual_seed(0)
-    for K in (16, 13, 16384):
-        kept = torch.rand(2, 3, K, generator=g) < 0.3
-        bits = grpo.support_bits(kept)
-        assert bits.dtype == torch.uint8 and bits.shape == (2, 3, (K + 7) // 8)
-        assert torch.equal(grpo.code_support(bits, K), kept)
-    assert grpo.support_bits(torch.ones(1, 16384, dtype=torch.bool)).numel() == 2048
-
-
 def test_code_logprobs_support():
     """With a replayed support, code_logprobs is softmax(logits / T) renormalised over exactly that set (the
     truncation is not recomputed); the support of the truncation itself gives the truncated log-probs."""
@@ -299,19 +228,6 @@ def test_code_logprobs_support():
     assert torch.isinf(got[[0, 2]]).all() and torch.allclose(got[[1, 3, 4]], want)
     truncated = grpo.code_logprobs(logits, 0.9, 5, top_k=3, top_p=0.8)
     assert torch.equal(grpo.code_logprobs(logits, 0.9, 5, support=truncated.isfinite()), truncated)
-
-
-def test_decode_keeps_sampling_mask(sharp_pipe):
-    """With top-k / top-p the sampler records each draw's kept codes (Rollout.support): exactly the truncation of
-    code_logprobs on generate's logits, every sampled token inside; without truncation it records nothing."""
-    model = sharp_pipe.vision_language_encoder
-    K = model.config.vq_config.num_embeddings
-    r = grpo.sample_group(sharp_pipe, "a cat", 3, 64, 96, T, seed=4, top_k=20, top_p=0.8)
-    tokens, _, _, logits = generate_group(sharp_pipe, "a cat", 3, 64, 96, T, 4, top_k=20, top_p=0.8)
-    kept = grpo.code_support(r.support, K)
-    assert torch.equal(r.tokens, tokens) and torch.equal(kept, grpo.code_logprobs(logits, T, K, 20, 0.8).isfinite())
-    assert kept.gather(-1, r.tokens[..., None]).all() and 0 < kept.sum(-1).float().mean() < 20
-    assert grpo.sample_group(sharp_pipe, "a cat", 3, 64, 96, T, seed=4).support is None
 
 
 def test_decode_full_logprobs(random_pipe):
@@ -328,31 +244,6 @@ def test_decode_full_logprobs(random_pipe):
     assert (r.full_logprobs <= r.logprobs + 1e-6).all() and (r.full_logprobs < r.logprobs - 0.05).float().mean() > 0.5
     plain = grpo.sample_group(random_pipe, "a red circle", 3, 64, 64, T, seed=7)
     assert torch.equal(plain.full_logprobs, plain.logprobs)
-
-
-def test_check_tokens():
-    """A group's tokens must fill its grid with codes: the full grid passes; a sample cut short (an early end of the
-    image) or a token off the codebook is a one-line error naming the prompt."""
-    grpo.check_tokens(torch.zeros(2, 9, dtype=torch.long), 9, 16, "a cat")
-    with pytest.raises(ValueError, match=r"^sample_groups: 'a cat' was sampled 8 tokens .* for its 9 grid cells"):
-        grpo.check_tokens(torch.zeros(2, 8, dtype=torch.long), 9, 16, "a cat")
-    with pytest.raises(ValueError, match=r"'a dog' .*codes 0\.\.16\) for its 3 grid cells of codes < 16"):
-        grpo.check_tokens(torch.tensor([[0, 16, 3]]), 3, 16, "a dog")
-
-
-def test_main_short_sample(tmp_path, monkeypatch, capsys):
-    """A decode that stops one token early (as a client that lets the AR end the image may): the run stops with one
-    line naming the prompt, exit 1, no traceback."""
-    decode = grpo.decode
-
-    def short(*args, **kw):
-        return tuple(x if x is None else x[:, :-1] for x in decode(*args, **kw))
-    monkeypatch.setattr(grpo, "decode", short)
-    with pytest.raises(SystemExit) as stop:
-        tiny_run(tmp_path, tmp_path / "out", "--steps", "1")
-    err = capsys.readouterr().err.strip().splitlines()[-1]
-    assert stop.value.code == 1 and "Traceback" not in err
-    assert re.search(r"error: 'a gray square' was sampled \d+ tokens .* grid cells", err), err
 
 
 def test_sampler_correction():
@@ -471,6 +362,7 @@ def test_grpo_loss_outside_truncation():
 
 # ---- 5. log-probs -------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("height,width", [(64, 64), (64, 96)])
 def test_rope_positions(pipe, height, width):
     """Prompt + decode positions equal those that GlmImageModel computes for generate."""
@@ -532,12 +424,6 @@ def test_token_logprobs_differentiable(pipe):
 
 
 # ---- editing: a source image in the prompt -------------------------------------------------------
-
-def smooth_source(height=64, width=64, seed=0) -> torch.Tensor:
-    """A smooth random RGB image (3, H, W) in [0, 1], quantised to 8 bits like an image read from a file."""
-    g = torch.Generator().manual_seed(seed)
-    image = torch.nn.functional.interpolate(torch.rand(1, 3, 4, 4, generator=g), size=(height, width), mode="bilinear")
-    return (image[0] * 255).round() / 255
 
 
 def test_group_inputs_editing(pipe):
@@ -651,6 +537,7 @@ def test_decode_images_edits_as_the_pipeline(pipe, monkeypatch):
 
 # ---- 6. decoding --------------------------------------------------------------------------------
 
+
 def test_decode_images(pipe):
     """(G, 3, H, W) in [0, 1]; deterministic for a seed; changes with the large-grid tokens only."""
     r = grpo.sample_group(pipe, "a cat", 4, 64, 96, T, seed=0)
@@ -672,6 +559,7 @@ def test_decode_images(pipe):
 
 
 # ---- the real model's token layout: tiny widths at 1024x1024 and 1024x768 --------------------------
+
 
 @pytest.fixture(scope="module", params=[(1024, 1024), (1024, 768)], ids=["1024x1024", "1024x768"])
 def real_size_rollout(request, sharp_pipe):
@@ -742,6 +630,7 @@ def test_real_shapes_glm_image():
 
 
 # ---- 7. rewards ---------------------------------------------------------------------------------
+
 
 def naive_ssim(x, y):
     """Straight from Wang et al. 2004, window by window, in float64 numpy."""
@@ -852,6 +741,7 @@ def test_ocr_reward_missing_package(tmp_path, capsys, monkeypatch):
 
 # ---- 8. advantages ------------------------------------------------------------------------------
 
+
 def test_group_advantages():
     """Zero mean and unit std per group; zeros (not NaN) for equal rewards; invariant to a r + b, a > 0, at any scale
     (a reward whose spread is 1e-6 still teaches; the no-spread threshold is relative to the rewards' size)."""
@@ -920,6 +810,7 @@ def test_group_advantages_scale():
 
 # ---- 9. loss ------------------------------------------------------------------------------------
 
+
 def test_grpo_loss():
     """Equals a per-token loop; KL >= 0 and 0 at the reference; metrics match their definitions."""
     g = torch.Generator().manual_seed(0)
@@ -980,6 +871,7 @@ def test_grpo_loss_clip_higher():
 
 
 # ---- 10. update ---------------------------------------------------------------------------------
+
 
 def test_select_rows(pipe):
     """Rows of a group keep their own grid pairs."""
@@ -1108,13 +1000,13 @@ def test_main_sampler_correction(tmp_path, monkeypatch):
     """The CLI with a sampler that is 0.5 nats off on every token (injected into decode): the metrics lines carry
     TRL's names, the weights logged after the cap (e^0.5 cut to --sampler-cap 1.2) and the ratio before it, the
     capped share, and the k3 KL of the gap (the gradients each mode gives: test_train_step_correction)."""
-    decode = grpo.decode
+    decode = fast_decode.decode
 
     def off_by_half(*args, **kw):
         tokens, logprobs, full_logprobs, support = decode(*args, **kw)
         return tokens, logprobs - 0.5, full_logprobs - 0.5, support
 
-    monkeypatch.setattr(grpo, "decode", off_by_half)
+    monkeypatch.setattr(fast_decode, "decode", off_by_half)
     for mode in ("token_truncate", "none"):
         tiny_run(tmp_path, tmp_path / mode, "--steps", "1", "--sampler-correction", mode, "--sampler-cap", "1.2")
         line = run_record(tmp_path / mode)[0]
@@ -1133,7 +1025,7 @@ def sampled_rows(logits, top_p, generator):
     q = grpo.code_logprobs(logits, T, K, top_p=top_p)
     tokens = torch.multinomial(q.exp().flatten(0, 1), 1, generator=generator).view(logits.shape[:2])
     full = grpo.code_logprobs(logits, T, K)
-    support = grpo.support_bits(q.isfinite()) if top_p < 1 else None
+    support = fast_decode.support_bits(q.isfinite()) if top_p < 1 else None
     return grpo.MicroBatch({}, tokens, grpo.logprob_of(q, tokens), grpo.logprob_of(full, tokens), support,
                            torch.tensor([1.0, -1.0]), 0)
 
@@ -1220,12 +1112,12 @@ def test_objective_defaults_match_cli():
 
 def narrowed(r, K):
     """Rollout `r` with each token's support cut to the sampled code alone (a one-code nucleus)."""
-    return r._replace(support=grpo.support_bits(F.one_hot(r.tokens, K).bool()))
+    return r._replace(support=fast_decode.support_bits(F.one_hot(r.tokens, K).bool()))
 
 
 def widened(r, K):
     """Rollout `r` with every code in every token's support (no truncation at all)."""
-    return r._replace(support=grpo.support_bits(torch.ones(*r.tokens.shape, K, dtype=torch.bool,
+    return r._replace(support=fast_decode.support_bits(torch.ones(*r.tokens.shape, K, dtype=torch.bool,
                                                            device=r.tokens.device)))
 
 
@@ -1338,18 +1230,29 @@ def test_merge_metrics():
                                          "x/max": 3.0, "preview/kl": 0.5}
 
 
-def test_region_metrics():
-    """Per region (preview / large grid): the mean of its finite log-probs, and grpo_loss's KL and clip fraction over
-    its tokens alone; an empty region is left out."""
-    logp = torch.tensor([[-1.0, -2.0, -float("inf"), -4.0]])
-    old, ref, adv = logp.clone(), torch.full((1, 4), -1.0), torch.tensor([1.0])
-    m = grpo.region_metrics({"preview": slice(0, 2), "large": slice(2, 4), "none": slice(4, 4)}, logp, old, ref,
-                            adv, 0.2, 0.04)
-    assert set(m) == {f"{r}/{k}" for r in ("preview", "large") for k in ("logprob", "kl", "clip_frac")}
-    assert m["preview/logprob"] == -1.5 and m["large/logprob"] == -4.0 and m["preview/clip_frac"] == 0.0
-    for region, cut in (("preview", slice(0, 2)), ("large", slice(2, 4))):
-        _, want = grpo.grpo_loss(logp[:, cut], old[:, cut], ref[:, cut], adv, 0.2, 0.04)
-        assert m[f"{region}/kl"] == want["kl"] and m[f"{region}/kl"] > 0
+def test_diagnostics():
+    """The readings beside the loss, from the logits alone: each region's mean finite log-prob and grpo_loss's KL over
+    its tokens (no preview region when editing); an exact sampler's gap is 0 and one 0.5 nats off reads 0.5; tokens
+    the trainer's own top-p drops are counted; kl_untruncated is k3 on the whole softmax."""
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(2, 6, 16, generator=g) * 3
+    mb = sampled_rows(logits, 0.75, g)._replace(n_preview=2)
+    ref = (mb.sampled_full - 0.3, mb.sampled_full - 0.2)
+    kw = dict(temperature=T, clip_eps=0.2, kl_beta=0.04, top_p=0.75)
+    m = grpo.diagnostics(logits, 16, mb, None, ref, **kw)  # --policy-dist full: p is trained
+    logp = grpo.logprob_of(grpo.code_logprobs(logits, T, 16), mb.tokens)
+    for region, cut in (("preview", slice(0, 2)), ("large", slice(2, None))):
+        _, want = grpo.grpo_loss(logp[:, cut], logp[:, cut], ref[0][:, cut], mb.advantages, 0.2, 0.04)
+        assert m[f"{region}/kl"] == pytest.approx(want["kl"]) and m[f"{region}/kl"] > 0
+        assert m[f"{region}/logprob"] == pytest.approx(logp[:, cut].mean().item())
+    assert m["sampler_gap"] <= 1e-6 and m["outside_truncation"] == 0 and m["no_gradient_frac"] == 0
+    assert m["kl_untruncated"] == pytest.approx(grpo.k3_kl(logp[:, 2:], ref[1][:, 2:]).mean().item())
+    assert grpo.diagnostics(logits, 16, mb._replace(sampled=mb.sampled - 0.5), None, ref,
+                            **kw)["sampler_gap"] == pytest.approx(0.5, abs=1e-5)
+    edit = grpo.diagnostics(logits, 16, mb._replace(n_preview=0), None, None, **kw)
+    assert "preview/logprob" not in edit and "kl_untruncated" not in edit
+    least = mb._replace(tokens=logits.argmin(-1), support=None)  # codes no nucleus keeps
+    assert grpo.diagnostics(logits, 16, least, None, None, **kw)["outside_truncation"] == 12
 
 
 def test_main_offload(tmp_path):
@@ -1637,6 +1540,7 @@ def test_main_zero_spread_group(tmp_path, monkeypatch):
 
 # ---- LoRA and gradient checkpointing (the scale path) --------------------------------------------
 
+
 def lora_policy(pipe, rank=4, seed=0):
     policy = grpo.apply_lora(pipe.vision_language_encoder, rank)
     g = torch.Generator().manual_seed(seed)
@@ -1820,3 +1724,203 @@ def test_readme_commands():
         if cfg.model == "tiny" and not cfg.resume and (ROOT / cfg.prompts).is_file():
             outs.append(cfg.out)
     assert len(outs) >= 3 and len(set(outs)) == len(outs), outs
+
+
+# ---- the functions read rather than run: one test each -------------------------------------------
+
+def test_arg():
+    """A field's default stays its default, its help and choices travel in the metadata (--help and validation)."""
+    f = grpo.arg(3, "how many", ("a", "b"))
+    assert f.default == 3 and f.metadata == {"help": "how many", "choices": ("a", "b")}
+    sample = next(x for x in dataclasses.fields(grpo.Config) if x.name == "scale_rewards")
+    assert sample.metadata["choices"] == ("group", "batch", "none") and "Dr. GRPO" in sample.metadata["help"]
+
+
+def test_with_defaults():
+    """None fields take the tiny or the real defaults; a value given stays; micro-batches are a whole group on the
+    tiny model (the group size given, or its default) and 1 on the real one."""
+    tiny = grpo.with_defaults(grpo.Config(model="tiny", group_size=4, lr=3e-4))
+    assert (tiny.group_size, tiny.lr, tiny.micro_batch_size, tiny.kl_beta) == (4, 3e-4, 4, 0.1)
+    assert grpo.with_defaults(grpo.Config(model="tiny")).micro_batch_size == 8
+    real = grpo.with_defaults(grpo.Config(model="zai-org/GLM-Image", group_size=6))
+    assert (real.micro_batch_size, real.lr, real.top_p, real.gradient_checkpointing) == (1, 1e-5, 0.75, False)
+    assert [k for k, v in dataclasses.asdict(real).items() if v is None] == ["clip_eps_high"]  # None: --clip-eps
+
+
+def test_only_ar_trains():
+    """Only the AR's language model trains: the DiT, VAE, T5, vision tower and VQ are frozen, all in eval mode."""
+    pipe = grpo.only_ar_trains(tiny_glm_image(0))  # built in code: it starts in train mode, all trainable
+    ar = pipe.vision_language_encoder
+    for module in (pipe.transformer, pipe.vae, pipe.text_encoder, ar.model.visual, ar.model.vqmodel):
+        assert not any(p.requires_grad for p in module.parameters()) and not module.training
+    assert any(p.requires_grad for p in ar.model.language_model.parameters()) and not ar.training
+
+
+def test_setup_training():
+    """The AR is the policy with AdamW over exactly its trainable weights at --lr; the reference is a frozen copy
+    (None at beta 0); --offload moves the DiT, VAE and T5 to the CPU."""
+    pipe = grpo.only_ar_trains(tiny_glm_image(0))
+    cfg = grpo.with_defaults(grpo.Config(model="tiny", lr=2e-4, kl_beta=0.1, offload=True))
+    policy, ref, opt = grpo.setup_training(pipe, cfg, torch.float32, world=1)
+    trainable = [p for p in policy.parameters() if p.requires_grad]
+    assert policy is pipe.vision_language_encoder and opt.param_groups[0]["lr"] == 2e-4
+    assert [id(p) for p in opt.param_groups[0]["params"]] == [id(p) for p in trainable]
+    assert ref is not policy and not any(p.requires_grad for p in ref.parameters())
+    assert pipe.transformer.device.type == "cpu"
+    _, none, _ = grpo.setup_training(pipe, dataclasses.replace(cfg, kl_beta=0.0), torch.float32, world=1)
+    assert none is None
+
+
+def test_code_support():
+    """code_support unpacks the sampler's bits, 8 codes to a byte, lowest code in the lowest bit, K not a multiple of
+    8 cut to K."""
+    bits = torch.tensor([[0b00000101, 0b00000010]], dtype=torch.uint8)
+    assert grpo.code_support(bits, 10).tolist() == [[True, False, True] + [False] * 5 + [False, True]]
+    kept = torch.rand(3, 13) < 0.5
+    assert torch.equal(grpo.code_support(fast_decode.support_bits(kept), 13), kept)
+
+
+def test_code_logprobs_unsort_example():
+    """The worked example in code_logprobs: scores [2, 0, 1] at top-p 0.75 drop code 1 (the least likely) only."""
+    kept = grpo.code_logprobs(torch.tensor([2.0, 0.0, 1.0]), 1.0, 3, top_p=0.75).isfinite()
+    assert kept.tolist() == [True, False, True]
+
+
+def test_to_pil():
+    """(3, H, W) in [0, 1] -> an RGB image, exact for 8-bit values (rounded, not truncated), clamped outside."""
+    image = torch.tensor([0, 1, 254, 255], dtype=torch.float32).div(255).view(1, 2, 2).expand(3, 2, 2)
+    assert np.asarray(grpo.to_pil(image))[..., 0].tolist() == [[0, 1], [254, 255]]
+    assert np.asarray(grpo.to_pil(image * 1.5 - 0.2))[0, 0, 0] == 0  # clamped
+    assert grpo.to_pil(image).mode == "RGB" and grpo.to_pil(image).size == (2, 2)
+
+
+def test_group_prompt(pipe):
+    """The processor lists [large, preview] but the AR writes the preview first: at 96x96 the 16x16 preview, then the
+    3x3 large grid (the docstring's example); editing writes the large grid only, with the source encoded."""
+    group = grpo.group_prompt(pipe, "a cat", 2, 96, 96)
+    assert group.inputs["image_grid_thw"][:2, 1:].tolist() == [[3, 3], [16, 16]]  # as the processor lists them
+    assert (group.preview_hw, group.large_hw, group.source) == ((16, 16), (3, 3), None)
+    edit = grpo.group_prompt(pipe, "make it red", 2, 64, 96, smooth_source(64, 64))
+    assert (edit.preview_hw, edit.large_hw, edit.source.grid_hw) == ((0, 0), (2, 3), (2, 2))
+
+
+def test_rope_positions_worked_example():
+    """The docstring's example: a 5-token prompt, a 2x3 preview and a 4x4 large grid -> the position triples it
+    lists (text a ramp, each grid at (p, p + row, p + col), the ramp resuming at p + max(h, w))."""
+    ids = torch.tensor([1, 2, 3, 4, 5])  # no image start / end tokens: a prompt of text
+    got = grpo.rope_positions(ids, torch.tensor([[1, 4, 4], [1, 2, 3]]), 6 + 16, 98, 99)[:, 0].T.tolist()
+    assert got[:5] == [[i, i, i] for i in range(5)]
+    assert got[5:11] == [[5, 5, 5], [5, 5, 6], [5, 5, 7], [5, 6, 5], [5, 6, 6], [5, 6, 7]]
+    assert got[11:15] == [[8, 8, 8], [8, 8, 9], [8, 8, 10], [8, 8, 11]] and got[15] == [8, 9, 8]
+    assert len(got) == 5 + 6 + 16 - 1 and got[-1] == [8, 11, 10]  # the last token is never fed
+
+
+def test_sample_groups(random_pipe, lesson):
+    """The lesson's sample_groups: one Rollout per prompt, group p drawn from seeds[p] as it is alone, its inputs,
+    grids and source its own (editing beside text-to-image)."""
+    prompts, sources = ["a red circle", "make it red"], [None, smooth_source(64, 64)]
+    rollouts = grpo.sample_groups(random_pipe, prompts, 2, 64, 64, T, [4, 5], sources)
+    for prompt, source, seed, r in zip(prompts, sources, [4, 5], rollouts):
+        alone = grpo.sample_group(random_pipe, prompt, 2, 64, 64, T, seed, source)
+        assert torch.equal(r.tokens, alone.tokens) and torch.equal(r.inputs["input_ids"], alone.inputs["input_ids"])
+        assert r.preview_hw == ((0, 0) if source is not None else (16, 16)) and r.large_hw == (2, 2)
+    assert not torch.equal(rollouts[0].tokens, grpo.sample_group(random_pipe, prompts[0], 2, 64, 64, T, 5).tokens)
+
+
+def test_logprob_of():
+    """Each token's entry of its own row of the distribution."""
+    dist = torch.log(torch.tensor([[[0.1, 0.9], [0.7, 0.3]]]))
+    assert torch.allclose(grpo.logprob_of(dist, torch.tensor([[1, 0]])), torch.log(torch.tensor([[0.9, 0.7]])))
+
+
+def test_token_logits(sharp_pipe):
+    """One teacher-forced forward at generation's positions: the logits that predict token t equal the ones the
+    sampler saw before drawing it (its log-prob from them), and the positions matter (the text ramp gives others)."""
+    ar = sharp_pipe.vision_language_encoder
+    K = ar.config.vq_config.num_embeddings
+    r = grpo.sample_group(sharp_pipe, "a red circle", 2, 64, 96, T, seed=1)
+    with torch.no_grad():
+        logits = grpo.token_logits(ar, r.inputs, r.tokens)
+        ramp = ar(input_ids=torch.cat([r.inputs["input_ids"], r.tokens[:, :-1]], 1),
+                  logits_to_keep=r.tokens.shape[1]).logits  # positions left to the model: the text ramp
+    assert logits.shape == (*r.tokens.shape, ar.lm_head.out_features)
+    got = grpo.logprob_of(grpo.code_logprobs(logits, T, K), r.tokens)
+    assert (got - r.logprobs).abs().max() <= PARITY
+    assert (grpo.logprob_of(grpo.code_logprobs(ramp, T, K), r.tokens) - r.logprobs).abs().max() > 1e-2
+
+
+def test_large_grid():
+    """The last h*w tokens of each sample: the large grid, after the preview."""
+    tokens = torch.arange(2 * 13).view(2, 13)  # a 2x2 preview, then a 3x3 large grid
+    assert torch.equal(grpo.large_grid(tokens, (3, 3)), tokens[:, 4:])
+
+
+def test_repeats():
+    """For each sample, how many of its group drew the same large grid (itself included)."""
+    grids = [torch.tensor([[1, 2], [1, 2], [3, 4], [1, 2]]), torch.tensor([[5, 5], [6, 5], [5, 6], [5, 7]])]
+    assert grpo.repeats(grids).tolist() == [[3, 3, 1, 3], [1, 1, 1, 1]]
+
+
+def test_k3_kl():
+    """k3 = exp(d) - d - 1 with d = ref - logp: 0 where they agree, positive elsewhere, d capped at +-20, and 0 for a
+    token outside the truncation (-inf)."""
+    logp = torch.tensor([[-1.0, -1.0, -1.0, -float("inf"), -1.0]])
+    ref = torch.tensor([[-1.0, -2.0, 0.0, -1.0, 100.0]])
+    d = torch.tensor([0.0, -1.0, 1.0])
+    kl = grpo.k3_kl(logp, ref)
+    assert torch.allclose(kl[0, :3], torch.exp(d) - d - 1) and kl[0, 3] == 0
+    assert kl[0, 4] == pytest.approx(math.exp(20) - 21, rel=1e-5)  # capped: finite
+
+
+def test_reference_logprobs(pipe):
+    """Under the frozen reference: on the policy's distribution (with its truncation) and on the whole softmax, each
+    as token_logprobs gives them; a LoRA reference is the policy with its adapter off."""
+    ar = pipe.vision_language_encoder
+    r = grpo.sample_group(pipe, "a red circle", 2, 64, 64, T, seed=0, top_p=0.75)
+    ref, full = grpo.reference_logprobs(ar, r.inputs, r.tokens, T, 0, 0.75, r.support)
+    with torch.no_grad():
+        assert torch.allclose(ref, grpo.token_logprobs(ar, r.inputs, r.tokens, T, 0, 0.75, r.support))
+        assert torch.allclose(full, grpo.token_logprobs(ar, r.inputs, r.tokens, T))
+    lora = grpo.apply_lora(copy.deepcopy(ar), 4)
+    for name, p in lora.named_parameters():
+        if "lora_B" in name:
+            p.data.fill_(0.5)  # the adapter now changes the policy
+    off, _ = grpo.reference_logprobs(lora, r.inputs, r.tokens, T, 0, 0.75, r.support)
+    assert torch.allclose(off, ref, atol=1e-5)
+
+
+def test_micro_batches(pipe):
+    """P groups cut into MicroBatches of `size` rows, a group's rows in order, never two groups in one; each with its
+    rows' inputs, tokens, log-probs, advantages and the preview's length."""
+    rollouts = [grpo.sample_group(pipe, p, 4, 64, 64, T, seed=s) for s, p in enumerate(["a cat", "a dog"])]
+    advantages = torch.arange(8.0).view(2, 4)
+    batches = grpo.micro_batches(rollouts, advantages, 3)
+    assert [len(mb.tokens) for mb in batches] == [3, 1, 3, 1]
+    assert torch.equal(batches[1].tokens, rollouts[0].tokens[3:]) and batches[2].advantages.tolist() == [4, 5, 6]
+    assert batches[3].inputs["input_ids"].shape[0] == 1 and batches[0].n_preview == 16 * 16  # the preview at 64x64
+    assert torch.equal(batches[2].sampled_full, rollouts[1].full_logprobs[:3])
+
+
+def test_frozen_logprobs(random_pipe):
+    """Before the first update: pi_old only when mu > 1 (None at mu 1: the current policy is the old one), the
+    reference only when kl_beta > 0; both on the trained distribution (p under --policy-dist full)."""
+    ar = random_pipe.vision_language_encoder
+    r = grpo.sample_group(random_pipe, "a cat", 2, 64, 64, T, seed=0, top_p=0.75)
+    batches = grpo.micro_batches([r], torch.tensor([[1.0, -1.0]]), 2)
+    olds, refs = grpo.frozen_logprobs(ar, None, batches, 1, temperature=T, kl_beta=0.0, top_p=0.75)
+    assert olds == [None] and refs == [None]
+    olds, refs = grpo.frozen_logprobs(ar, ar, batches, 2, temperature=T, kl_beta=0.1, top_p=0.75)
+    with torch.no_grad():
+        full = grpo.token_logprobs(ar, r.inputs, r.tokens, T)
+        cut = grpo.token_logprobs(ar, r.inputs, r.tokens, T, 0, 0.75, r.support)
+    assert torch.allclose(olds[0], full) and torch.allclose(refs[0][0], full) and torch.allclose(refs[0][1], full)
+    olds, _ = grpo.frozen_logprobs(ar, None, batches, 2, temperature=T, kl_beta=0.0, top_p=0.75,
+                                   policy_dist="truncated")
+    assert torch.allclose(olds[0], cut) and not torch.allclose(cut, full)
+
+
+def test_extreme():
+    """How a metric combines: min / max by name or by its /min, /max suffix, counts summed, None (a mean) otherwise."""
+    assert grpo.extreme("ratio_min") is min and grpo.extreme("sampler_gap") is max
+    assert grpo.extreme("sampling/importance_sampling_ratio/max") is max and grpo.extreme("x/min") is min
+    assert grpo.extreme("outside_truncation") is sum and grpo.extreme("loss") is None
