@@ -49,7 +49,7 @@ def test_parse_config():
     real = grpo.parse_config(["--model", "zai-org/GLM-Image"])
     assert (real.height, real.width, real.temperature, real.lora_rank, real.before_after) == (1024, 1024, 0.9, 16, 0)
     assert (real.top_p, real.top_k, cfg.top_p, cfg.top_k) == (0.75, 0, 1.0, 0)  # GLM-Image samples with top-p 0.75
-    flags = {a for f in dataclasses.fields(grpo.Config) for a in ["--" + f.name.replace("_", "-")]}
+    flags = {a for f in dataclasses.fields(type(cfg)) for a in ["--" + f.name.replace("_", "-")]}  # + the run's
     assert {"--prompts", "--model", "--out", "--steps", "--seed", "--group-size", "--micro-batch-size", "--lr",
             "--clip-eps", "--kl-beta", "--temperature", "--height", "--width", "--num-inference-steps",
             "--image-every", "--train-tokens"} <= flags
@@ -1106,8 +1106,9 @@ def test_objective_defaults_match_cli():
                 assert param.default == getattr(cli, field), f"{name}({param.name}={param.default!r}) but the " \
                     f"command line's --{field.replace('_', '-')} is {getattr(cli, field)!r}"
                 checked.append(f"{name}.{param.name}")
-    assert {"train_step.policy_dist", "train_step.correction", "logits_loss.truncation_weight",
-            "sampler_correction.mode", "truncation_weights.mode", "code_logprobs.top_p"} <= set(checked)
+    assert {"frozen_logprobs.policy_dist", "logits_loss.correction", "logits_loss.truncation_weight",
+            "diagnostics.policy_dist", "sampler_correction.mode", "truncation_weights.mode",
+            "code_logprobs.top_p"} <= set(checked)  # train_step passes logits_loss' settings on (**objective)
 
 
 def narrowed(r, K):

@@ -57,7 +57,7 @@ def compare(path: Path, eval_prompts: str | None = None, eval_samples: int | Non
     if not (run_dir / "config.json").exists():
         raise ValueError(f"{path} is neither a grpo.py run directory nor its final/ folder (no config.json beside it)")
     saved = json.loads((run_dir / "config.json").read_text())
-    cfg = (dit_grpo.DitConfig if saved.get("train") == "dit" else grpo.Config)(**saved)
+    cfg = run.with_run_settings(dit_grpo.DitConfig if saved.get("train") == "dit" else grpo.Config)(**saved)
     given = {k: v for k, v in dict(eval_prompts=eval_prompts, eval_samples=eval_samples,
                                    eval_reward=eval_reward).items() if v is not None}
     cfg = dataclasses.replace(cfg, **given)
