@@ -785,8 +785,8 @@ def diagnostics(logits: torch.Tensor, codebook_size: int, mb: MicroBatch, old: t
     pi = full if policy_dist == "full" else replayed
     logp = logprob_of(pi, tokens)
     old = logp if old is None else old
-    trainer, own = logprob_of(replayed, tokens), logprob_of(code_logprobs(logits, temperature, K,
-                                                                          top_k, top_p), tokens)
+    own = replayed if kept is None else code_logprobs(logits, temperature, K, top_k, top_p)  # its cut
+    trainer, own = logprob_of(replayed, tokens), logprob_of(own, tokens)
     both = trainer.isfinite() & mb.sampled.isfinite()
     m = {"sampler_gap": (trainer - mb.sampled).where(both, 0.0).abs().max().item(),
          "outside_truncation": int((~own.isfinite()).sum()),

@@ -310,14 +310,13 @@ def sampler_cpu(emit_row):
     two, _ = timed(lambda: [generate_group(pipe, p, 8, H, W, T, s) for s, p in enumerate(prompts)], repeats=5)
     emit_row("tiny model: a demo step's 2 groups of 8, one decode vs 2 generates", f"{one:.3f} s vs {two:.3f} s = "
              f"{two / one:.2f}x")
-    engine = fast_decode.sample_groups  # the lesson's loop: grpo.sample_groups as grpo.py copied alone runs it
-    grpo.fast_decode = None
+    grpo.fast_decode = None  # the lesson's loop: grpo.sample_groups as grpo.py copied alone runs it
     try:
         lesson, _ = timed(lambda: grpo.sample_groups(pipe, prompts, 8, H, W, T, [0, 1]), repeats=5)
     finally:
         grpo.fast_decode = fast_decode
     emit_row("tiny model: a demo step's 2 groups of 8, helpers/fast_decode.py vs grpo.generate (the lesson's loop)",
-             f"{one:.3f} s vs {lesson:.3f} s = {lesson / one:.2f}x ({engine.__module__})")
+             f"{one:.3f} s vs {lesson:.3f} s = {lesson / one:.2f}x")
     # torch.compile of the AR's forward, on the pre-allocated cache (fixed shapes: one compilation)
     compiled = torch.compile(pipe.vision_language_encoder)
     original = fast_decode.decode
