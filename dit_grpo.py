@@ -286,10 +286,9 @@ def main(argv: list[str] | None = None) -> dict:
         policy, ref_model, optimizer = setup_training(pipe, cfg, r.dtype, r.world)
         run.open_run(r, policy, optimizer)
 
-    def evaluate_policy(examples: list[dict], seeds: list[int], rewards: dict, n_samples: int):
-        with r.autocast, unsharded(policy), run.decoder_on(pipe, r.device, cfg.offload):  # the pipeline's ODE
-            return grpo.evaluate(pipe, examples, seeds, rewards, n_samples, cfg)
-    r.evaluate, r.extreme = evaluate_policy, grpo.extreme
+    # the pipeline's ODE, as grpo.py evaluates
+    r.evaluate = run.evaluator(r, pipe, policy, (grpo.sample_groups, grpo.decode_images, grpo.group_rewards))
+    r.extreme = grpo.extreme
 
     with run.training(r):
         for step, groups, batch, seconds in run.steps(r):

@@ -41,14 +41,14 @@ import torch.nn.functional as F
 from PIL import Image
 
 try:  # helpers/, beside this file: main's plumbing, the fast decode, FSDP2, rewards beyond pixels
-    from helpers import fast_decode, run
+    from helpers import diagnostics, fast_decode, run
     from helpers.parallel import (all_agree, gather_rows, interrupts_held, shard, sync_gradients,
                                   unsharded)
     from helpers.rewards import MORE_REWARDS
 except ModuleNotFoundError as missing:  # copied alone: one process (see the end of this file)
     if missing.name != "helpers":
         raise
-    fast_decode = run = shard = None
+    diagnostics = fast_decode = run = shard = None
     MORE_REWARDS = {}
 
 
@@ -254,7 +254,7 @@ class Rollout(NamedTuple):  # a group's samples (sample_groups): the Prompt's fi
     large_hw: tuple[int, int]
     source: Source | None
     support: torch.Tensor | None = None  # (G, N, K/8) bits: the codes each top-k / top-p draw kept
-    # (helpers/fast_decode.py records them; None: every code, or the trainer's own truncation)
+    # (helpers/fast_decode.py packs them; micro_batches unpacks), or None: the trainer recomputes
 
 
 def code_logprobs(logits: torch.Tensor, temperature: float, codebook_size: int, top_k: int = 0,
@@ -275,12 +275,6 @@ def code_logprobs(logits: torch.Tensor, temperature: float, codebook_size: int, 
         # place 0 goes (its share 0.09 <= 0.25), so code 1 does: [False, True, False]
         scores = scores.masked_fill(drop.scatter(-1, order, drop), -math.inf)
     return torch.log_softmax(scores, dim=-1)
-
-
-def code_support(bits: torch.Tensor, codebook_size: int) -> torch.Tensor:
-    """(..., K/8) uint8 bits of kept codes (Rollout.support) -> the (..., K) bool set."""
-    shifts = torch.arange(8, device=bits.device, dtype=torch.uint8)
-    return ((bits[..., None] >> shifts) & 1).bool().flatten(-2)[..., :codebook_size]
 
 
 def group_inputs(processor, prompt: str, group_size: int, height: int, width: int, device,
@@ -439,11 +433,10 @@ def sample_group(pipe, prompt: str, group_size: int, height: int, width: int, te
 
 def token_logprobs(model, inputs: dict, tokens: torch.Tensor, temperature: float, top_k: int = 0,
                    top_p: float = 1.0, support: torch.Tensor | None = None) -> torch.Tensor:
-    """(G, N) float32 log-probs of `tokens` from one teacher-forced forward, under code_logprobs
-    (over the sampler's kept codes when `support` is given). Differentiable."""
+    """(S, N) float32 log-probs of `tokens` from one teacher-forced forward, under code_logprobs
+    (over the sampler's kept codes, a (S, N, K) bool `support`, when given). Differentiable."""
     K = model.config.vq_config.num_embeddings
-    support = None if support is None else code_support(support, K)
-    logits = token_logits(model, inputs, tokens)  # (G, N, V)
+    logits = token_logits(model, inputs, tokens)  # (S, N, V)
     return logprob_of(code_logprobs(logits, temperature, K, top_k, top_p, support), tokens)
 
 
@@ -453,21 +446,19 @@ def logprob_of(distribution: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor
 
 
 def token_logits(model, inputs: dict, tokens: torch.Tensor) -> torch.Tensor:
-    """(G, N, V) logits that predict each of `tokens`: one teacher-forced forward of ONE group, at
-    generation's positions (rope_positions; without them image tokens sit on the text ramp)."""
-    G, P = inputs["input_ids"].shape
-    if not (inputs["input_ids"] == inputs["input_ids"][:1]).all():
-        raise ValueError("token_logits scores one prompt per call (its positions come from row 0), "
-                         "but the rows of input_ids differ: call it once per group")
-    N = tokens.shape[1]
-    input_ids = torch.cat([inputs["input_ids"], tokens[:, :-1]], dim=1)  # (G, P+N-1)
-    attention_mask = torch.cat([inputs["attention_mask"], torch.ones_like(tokens[:, :-1])], dim=1)
-    rows = int(inputs["images_per_sample"][0])  # grid rows of one sample
-    positions = rope_positions(inputs["input_ids"][0], inputs["image_grid_thw"][:rows], N,
-                               model.config.image_start_token_id, model.config.image_end_token_id)
-    return model(input_ids=input_ids, attention_mask=attention_mask,
-                 position_ids=positions.expand(-1, G, -1), use_cache=False,
-                 logits_to_keep=N).logits  # (G, N, V)
+    """(S, N, V) logits that predict each of `tokens`, S samples of ONE prompt (`inputs`: its
+    group's): one teacher-forced forward at generation's positions (rope_positions; without them
+    image tokens would sit on the text ramp)."""
+    ids, (S, N) = inputs["input_ids"], tokens.shape
+    if not (ids == ids[:1]).all():
+        raise ValueError("token_logits scores one prompt's samples, but the rows of input_ids "
+                         "differ: call it once per group")
+    input_ids = torch.cat([ids[:1].expand(S, -1), tokens[:, :-1]], dim=1)  # (S, P+N-1)
+    grids = inputs["image_grid_thw"][:int(inputs["images_per_sample"][0])]  # a sample's grid rows
+    positions = rope_positions(ids[0], grids, N, model.config.image_start_token_id,
+                               model.config.image_end_token_id).expand(-1, S, -1)
+    return model(input_ids=input_ids, attention_mask=torch.ones_like(input_ids),  # no padding
+                 position_ids=positions, use_cache=False, logits_to_keep=N).logits  # (S, N, V)
 
 
 # ---- 5. Decoding tokens to images ---------------------------------------------------------------
@@ -676,40 +667,32 @@ def k3_kl(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
 def reference_logprobs(ref_model, inputs: dict, tokens: torch.Tensor, temperature: float,
                        top_k: int = 0, top_p: float = 1.0, support: torch.Tensor | None = None
                        ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(G, N) log-probs under the reference (a frozen copy, or LoRA with its adapter off), under
+    """(S, N) log-probs under the reference (a frozen copy, or LoRA with its adapter off), under
     the policy's distribution and under the full softmax (for kl_untruncated)."""
     K = ref_model.config.vq_config.num_embeddings
     off = ref_model.disable_adapter() if hasattr(ref_model, "disable_adapter") else None
     with off or contextlib.nullcontext():
-        logits = token_logits(ref_model, inputs, tokens)  # (G, N, V)
-    kept = None if support is None else code_support(support, K)
-    return (logprob_of(code_logprobs(logits, temperature, K, top_k, top_p, kept), tokens),
+        logits = token_logits(ref_model, inputs, tokens)  # (S, N, V)
+    return (logprob_of(code_logprobs(logits, temperature, K, top_k, top_p, support), tokens),
             logprob_of(code_logprobs(logits, temperature, K), tokens))
 
 
 class MicroBatch(NamedTuple):
-    inputs: dict  # AR inputs of its rows (select_rows)
+    inputs: dict  # its group's AR inputs (one prompt)
     tokens: torch.Tensor  # (mb, N) the sampled codes
     sampled: torch.Tensor  # (mb, N) their log-probs under the sampler's q (what it drew from)
     sampled_full: torch.Tensor  # (mb, N) under the sampler's whole softmax p
-    support: torch.Tensor | None  # (mb, N, K/8) the codes each draw kept (None: all)
+    support: torch.Tensor | None  # (mb, N, K) bool: the codes each draw kept (None: recompute)
     advantages: torch.Tensor  # (mb,)
     n_preview: int  # the preview grid's tokens, first in `tokens` (0 when editing)
 
 
-def select_rows(inputs: dict, rows: slice) -> dict:
-    """The AR inputs of samples `rows` of a group."""
-    per_sample = int(inputs["images_per_sample"][0])
-    return {"input_ids": inputs["input_ids"][rows],
-            "attention_mask": inputs["attention_mask"][rows],
-            "image_grid_thw": inputs["image_grid_thw"].view(-1, per_sample, 3)[rows].reshape(-1, 3),
-            "images_per_sample": inputs["images_per_sample"][rows]}
-
-
-def micro_batches(rollouts: list[Rollout], advantages: torch.Tensor, size: int) -> list:
+def micro_batches(rollouts: list[Rollout], advantages: torch.Tensor, size: int,
+                  codebook_size: int) -> list:
     """P rollouts and their (P, G) advantages -> MicroBatches of `size` rows, a group's in order."""
-    return [MicroBatch(select_rows(r.inputs, rows), r.tokens[rows], r.logprobs[rows],
-                       r.full_logprobs[rows], None if r.support is None else r.support[rows],
+    return [MicroBatch(r.inputs, r.tokens[rows], r.logprobs[rows], r.full_logprobs[rows],
+                       None if r.support is None  # the engine's bits: unpacked a micro-batch at a time
+                       else fast_decode.code_support(r.support[rows], codebook_size),
                        adv[rows], r.preview_hw[0] * r.preview_hw[1])
             for r, adv in zip(rollouts, advantages)
             for rows in (slice(i, i + size) for i in range(0, len(adv), size))]
@@ -734,11 +717,15 @@ def frozen_logprobs(policy, ref_model, batches: list[MicroBatch], mu: int, *, te
 
 def micro_batch_loss(policy, mb: MicroBatch, old: torch.Tensor | None, ref: tuple | None,
                      **objective) -> tuple[torch.Tensor, dict]:
-    """One micro-batch's loss (logits_loss) and its diagnostics, from the policy's logits."""
+    """One micro-batch's loss (logits_loss) from the policy's logits and, beside it, the readings
+    of docs/healthy_training.md (helpers/diagnostics.py: each region's, the sampler's gap ...)."""
     logits = token_logits(policy, mb.inputs, mb.tokens)  # (mb, N, V), with grad
     K = policy.config.vq_config.num_embeddings
     loss, metrics = logits_loss(logits, K, mb, old, ref, **objective)
-    return loss, metrics | diagnostics(logits.detach(), K, mb, old, ref, **objective)
+    if diagnostics is not None:  # grpo.py copied alone: the loss's own metrics only
+        metrics |= diagnostics.readings(logits.detach(), K, mb, old, ref,
+                                        (code_logprobs, grpo_loss, k3_kl), **objective)
+    return loss, metrics
 
 
 def logits_loss(logits: torch.Tensor, codebook_size: int, mb: MicroBatch, old: torch.Tensor | None,
@@ -753,8 +740,7 @@ def logits_loss(logits: torch.Tensor, codebook_size: int, mb: MicroBatch, old: t
     if policy_dist == "full":  # p, and the sampler's log-probs under p
         pi, behaviour = code_logprobs(logits, temperature, codebook_size), mb.sampled_full
     else:  # q: the sampler's truncation, replayed on its kept codes when it recorded them
-        kept = None if mb.support is None else code_support(mb.support, codebook_size)
-        pi = code_logprobs(logits, temperature, codebook_size, top_k, top_p, kept)
+        pi = code_logprobs(logits, temperature, codebook_size, top_k, top_p, mb.support)
         behaviour = mb.sampled
     logp = logprob_of(pi, mb.tokens)  # (mb, N)
     old = logp.detach() if old is None else old
@@ -768,40 +754,6 @@ def logits_loss(logits: torch.Tensor, codebook_size: int, mb: MicroBatch, old: t
     return loss, {"loss": loss.item(), **m, **m_corr, **m_mass}
 
 
-@torch.no_grad()
-def diagnostics(logits: torch.Tensor, codebook_size: int, mb: MicroBatch, old: torch.Tensor | None,
-                ref: tuple | None, *, temperature: float, clip_eps: float | tuple[float, float],
-                kl_beta: float, train_tokens: str = "large", top_k: int = 0, top_p: float = 1.0,
-                policy_dist: str = "full", **loss_only) -> dict:
-    """docs/healthy_training.md's readings of a micro-batch, beside its loss: each region's log-prob,
-    KL and clip fraction; sampler_gap (the sampler's q against the trainer's: the drift the mismatch
-    weights correct); outside_truncation (tokens the trainer's own top-k / top-p drops);
-    no_gradient_frac (rows whose trained distribution keeps one code); kl_untruncated (on p)."""
-    K, tokens = codebook_size, mb.tokens
-    cols = slice(mb.n_preview, None) if train_tokens == "large" else slice(None)  # in the loss
-    kept = None if mb.support is None else code_support(mb.support, K)
-    full = code_logprobs(logits, temperature, K)  # p
-    replayed = code_logprobs(logits, temperature, K, top_k, top_p, kept)  # q, on the sampler's cut
-    pi = full if policy_dist == "full" else replayed
-    logp = logprob_of(pi, tokens)
-    old = logp if old is None else old
-    own = replayed if kept is None else code_logprobs(logits, temperature, K, top_k, top_p)  # its cut
-    trainer, own = logprob_of(replayed, tokens), logprob_of(own, tokens)
-    both = trainer.isfinite() & mb.sampled.isfinite()
-    m = {"sampler_gap": (trainer - mb.sampled).where(both, 0.0).abs().max().item(),
-         "outside_truncation": int((~own.isfinite()).sum()),
-         "no_gradient_frac": (pi[:, cols].isfinite().sum(-1) == 1).float().mean().item()}
-    for name, cut in {"preview": slice(0, mb.n_preview), "large": slice(mb.n_preview, None)}.items():
-        if logp[:, cut].numel():  # editing has no preview
-            _, r = grpo_loss(logp[:, cut], old[:, cut], None if ref is None else ref[0][:, cut],
-                             mb.advantages, clip_eps, kl_beta)
-            m |= {f"{name}/logprob": logp[:, cut][logp[:, cut].isfinite()].mean().item(),
-                  f"{name}/kl": r["kl"], f"{name}/clip_frac": r["clip_frac"]}
-    if ref is not None:
-        m["kl_untruncated"] = k3_kl(logprob_of(full, tokens)[:, cols], ref[1][:, cols]).mean().item()
-    return m
-
-
 def train_step(policy, optimizer, rollouts: list[Rollout], advantages: torch.Tensor, ref_model, *,
                micro_batch_size: int, max_grad_norm: float, mu: int = 1, **objective) -> dict:
     """`mu` optimizer steps on P groups with (P, G) advantages -> metrics. Each micro-batch's loss
@@ -809,7 +761,8 @@ def train_step(policy, optimizer, rollouts: list[Rollout], advantages: torch.Ten
     `objective`: logits_loss' settings (temperature, clip_eps, kl_beta, top_p, ...)."""
     # transformers only checkpoints in train mode; without dropout, train and eval are one policy
     policy.train(policy.is_activation_checkpointing)
-    batches = micro_batches(rollouts, advantages, micro_batch_size)
+    K = policy.config.vq_config.num_embeddings
+    batches = micro_batches(rollouts, advantages, micro_batch_size, K)
     olds, refs = frozen_logprobs(policy, ref_model, batches, mu, **objective)
     skipped, parts = 0, []  # parts: every micro-batch's metrics and share, over all mu updates
     for _ in range(mu):
@@ -832,7 +785,7 @@ def train_step(policy, optimizer, rollouts: list[Rollout], advantages: torch.Ten
             skipped += 1
     first = merge_metrics(parts[:len(batches)])  # the sampler's own readings: the first update's
     return {**totals, **{k: v for k, v in merge_metrics(parts).items() if extreme(k)},
-            "sampler_gap": first["sampler_gap"], "outside_truncation": first["outside_truncation"],
+            **{k: first[k] for k in ("sampler_gap", "outside_truncation") if k in first},
             "skipped": skipped}  # extremes over all mu updates, counted once
 
 
@@ -854,34 +807,7 @@ def merge_metrics(parts: list[tuple[dict, float]]) -> dict:
             for k in keys}
 
 
-# ---- 10. Evaluation -----------------------------------------------------------------------------
-# Rewards on prompts the run never trains on, with seeds fixed per prompt: two evaluations differ
-# only by the weights: it tells learning from overfitting the training prompts or gaming a reward.
-
-@torch.no_grad()
-def evaluate(pipe, examples: list[dict], seeds: list[int], rewards: dict, n_samples: int,
-             cfg: Config) -> tuple:
-    """`n_samples` images of each example (AR seed seeds[i]) sampled and decoded as in training ->
-    the images, the (P, K) total reward, each reward's (P, K) and the (P,) distinct large grids."""
-    chunk = max(1, cfg.prompts_per_step * cfg.group_size // n_samples)  # a training step's rows
-    rollouts = []
-    for c in range(0, len(examples), chunk):
-        some = examples[c:c + chunk]
-        rollouts += sample_groups(pipe, [ex["prompt"] for ex in some], n_samples, cfg.height,
-                                  cfg.width, cfg.temperature, seeds[c:c + chunk],
-                                  [ex.get("source") for ex in some], cfg.top_k, cfg.top_p)
-    images = [decode_images(pipe, ex["prompt"], r.tokens, r.large_hw, cfg.height, cfg.width,
-                            cfg.num_inference_steps, cfg.decode_seed, cfg.guidance_scale, r.source)
-              for ex, r in zip(examples, rollouts)]
-    layouts = torch.tensor([float(len(large_grid(r.tokens, r.large_hw).unique(dim=0)))
-                            for r in rollouts])
-    if not examples:  # a process with no share of the examples
-        none = torch.zeros(0, n_samples)
-        return [], none, {k: none for k in rewards}, layouts
-    return (images, *group_rewards(images, examples, rewards), layouts)
-
-
-# ---- 11. Main -----------------------------------------------------------------------------------
+# ---- 10. Main -----------------------------------------------------------------------------------
 
 def main(argv: list[str] | None = None) -> dict:
     r = run.prepare(parse_config(argv), argv, REWARDS)  # every input checked, nothing written yet
@@ -893,10 +819,9 @@ def main(argv: list[str] | None = None) -> dict:
         policy, ref_model, optimizer = setup_training(pipe, cfg, r.dtype, r.world)  # the AR trains
         run.open_run(r, policy, optimizer)  # --resume's checkpoint; the run directory
 
-    def evaluate_policy(examples: list[dict], seeds: list[int], rewards: dict, n_samples: int):
-        with r.autocast, unsharded(policy), run.decoder_on(pipe, r.device, cfg.offload):  # 10.
-            return evaluate(pipe, examples, seeds, rewards, n_samples, cfg)
-    r.evaluate, r.extreme = evaluate_policy, extreme  # for before / after grids, --eval-prompts
+    # the before / after grids and --eval-prompts: steps 1-3 on fixed seeds (helpers/run.py)
+    r.evaluate = run.evaluator(r, pipe, policy, (sample_groups, decode_images, group_rewards))
+    r.extreme = extreme  # how each metric combines over processes
 
     with run.training(r):  # Ctrl-C: a checkpoint, exit 130; a full disk: one line, exit 1
         for step, groups, batch, seconds in run.steps(r):  # a group's number: its prompt and seed
@@ -929,7 +854,7 @@ def main(argv: list[str] | None = None) -> dict:
     return run.finish(r)  # the last checkpoint, final/, curves.png, the after grid, the summary
 
 
-# ---- 12. Copied alone ---------------------------------------------------------------------------
+# ---- 11. Copied alone ---------------------------------------------------------------------------
 
 if run is None:  # without helpers/: one process, so each collective is an identity
     def all_agree(value): return value  # noqa: E704

@@ -21,13 +21,14 @@ import torch.nn.functional as F
 from PIL import Image
 
 import grpo
+from helpers import diagnostics
 from helpers import fast_decode
 from helpers import rewards
 from helpers import run
 from helpers import run_io
 from helpers.offline_model import tiny_glm_image
 from tests.conftest import (DEVICE, ROOT, PARITY, T, TINY, TINY_CPU, as_line, assert_same_metrics,
-                            assert_same_weights, eval_lines, expect_exit, fresh_pipe, run_record, smooth_source,
+                            assert_same_weights, codebook, kept_codes, sampled_rows, eval_lines, expect_exit, fresh_pipe, run_record, smooth_source,
                             tiny_run, torchrun, write_evals, write_example)  # shared helpers and settings
 from tests.conftest import pipe, random_pipe, sharp_pipe  # noqa: F401  the tiny pipelines (fixtures)
 from tools import rejection_sampling  # the baseline GRPO has to beat, from grpo.py's own pieces
@@ -239,7 +240,7 @@ def test_decode_full_logprobs(random_pipe):
     r = grpo.sample_group(random_pipe, "a red circle", 3, 64, 64, T, seed=7, top_p=0.75)
     with torch.no_grad():
         full = grpo.token_logprobs(ar, r.inputs, r.tokens, T)
-        nucleus = grpo.token_logprobs(ar, r.inputs, r.tokens, T, 0, 0.75, r.support)
+        nucleus = grpo.token_logprobs(ar, r.inputs, r.tokens, T, 0, 0.75, kept_codes(r, ar))
     assert (r.full_logprobs - full).abs().max() <= PARITY and (r.logprobs - nucleus).abs().max() <= PARITY
     assert (r.full_logprobs <= r.logprobs + 1e-6).all() and (r.full_logprobs < r.logprobs - 0.05).float().mean() > 0.5
     plain = grpo.sample_group(random_pipe, "a red circle", 3, 64, 64, T, seed=7)
@@ -873,14 +874,6 @@ def test_grpo_loss_clip_higher():
 # ---- 10. update ---------------------------------------------------------------------------------
 
 
-def test_select_rows(pipe):
-    """Rows of a group keep their own grid pairs."""
-    inputs = grpo.group_inputs(pipe.processor, "a cat", 4, 64, 96, DEVICE)
-    part = grpo.select_rows(inputs, slice(1, 3))
-    assert part["input_ids"].shape[0] == 2 and part["image_grid_thw"].tolist() == [[1, 2, 3], [1, 13, 19]] * 2
-    assert part["images_per_sample"].tolist() == [2, 2]
-
-
 def grads_after_step(pipe, rollouts, advantages, micro_batch_size, kl_beta=0.0, lr=0.0, **kw):
     """The gradient of train_step's last update (SGD at `lr`, no clipping) on a copy of the AR, and its metrics; with
     kl_beta > 0 the reference is the AR as it was."""
@@ -902,13 +895,13 @@ def test_micro_batch_loss(random_pipe):
     n_preview = r.preview_hw[0] * r.preview_hw[1]
     ar = pipe.vision_language_encoder
     kw = dict(temperature=T, clip_eps=0.2, kl_beta=0.0, top_k=0, top_p=0.9, policy_dist="truncated")
-    mb = grpo.micro_batches([r], adv[None], 4)[0]
+    mb = grpo.micro_batches([r], adv[None], 4, codebook(ar))[0]
     assert mb.n_preview == n_preview and torch.equal(mb.sampled_full, r.full_logprobs)
     for tokens, cols in (("large", slice(n_preview, None)), ("all", slice(None))):
         ar.zero_grad(set_to_none=True)
         loss, m = grpo.micro_batch_loss(ar, mb, None, None, train_tokens=tokens, **kw)
         with torch.no_grad():
-            logp = grpo.token_logprobs(ar, r.inputs, r.tokens, T, 0, 0.9, r.support)
+            logp = grpo.token_logprobs(ar, r.inputs, r.tokens, T, 0, 0.9, mb.support)
         want, _ = grpo.grpo_loss(logp[:, cols], logp[:, cols], None, adv, 0.2, 0.0)
         assert torch.allclose(loss, want, atol=1e-6) and m["loss"] == loss.item()
         assert m["sampler_gap"] <= PARITY and m["outside_truncation"] == 0 and m["ratio_min"] == m["ratio_max"] == 1.0
@@ -932,7 +925,7 @@ def test_micro_batch_loss_correction(pipe, policy_dist):
     sampled = r.full_logprobs if full else r.logprobs
     adv, n_preview, ar = torch.tensor([1.0, -1.0, 0.5, -0.5], device=DEVICE), r.preview_hw[0] * r.preview_hw[1], pipe.vision_language_encoder
     with torch.no_grad():
-        logp = grpo.token_logprobs(ar, r.inputs, r.tokens, T, *((0, 1.0, None) if full else (0, 0.9, r.support)))
+        logp = grpo.token_logprobs(ar, r.inputs, r.tokens, T, *((0, 1.0, None) if full else (0, 0.9, kept_codes(r, ar))))
     mass = (r.full_logprobs - r.logprobs).exp().clamp(max=1)[:, n_preview:] if full else 1.0  # p / q: the sampler's
     assert not full or 0 < mass.min() < mass.max() <= 1  # truncated and perturbed: the mass varies
     d_all = logp - sampled  # (G, N)
@@ -943,7 +936,7 @@ def test_micro_batch_loss_correction(pipe, policy_dist):
                "sequence_mask": seq.clamp(max=20).exp() * (seq.exp() <= cap)}
     for mode, weights in by_hand.items():
         with torch.no_grad():
-            loss, m = grpo.micro_batch_loss(ar, grpo.micro_batches([r], adv[None], 4)[0], None, None,
+            loss, m = grpo.micro_batch_loss(ar, grpo.micro_batches([r], adv[None], 4, codebook(ar))[0], None, None,
                                             temperature=T, clip_eps=0.2, kl_beta=0.0, train_tokens="large", top_k=0,
                                             top_p=0.9, correction=mode, cap=cap, policy_dist=policy_dist,
                                             truncation_weight="mass")
@@ -1018,18 +1011,6 @@ def test_main_sampler_correction(tmp_path, monkeypatch):
         assert line["sampling/capped_frac"] == (1.0 if mode == "token_truncate" else 0.0)
 
 
-def sampled_rows(logits, top_p, generator):
-    """A sampler on given (S, N, K) logits: tokens drawn from code_logprobs at `top_p`, as a MicroBatch with its q
-    and p log-probs and its support (the preview: none)."""
-    K = logits.shape[-1]
-    q = grpo.code_logprobs(logits, T, K, top_p=top_p)
-    tokens = torch.multinomial(q.exp().flatten(0, 1), 1, generator=generator).view(logits.shape[:2])
-    full = grpo.code_logprobs(logits, T, K)
-    support = fast_decode.support_bits(q.isfinite()) if top_p < 1 else None
-    return grpo.MicroBatch({}, tokens, grpo.logprob_of(q, tokens), grpo.logprob_of(full, tokens), support,
-                           torch.tensor([1.0, -1.0]), 0)
-
-
 def test_logits_loss_real_size():
     """The bookkeeping at the real model's sizes (N = 1280 tokens, K = 16384 codes, random logits, float32, a sampler
     with no rounding gap): every accepted combination of --policy-dist, --top-p and --sampler-correction gives the
@@ -1097,8 +1078,9 @@ def test_objective_defaults_match_cli():
              "train_tokens": "train_tokens", "clip_eps": "clip_eps", "kl_beta": "kl_beta", "scale": "scale_rewards"}
     modes = {"sampler_correction": "sampler_correction", "truncation_weights": "truncation_weight"}  # their `mode`
     checked = []
-    for name, fn in vars(grpo).items():
-        if not inspect.isfunction(fn) or fn.__module__ != grpo.__name__:
+    functions = {**vars(grpo), "readings": diagnostics.readings}  # helpers/diagnostics.py: beside the loss
+    for name, fn in functions.items():
+        if not inspect.isfunction(fn) or fn.__module__ not in (grpo.__name__, diagnostics.__name__):
             continue
         for param in inspect.signature(fn).parameters.values():
             field = modes.get(name) if param.name == "mode" else names.get(param.name)
@@ -1107,7 +1089,7 @@ def test_objective_defaults_match_cli():
                     f"command line's --{field.replace('_', '-')} is {getattr(cli, field)!r}"
                 checked.append(f"{name}.{param.name}")
     assert {"frozen_logprobs.policy_dist", "logits_loss.correction", "logits_loss.truncation_weight",
-            "diagnostics.policy_dist", "sampler_correction.mode", "truncation_weights.mode",
+            "readings.policy_dist", "sampler_correction.mode", "truncation_weights.mode",
             "code_logprobs.top_p"} <= set(checked)  # train_step passes logits_loss' settings on (**objective)
 
 
@@ -1229,31 +1211,6 @@ def test_merge_metrics():
              ({"loss": 3.0, "ratio_min": 0.8, "ratio_max": 1.0, "outside_truncation": 1, "x/max": 1.0}, 0.75)]
     assert grpo.merge_metrics(parts) == {"loss": 2.5, "ratio_min": 0.8, "ratio_max": 1.1, "outside_truncation": 3,
                                          "x/max": 3.0, "preview/kl": 0.5}
-
-
-def test_diagnostics():
-    """The readings beside the loss, from the logits alone: each region's mean finite log-prob and grpo_loss's KL over
-    its tokens (no preview region when editing); an exact sampler's gap is 0 and one 0.5 nats off reads 0.5; tokens
-    the trainer's own top-p drops are counted; kl_untruncated is k3 on the whole softmax."""
-    g = torch.Generator().manual_seed(0)
-    logits = torch.randn(2, 6, 16, generator=g) * 3
-    mb = sampled_rows(logits, 0.75, g)._replace(n_preview=2)
-    ref = (mb.sampled_full - 0.3, mb.sampled_full - 0.2)
-    kw = dict(temperature=T, clip_eps=0.2, kl_beta=0.04, top_p=0.75)
-    m = grpo.diagnostics(logits, 16, mb, None, ref, **kw)  # --policy-dist full: p is trained
-    logp = grpo.logprob_of(grpo.code_logprobs(logits, T, 16), mb.tokens)
-    for region, cut in (("preview", slice(0, 2)), ("large", slice(2, None))):
-        _, want = grpo.grpo_loss(logp[:, cut], logp[:, cut], ref[0][:, cut], mb.advantages, 0.2, 0.04)
-        assert m[f"{region}/kl"] == pytest.approx(want["kl"]) and m[f"{region}/kl"] > 0
-        assert m[f"{region}/logprob"] == pytest.approx(logp[:, cut].mean().item())
-    assert m["sampler_gap"] <= 1e-6 and m["outside_truncation"] == 0 and m["no_gradient_frac"] == 0
-    assert m["kl_untruncated"] == pytest.approx(grpo.k3_kl(logp[:, 2:], ref[1][:, 2:]).mean().item())
-    assert grpo.diagnostics(logits, 16, mb._replace(sampled=mb.sampled - 0.5), None, ref,
-                            **kw)["sampler_gap"] == pytest.approx(0.5, abs=1e-5)
-    edit = grpo.diagnostics(logits, 16, mb._replace(n_preview=0), None, None, **kw)
-    assert "preview/logprob" not in edit and "kl_untruncated" not in edit
-    least = mb._replace(tokens=logits.argmin(-1), support=None)  # codes no nucleus keeps
-    assert grpo.diagnostics(logits, 16, least, None, None, **kw)["outside_truncation"] == 12
 
 
 def test_main_offload(tmp_path):
@@ -1398,40 +1355,6 @@ def test_main_truncated_sampling(tmp_path, flags):
                "--kl-beta", "0.04", *flags])
     first = run_record(single)[0]
     assert first["ratio_min"] == first["ratio_max"] == 1.0 and first["sampler_gap"] <= 1e-5
-
-
-def test_evaluate(random_pipe, tmp_path, monkeypatch):
-    """Example i is sampled with seeds[i] whatever else is evaluated or the global RNG: the same weights give the same
-    images, rewards and layout counts; an example's distinct large grids are counted (K where every sample differs, 1
-    for one layout); no examples (a process with no share): empty results of the right shapes."""
-    pipe = random_pipe
-    cfg = grpo.parse_config([*TINY, "--num-inference-steps", "1"])
-    examples = run.load_examples(run.read_prompts(write_evals(tmp_path)), {"ssim": (grpo.ssim_reward, 1.0)}, 64, 64)
-    examples = [{**e, "target": e["target"].to(DEVICE)} for e in examples]  # as main moves them
-    rewards = {"ssim": (grpo.ssim_reward, 1.0), "mse": (grpo.mse_reward, 0.0)}
-    images, total, each, layouts = grpo.evaluate(pipe, examples, [7, 8, 9], rewards, 3, cfg)
-    torch.manual_seed(123)  # the global RNG must not matter
-    again_images, again, _, again_layouts = grpo.evaluate(pipe, examples, [7, 8, 9], rewards, 3, cfg)
-    assert total.shape == (3, 3) and torch.equal(total, again) and torch.equal(total, each["ssim"])
-    assert len(images) == 3 and all(torch.equal(a, b) for a, b in zip(images, again_images))
-    assert layouts.tolist() == again_layouts.tolist() == [3.0, 3.0, 3.0]  # the random model: every sample differs
-    _, last, last_each, last_layouts = grpo.evaluate(pipe, examples[2:], [9], rewards, 3, cfg)  # example 2 alone
-    assert torch.equal(last[0], total[2]) and torch.equal(last_each["mse"][0], each["mse"][2])
-    _, other, _, _ = grpo.evaluate(pipe, examples, [7, 8, 10], rewards, 3, cfg)
-    assert torch.equal(other[:2], total[:2]) and not torch.equal(other[2], total[2])  # another seed, other samples
-    none = grpo.evaluate(pipe, [], [], rewards, 3, cfg)
-    assert none[0] == [] and none[1].shape == (0, 3) and none[2]["mse"].shape == (0, 3) and none[3].shape == (0,)
-    sample_groups = grpo.sample_groups
-
-    def repeats(*args, **kw):  # the large grids of example 0: three copies of one; 1: two of one, one other; 2: as
-        rollouts = sample_groups(*args, **kw)  # drawn. Previews untouched: they differ, and are not the layout
-        for r, rows in zip(rollouts, ([0, 0, 0], [1, 1, 2], [0, 1, 2])):
-            n = r.large_hw[0] * r.large_hw[1]
-            r.tokens[:, -n:] = r.tokens[rows, -n:]
-        return rollouts
-    monkeypatch.setattr(grpo, "sample_groups", repeats)
-    cfg1 = dataclasses.replace(cfg, prompts_per_step=3, group_size=3)  # the three examples in one decode
-    assert grpo.evaluate(pipe, examples, [7, 8, 9], rewards, 3, cfg1)[3].tolist() == [1.0, 2.0, 3.0]
 
 
 def test_main_eval(tmp_path):
@@ -1772,15 +1695,6 @@ def test_setup_training():
     assert none is None
 
 
-def test_code_support():
-    """code_support unpacks the sampler's bits, 8 codes to a byte, lowest code in the lowest bit, K not a multiple of
-    8 cut to K."""
-    bits = torch.tensor([[0b00000101, 0b00000010]], dtype=torch.uint8)
-    assert grpo.code_support(bits, 10).tolist() == [[True, False, True] + [False] * 5 + [False, True]]
-    kept = torch.rand(3, 13) < 0.5
-    assert torch.equal(grpo.code_support(fast_decode.support_bits(kept), 13), kept)
-
-
 def test_code_logprobs_unsort_example():
     """The worked example in code_logprobs: scores [2, 0, 1] at top-p 0.75 drop code 1 (the least likely) only."""
     kept = grpo.code_logprobs(torch.tensor([2.0, 0.0, 1.0]), 1.0, 3, top_p=0.75).isfinite()
@@ -1878,28 +1792,32 @@ def test_reference_logprobs(pipe):
     as token_logprobs gives them; a LoRA reference is the policy with its adapter off."""
     ar = pipe.vision_language_encoder
     r = grpo.sample_group(pipe, "a red circle", 2, 64, 64, T, seed=0, top_p=0.75)
-    ref, full = grpo.reference_logprobs(ar, r.inputs, r.tokens, T, 0, 0.75, r.support)
+    ref, full = grpo.reference_logprobs(ar, r.inputs, r.tokens, T, 0, 0.75, kept_codes(r, ar))
     with torch.no_grad():
-        assert torch.allclose(ref, grpo.token_logprobs(ar, r.inputs, r.tokens, T, 0, 0.75, r.support))
+        assert torch.allclose(ref, grpo.token_logprobs(ar, r.inputs, r.tokens, T, 0, 0.75, kept_codes(r, ar)))
         assert torch.allclose(full, grpo.token_logprobs(ar, r.inputs, r.tokens, T))
     lora = grpo.apply_lora(copy.deepcopy(ar), 4)
     for name, p in lora.named_parameters():
         if "lora_B" in name:
             p.data.fill_(0.5)  # the adapter now changes the policy
-    off, _ = grpo.reference_logprobs(lora, r.inputs, r.tokens, T, 0, 0.75, r.support)
+    off, _ = grpo.reference_logprobs(lora, r.inputs, r.tokens, T, 0, 0.75, kept_codes(r, ar))
     assert torch.allclose(off, ref, atol=1e-5)
 
 
 def test_micro_batches(pipe):
     """P groups cut into MicroBatches of `size` rows, a group's rows in order, never two groups in one; each with its
-    rows' inputs, tokens, log-probs, advantages and the preview's length."""
-    rollouts = [grpo.sample_group(pipe, p, 4, 64, 64, T, seed=s) for s, p in enumerate(["a cat", "a dog"])]
+    group's inputs, its rows' tokens, log-probs, advantages, kept codes (the sampler's bits unpacked) and the preview's
+    length."""
+    K = codebook(pipe.vision_language_encoder)
+    rollouts = [grpo.sample_group(pipe, p, 4, 64, 64, T, seed=s, top_p=top_p)
+                for s, (p, top_p) in enumerate([("a cat", 1.0), ("a dog", 0.75)])]
     advantages = torch.arange(8.0).view(2, 4)
-    batches = grpo.micro_batches(rollouts, advantages, 3)
+    batches = grpo.micro_batches(rollouts, advantages, 3, K)
     assert [len(mb.tokens) for mb in batches] == [3, 1, 3, 1]
     assert torch.equal(batches[1].tokens, rollouts[0].tokens[3:]) and batches[2].advantages.tolist() == [4, 5, 6]
-    assert batches[3].inputs["input_ids"].shape[0] == 1 and batches[0].n_preview == 16 * 16  # the preview at 64x64
-    assert torch.equal(batches[2].sampled_full, rollouts[1].full_logprobs[:3])
+    assert batches[3].inputs is rollouts[1].inputs and batches[0].n_preview == 16 * 16  # the preview at 64x64
+    assert torch.equal(batches[2].sampled_full, rollouts[1].full_logprobs[:3]) and batches[0].support is None
+    assert torch.equal(batches[3].support, fast_decode.code_support(rollouts[1].support, K)[3:])  # unpacked: bool
 
 
 def test_frozen_logprobs(random_pipe):
@@ -1907,13 +1825,13 @@ def test_frozen_logprobs(random_pipe):
     reference only when kl_beta > 0; both on the trained distribution (p under --policy-dist full)."""
     ar = random_pipe.vision_language_encoder
     r = grpo.sample_group(random_pipe, "a cat", 2, 64, 64, T, seed=0, top_p=0.75)
-    batches = grpo.micro_batches([r], torch.tensor([[1.0, -1.0]]), 2)
+    batches = grpo.micro_batches([r], torch.tensor([[1.0, -1.0]]), 2, codebook(ar))
     olds, refs = grpo.frozen_logprobs(ar, None, batches, 1, temperature=T, kl_beta=0.0, top_p=0.75)
     assert olds == [None] and refs == [None]
     olds, refs = grpo.frozen_logprobs(ar, ar, batches, 2, temperature=T, kl_beta=0.1, top_p=0.75)
     with torch.no_grad():
         full = grpo.token_logprobs(ar, r.inputs, r.tokens, T)
-        cut = grpo.token_logprobs(ar, r.inputs, r.tokens, T, 0, 0.75, r.support)
+        cut = grpo.token_logprobs(ar, r.inputs, r.tokens, T, 0, 0.75, kept_codes(r, ar))
     assert torch.allclose(olds[0], full) and torch.allclose(refs[0][0], full) and torch.allclose(refs[0][1], full)
     olds, _ = grpo.frozen_logprobs(ar, None, batches, 2, temperature=T, kl_beta=0.0, top_p=0.75,
                                    policy_dist="truncated")

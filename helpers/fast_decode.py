@@ -9,7 +9,7 @@ What only makes sampling fast lives here, the lesson (prefill, then one token a 
     times (`repeat_step`): a real AR step is ~2,000 small kernels (11.8 ms a step at full depth, G 4,
     H200; docs/real_model.md);
   - the codes each top-k / top-p draw kept, packed 8 to a byte (`support_bits`), so that the trainer
-    can replay the sampler's truncation exactly (`Rollout.support`).
+    can replay the sampler's truncation exactly (`Rollout.support`; `code_support` unpacks them).
 Like the rest of helpers/ it never imports grpo.py: grpo.py's `code_logprobs` and `rope_positions`
 arrive as arguments.
 """
@@ -165,8 +165,14 @@ def repeat_step(step, n: int, draw, capture: bool = False) -> None:
 
 
 def support_bits(kept: torch.Tensor) -> torch.Tensor:
-    """(..., K) bool -> (..., K/8) uint8: the codes a truncation kept, 8 to a byte (grpo.code_support
+    """(..., K) bool -> (..., K/8) uint8: the codes a truncation kept, 8 to a byte (code_support
     unpacks them)."""
     kept = F.pad(kept, (0, -kept.shape[-1] % 8)).unflatten(-1, (-1, 8)).to(torch.uint8)
     shifts = torch.arange(8, device=kept.device, dtype=torch.uint8)
     return (kept << shifts).sum(-1, dtype=torch.uint8)
+
+
+def code_support(bits: torch.Tensor, codebook_size: int) -> torch.Tensor:
+    """(..., K/8) uint8 bits of kept codes (grpo.Rollout.support) -> the (..., K) bool set."""
+    shifts = torch.arange(8, device=bits.device, dtype=torch.uint8)
+    return ((bits[..., None] >> shifts) & 1).bool().flatten(-2)[..., :codebook_size]

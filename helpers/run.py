@@ -25,7 +25,7 @@ from PIL import Image
 from tqdm.auto import tqdm
 
 from .parallel import (INTERRUPT, final_weights, gather_list, gather_rows, interrupts_caught, load_trainable_state,
-                      reduce_metrics, start_processes, stop_processes, stop_requested, trainable_state)
+                      reduce_metrics, start_processes, stop_processes, stop_requested, trainable_state, unsharded)
 from .rewards import CheckpointError, import_reward, with_checkpoint
 from .run_io import (RUN_FILES, Reporter, append_metrics, atomic_write, check_out_dir, check_reporter, image_grid,
                     open_run_dir, plot_curves, read_checkpoint, read_metrics, read_resume, save_checkpoint, save_image,
@@ -53,7 +53,7 @@ class Run:
     policy: object = None  # the trained model and its optimizer, for checkpoints
     optimizer: object = None
     evaluate: Callable | None = None  # (examples, seeds, rewards, n_samples) -> images, total, each, layouts: one
-    # process's grpo.evaluate, with the policy ready to sample (evaluate_shared shares the examples out)
+    # process's `evaluate`, with the policy ready to sample (`evaluator`; evaluate_shared shares the examples out)
     extreme: Callable | None = None  # how a metric combines over processes: min, max, sum or None (grpo.extreme)
     reporter: Reporter | None = None
     progress: object = None
@@ -754,6 +754,38 @@ def show(r: Run, name: str, when: str) -> float:
             with contextlib.suppress(OSError):
                 save_image(side_by_side(path.parent / "before.png", path), path.parent / "before_after.png")
     return reward.mean().item()
+
+
+@torch.no_grad()
+def evaluate(pipe, examples: list[dict], seeds: list[int], rewards: dict, n_samples: int, cfg, steps: tuple) -> tuple:
+    """`n_samples` images of each example (AR seed seeds[i]) sampled and decoded as in training -> the images, the
+    (P, K) total reward, each reward's (P, K) and the (P,) distinct large grids. `steps`: grpo.py's sample_groups,
+    decode_images and group_rewards. Seeds fixed per prompt: two evaluations differ only by the weights."""
+    sample_groups, decode_images, group_rewards = steps
+    chunk = max(1, cfg.prompts_per_step * cfg.group_size // n_samples)  # a training step's rows
+    rollouts = []
+    for c in range(0, len(examples), chunk):
+        some = examples[c:c + chunk]
+        rollouts += sample_groups(pipe, [ex["prompt"] for ex in some], n_samples, cfg.height, cfg.width,
+                                  cfg.temperature, seeds[c:c + chunk], [ex.get("source") for ex in some], cfg.top_k,
+                                  cfg.top_p)
+    images = [decode_images(pipe, ex["prompt"], r.tokens, r.large_hw, cfg.height, cfg.width, cfg.num_inference_steps,
+                            cfg.decode_seed, cfg.guidance_scale, r.source) for ex, r in zip(examples, rollouts)]
+    layouts = torch.tensor([float(len(r.tokens[:, -r.large_hw[0] * r.large_hw[1]:].unique(dim=0)))
+                            for r in rollouts])  # the large grids: what the DiT sees
+    if not examples:  # a process with no share of the examples
+        none = torch.zeros(0, n_samples)
+        return [], none, {k: none for k in rewards}, layouts
+    return (images, *group_rewards(images, examples, rewards), layouts)
+
+
+def evaluator(r: Run, pipe, policy, steps: tuple) -> Callable:
+    """Run.evaluate for `policy`: `evaluate` with the policy gathered (FSDP2), bf16 autocast and the decoder on the
+    device (--offload)."""
+    def evaluate_policy(examples: list[dict], seeds: list[int], rewards: dict, n_samples: int) -> tuple:
+        with r.autocast, unsharded(policy), decoder_on(pipe, r.device, r.cfg.offload):
+            return evaluate(pipe, examples, seeds, rewards, n_samples, r.cfg, steps)
+    return evaluate_policy
 
 
 def evaluate_shared(evaluate: Callable, examples: list[dict], rewards: dict, n_samples: int, seed: int,

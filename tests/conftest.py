@@ -16,6 +16,7 @@ ROOT = Path(__file__).resolve().parent.parent  # the repository: grpo.py, tools/
 sys.path.insert(0, str(ROOT))  # grpo.py, helpers/ and tools/, however pytest was started
 
 import grpo  # noqa: E402
+from helpers import fast_decode  # noqa: E402
 from helpers.offline_model import sharpen, tiny_glm_image  # noqa: E402
 
 DEVICE = os.environ.get("GRPO_TEST_DEVICE", "cpu")  # where the models run: cpu (CI), or cuda on a machine with a GPU
@@ -29,6 +30,29 @@ TINY = ["--model", "tiny", "--device", DEVICE, "--group-size", "4", "--prompts-p
         "--mu", "1", "--kl-beta", "0", "--diversity", "0"]  # one update, no KL, no bonus: a step's metrics show the
 # first ratio (exactly 1), unless a test asks for more; test_main_defaults runs the tiny defaults (mu 2, KL, bonus)
 TINY_CPU = [*TINY[:2], "--device", "cpu", *TINY[4:]]  # torchrun tests: gloo on the CPU (one GPU cannot host 2 ranks)
+
+
+def codebook(model) -> int:
+    """The AR's codebook size K."""
+    return model.config.vq_config.num_embeddings
+
+
+def kept_codes(rollout, model):
+    """A rollout's kept codes as the trainer sees them, (G, N, K) bool (micro_batches unpacks the sampler's bits), or
+    None (no top-k / top-p)."""
+    return None if rollout.support is None else fast_decode.code_support(rollout.support, codebook(model))
+
+
+def sampled_rows(logits, top_p, generator):
+    """A sampler on given (S, N, K) logits: tokens drawn from code_logprobs at `top_p`, as a MicroBatch with its q
+    and p log-probs and its support (the preview: none)."""
+    K = logits.shape[-1]
+    q = grpo.code_logprobs(logits, T, K, top_p=top_p)
+    tokens = torch.multinomial(q.exp().flatten(0, 1), 1, generator=generator).view(logits.shape[:2])
+    full = grpo.code_logprobs(logits, T, K)
+    support = q.isfinite() if top_p < 1 else None  # (S, N, K) bool, as micro_batches unpacks it
+    return grpo.MicroBatch({}, tokens, grpo.logprob_of(q, tokens), grpo.logprob_of(full, tokens), support,
+                           torch.tensor([1.0, -1.0]), 0)
 
 
 def smooth_source(height=64, width=64, seed=0) -> torch.Tensor:

@@ -46,7 +46,7 @@ def test_same_tokens_as_the_lesson(random_pipe, top_p):
         assert (f.preview_hw, f.large_hw, f.source is None) == (s.preview_hw, s.large_hw, s.source is None)
         assert torch.equal(f.inputs["input_ids"], s.inputs["input_ids"]) and s.support is None
         if top_p < 1:
-            assert grpo.code_support(f.support, K).gather(-1, f.tokens[..., None]).all()
+            assert fast_decode.code_support(f.support, K).gather(-1, f.tokens[..., None]).all()
             assert (f.full_logprobs < f.logprobs - 1e-3).any()  # the nucleus cut codes: q and p differ
         else:
             assert f.support is None and torch.equal(f.full_logprobs, f.logprobs)
@@ -126,8 +126,17 @@ def test_support_bits():
         kept = torch.rand(2, 3, K, generator=g) < 0.3
         bits = fast_decode.support_bits(kept)
         assert bits.dtype == torch.uint8 and bits.shape == (2, 3, (K + 7) // 8)
-        assert torch.equal(grpo.code_support(bits, K), kept)
+        assert torch.equal(fast_decode.code_support(bits, K), kept)
     assert fast_decode.support_bits(torch.ones(1, 16384, dtype=torch.bool)).numel() == 2048
+
+
+def test_code_support():
+    """code_support unpacks the sampler's bits, 8 codes to a byte, lowest code in the lowest bit, K not a multiple of
+    8 cut to K."""
+    bits = torch.tensor([[0b00000101, 0b00000010]], dtype=torch.uint8)
+    assert fast_decode.code_support(bits, 10).tolist() == [[True, False, True] + [False] * 5 + [False, True]]
+    kept = torch.rand(3, 13) < 0.5
+    assert torch.equal(fast_decode.code_support(fast_decode.support_bits(kept), 13), kept)
 
 
 def test_decode_keeps_sampling_mask(sharp_pipe):
@@ -137,7 +146,7 @@ def test_decode_keeps_sampling_mask(sharp_pipe):
     K = model.config.vq_config.num_embeddings
     r = grpo.sample_group(sharp_pipe, "a cat", 3, 64, 96, T, seed=4, top_k=20, top_p=0.8)
     tokens, _, _, logits = generate_group(sharp_pipe, "a cat", 3, 64, 96, T, 4, top_k=20, top_p=0.8)
-    kept = grpo.code_support(r.support, K)
+    kept = fast_decode.code_support(r.support, K)
     assert torch.equal(r.tokens, tokens) and torch.equal(kept, grpo.code_logprobs(logits, T, K, 20, 0.8).isfinite())
     assert kept.gather(-1, r.tokens[..., None]).all() and 0 < kept.sum(-1).float().mean() < 20
     assert grpo.sample_group(sharp_pipe, "a cat", 3, 64, 96, T, seed=4).support is None

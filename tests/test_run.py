@@ -25,9 +25,11 @@ from helpers import fast_decode
 from helpers import parallel
 from helpers import run
 from helpers import run_io
-from conftest import (ROOT, TINY, TINY_CPU, assert_same_metrics, assert_same_weights, error_lines, eval_lines,
+from conftest import (DEVICE, ROOT, TINY, TINY_CPU, assert_same_metrics, assert_same_weights, error_lines, eval_lines,
                       expect_exit, fresh_pipe, run_cli, run_record, snapshot, tiny_run, torchrun,
                       write_evals, write_example)  # shared helpers and settings
+
+STEPS = (grpo.sample_groups, grpo.decode_images, grpo.group_rewards)  # what grpo.main passes run.evaluate
 
 
 def test_parse_rewards(tmp_path, monkeypatch):
@@ -187,6 +189,40 @@ def test_eval_record():
     assert record["eval/distinct_layouts/a"] == 2.0 and record["eval/one_layout/a"] == 0.0  # the fixed one left out
     assert record["eval/one_layout/b"] == 1.0
     assert not any(k.endswith("/None") for k in record)
+
+
+def test_evaluate(random_pipe, tmp_path):
+    """Example i is sampled with seeds[i] whatever else is evaluated or the global RNG: the same weights give the same
+    images, rewards and layout counts; an example's distinct large grids are counted (K where every sample differs, 1
+    for one layout); no examples (a process with no share): empty results of the right shapes."""
+    pipe = random_pipe
+    cfg = grpo.parse_config([*TINY, "--num-inference-steps", "1"])
+    examples = run.load_examples(run.read_prompts(write_evals(tmp_path)), {"ssim": (grpo.ssim_reward, 1.0)}, 64, 64)
+    examples = [{**e, "target": e["target"].to(DEVICE)} for e in examples]  # as main moves them
+    rewards = {"ssim": (grpo.ssim_reward, 1.0), "mse": (grpo.mse_reward, 0.0)}
+    images, total, each, layouts = run.evaluate(pipe, examples, [7, 8, 9], rewards, 3, cfg, STEPS)
+    torch.manual_seed(123)  # the global RNG must not matter
+    again_images, again, _, again_layouts = run.evaluate(pipe, examples, [7, 8, 9], rewards, 3, cfg, STEPS)
+    assert total.shape == (3, 3) and torch.equal(total, again) and torch.equal(total, each["ssim"])
+    assert len(images) == 3 and all(torch.equal(a, b) for a, b in zip(images, again_images))
+    assert layouts.tolist() == again_layouts.tolist() == [3.0, 3.0, 3.0]  # the random model: every sample differs
+    _, last, last_each, last_layouts = run.evaluate(pipe, examples[2:], [9], rewards, 3, cfg, STEPS)  # example 2 alone
+    assert torch.equal(last[0], total[2]) and torch.equal(last_each["mse"][0], each["mse"][2])
+    _, other, _, _ = run.evaluate(pipe, examples, [7, 8, 10], rewards, 3, cfg, STEPS)
+    assert torch.equal(other[:2], total[:2]) and not torch.equal(other[2], total[2])  # another seed, other samples
+    none = run.evaluate(pipe, [], [], rewards, 3, cfg, STEPS)
+    assert none[0] == [] and none[1].shape == (0, 3) and none[2]["mse"].shape == (0, 3) and none[3].shape == (0,)
+    sample_groups = grpo.sample_groups
+
+    def repeats(*args, **kw):  # the large grids of example 0: three copies of one; 1: two of one, one other; 2: as
+        rollouts = sample_groups(*args, **kw)  # drawn. Previews untouched: they differ, and are not the layout
+        for r, rows in zip(rollouts, ([0, 0, 0], [1, 1, 2], [0, 1, 2])):
+            n = r.large_hw[0] * r.large_hw[1]
+            r.tokens[:, -n:] = r.tokens[rows, -n:]
+        return rollouts
+    cfg1 = dataclasses.replace(cfg, prompts_per_step=3, group_size=3)  # the three examples in one decode
+    steps = (repeats, grpo.decode_images, grpo.group_rewards)
+    assert run.evaluate(pipe, examples, [7, 8, 9], rewards, 3, cfg1, steps)[3].tolist() == [1.0, 2.0, 3.0]
 
 
 def test_evaluate_shared():

@@ -123,7 +123,7 @@ def memory_vs_micro_batch(policy, r, adv, rows):
         rows_mb = slice(0, mb)
 
         def loss():
-            lp = grpo.token_logprobs(policy, grpo.select_rows(r.inputs, rows_mb), r.tokens[rows_mb], T)
+            lp = grpo.token_logprobs(policy, r.inputs, r.tokens[rows_mb], T)
             return grpo.grpo_loss(lp, lp.detach(), None, adv[rows_mb], 0.2, 0.0)[0]
 
         rows.append((f"activations saved for backward, micro-batch {mb}", f"{saved_activation_bytes(loss) / 2**20:.1f} MiB"))
@@ -417,7 +417,7 @@ def gap_rows(pipe, name, group, size, top_p, emit_row, train_tokens="large"):
             r = grpo.sample_group(pipe, PROMPT, group, size, size, T, seed=0, top_p=top_p)
             raw = grpo.token_logits(model, r.inputs, r.tokens)
             own = grpo.code_logprobs(raw, T, K, 0, top_p).gather(-1, r.tokens[..., None]).squeeze(-1)
-            kept = None if r.support is None else grpo.code_support(r.support, K)
+            kept = None if r.support is None else fast_decode.code_support(r.support, K)
             replayed = grpo.code_logprobs(raw, T, K, 0, top_p, kept).gather(-1, r.tokens[..., None]).squeeze(-1)
         cols = slice(r.preview_hw[0] * r.preview_hw[1], None) if train_tokens == "large" else slice(None)
         _, m = grpo.sampler_correction(replayed[:, cols], r.logprobs[:, cols], "token_truncate", 2.0)

@@ -1,5 +1,5 @@
 """Base vs trained: a grpo.py run's weights and the untouched base model, evaluated on the same eval prompts with the
-same seeds (`grpo.evaluate`, as the run's own eval lines are: with the run's settings the numbers are equal), as a
+same seeds (`helpers/run.evaluate`, as the run's own eval lines are: with the run's settings the numbers are equal), as a
 table per reward and category (base, trained, difference) and one side-by-side image grid.
 
   python tools/compare.py runs/shapes                   # the run's checkpoint.pt (its last step), its --eval-prompts
@@ -76,7 +76,8 @@ def compare(path: Path, eval_prompts: str | None = None, eval_samples: int | Non
     result, grids = {}, []
 
     def evaluate(examples: list[dict], seeds: list[int], rewards: dict, n_samples: int):
-        return grpo.evaluate(pipe, examples, seeds, rewards, n_samples, cfg)
+        return run.evaluate(pipe, examples, seeds, rewards, n_samples, cfg,
+                            (grpo.sample_groups, grpo.decode_images, grpo.group_rewards))
     for name in ("base", "trained"):
         if name == "trained":
             result["step"] = load_trained(policy, optimizer, path, cfg.train)
