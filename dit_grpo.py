@@ -43,7 +43,7 @@ from diffusers import FlowMatchEulerDiscreteScheduler
 from diffusers.schedulers.scheduling_flow_match_euler_discrete import FlowMatchEulerDiscreteSchedulerOutput
 
 import grpo  # the AR's sampler, the decoder, rewards, the loss and the set-up: shared with the AR's GRPO
-from helpers import run  # the run's plumbing, as grpo.py's
+from helpers import run, setup  # the run's plumbing and the trained model's set-up, as grpo.py's
 from helpers.parallel import all_agree, interrupts_held, sync_gradients, unsharded
 
 
@@ -233,7 +233,7 @@ LORA_TARGETS = r".*transformer_blocks\.\d+\.(attn1\.(to_q|to_k|to_v|to_out\.0)|f
 
 
 def apply_lora(transformer, rank: int, seed: int = 0):
-    """LoRA adapters (peft) on the DiT's attention and MLP projections, the rest frozen; seeded like grpo.apply_lora.
+    """LoRA adapters (peft) on the DiT's attention and MLP projections, the rest frozen; seeded like setup.apply_lora.
     Injected in place, so the pipeline samples with them; the returned PeftModel switches them off (the reference)
     and saves the adapter alone."""
     from peft import LoraConfig, get_peft_model
@@ -244,10 +244,11 @@ def apply_lora(transformer, rank: int, seed: int = 0):
 
 
 def setup_training(pipe, cfg, dtype: torch.dtype, world: int):
-    """grpo.setup_training with the DiT as the policy (LoRA: `apply_lora`); the AR frozen, as it only samples the
+    """helpers/setup.setup_training with the DiT as the policy (LoRA: `apply_lora`); the AR frozen, as it only samples the
     tokens the DiT paints from. Returns the policy, the KL reference (or None) and the optimizer."""
     pipe.vision_language_encoder.requires_grad_(False)
-    return grpo.setup_training(pipe, cfg, dtype, world, pipe.transformer.requires_grad_(True), apply_lora)
+    return setup.setup_training(pipe, cfg, dtype, world, grpo.reference_model, pipe.transformer.requires_grad_(True),
+                                apply_lora)
 
 
 def window(chain_steps: int, sde_window: int) -> list[int]:
@@ -288,7 +289,6 @@ def main(argv: list[str] | None = None) -> dict:
 
     # the pipeline's ODE, as grpo.py evaluates
     r.evaluate = run.evaluator(r, pipe, policy, (grpo.sample_groups, grpo.decode_images, grpo.group_rewards))
-    r.extreme = grpo.extreme
 
     with run.training(r):
         for step, groups, batch, seconds in run.steps(r):

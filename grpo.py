@@ -17,7 +17,7 @@ sampled distribution (`code_logprobs`), so pi / pi_old is exactly 1 at the first
 the sampler draws from the nucleus q and the trained policy is the whole softmax p, with TRL's
 mismatch weights for sampler drift; the AR's 3D rotary positions are replayed (`rope_positions`).
 Copied alone this file runs a step; helpers/ holds main's plumbing, the fast decode (the same
-tokens), torchrun + FSDP2 and more rewards. `python dit_grpo.py` trains the DiT instead.
+tokens), the diagnostics, torchrun + FSDP2 and more rewards. `python dit_grpo.py` trains the DiT.
 
   python grpo.py --prompts prompts.txt                          # the tiny GLM-Image, on a CPU
   python grpo.py --prompts examples/shapes.txt --reward shapes  # draw what the caption asks
@@ -31,7 +31,6 @@ import copy
 import dataclasses
 import math
 import sys
-import warnings
 from pathlib import Path
 from typing import NamedTuple
 
@@ -41,14 +40,14 @@ import torch.nn.functional as F
 from PIL import Image
 
 try:  # helpers/, beside this file: main's plumbing, the fast decode, FSDP2, rewards beyond pixels
-    from helpers import diagnostics, fast_decode, run
-    from helpers.parallel import (all_agree, gather_rows, interrupts_held, shard, sync_gradients,
-                                  unsharded)
+    from helpers import diagnostics, fast_decode, run, setup
+    from helpers.parallel import (all_agree, gather_rows, interrupts_held, merge_metrics,
+                                  sync_gradients, unsharded)
     from helpers.rewards import MORE_REWARDS
 except ModuleNotFoundError as missing:  # copied alone: one process (see the end of this file)
     if missing.name != "helpers":
         raise
-    diagnostics = fast_decode = run = shard = None
+    diagnostics = fast_decode = run = setup = None
     MORE_REWARDS = {}
 
 
@@ -58,10 +57,8 @@ def arg(default, help: str, choices: tuple = ()):
     """A config field whose doc becomes its --help (and, if given, the values it may take)."""
     return dataclasses.field(default=default, metadata={"help": help, "choices": choices})
 
-
 CORRECTIONS = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask", "none")
 TRUNCATION_WEIGHTS = ("mass", "none")
-
 
 @dataclasses.dataclass
 class Config:  # a field per flag (--group-size ...); None: MODEL_DEFAULTS fills it in
@@ -69,8 +66,8 @@ class Config:  # a field per flag (--group-size ...); None: MODEL_DEFAULTS fills
     group_size: int | None = arg(None, "samples per prompt (G) (default 8 tiny, 4 real)")
     prompts_per_step: int | None = arg(None, "prompts (groups) per step (default 2 tiny, 1 real)")
     reward: str = arg("ssim=1,mse=0", "rewards and weights, e.g. ssim=1,ocr=0.5 (docs/rewards.md)")
-    scale_rewards: str = arg("group", "advantages / the std of the group, the batch or none "
-                                      "(Dr. GRPO)", ("group", "batch", "none"))
+    scale_rewards: str = arg("group", "advantages / std of the group, batch or none (Dr. GRPO)",
+                             ("group", "batch", "none"))
     diversity: float | None = arg(None, "bonus / c on each reward, c its group's same-grid samples")
     clip_eps: float = arg(0.2, "PPO clip: the ratio is clipped to [1 - eps, 1 + eps_high]")
     clip_eps_high: float | None = arg(None, "upper clip (DAPO's clip-higher; default: --clip-eps)")
@@ -108,19 +105,16 @@ class Config:  # a field per flag (--group-size ...); None: MODEL_DEFAULTS fills
     offload: bool = arg(False, "keep DiT, VAE, T5 on CPU except to decode")
     # and the run's: --out, --eval-prompts, --save-every, --resume, --device ... (helpers/run.py)
 
-
-MODEL_DEFAULTS = {  # filled in where the command line left a field at None
-    # the tiny demo runs the whole loss: the KL and the clip (mu 2); the diversity bonus is a switch
-    # (docs/evaluation.md: it keeps layouts at a cost in accuracy, and fights a one-target reward)
-    "tiny": dict(lr=1e-4, kl_beta=0.1, mu=2, diversity=0.0, height=96, width=96,
-                 num_inference_steps=2, guidance_scale=1.0, top_p=1.0, group_size=8,
-                 prompts_per_step=2, lora_rank=0, before_after=4),
+MODEL_DEFAULTS = {  # where the command line left a field at None. The tiny demo runs the whole
+    # loss: the KL and the clip (mu 2); the diversity bonus is a switch (docs/evaluation.md)
+    "tiny": dict(lr=1e-4, kl_beta=0.1, mu=2, diversity=0.0, height=96, width=96, top_p=1.0,
+                 num_inference_steps=2, guidance_scale=1.0, group_size=8, prompts_per_step=2,
+                 lora_rank=0, before_after=4),
     # LoRA r=16 with micro-batches of 1 fits one 80 GB GPU (docs/real_model.md: the memory plan)
-    "real": dict(lr=1e-5, kl_beta=0.04, mu=1, diversity=0.0, height=1024, width=1024,
-                 num_inference_steps=50, guidance_scale=1.5, top_p=0.75, group_size=4,
-                 prompts_per_step=1, micro_batch_size=1, lora_rank=16, before_after=0),
+    "real": dict(lr=1e-5, kl_beta=0.04, mu=1, diversity=0.0, height=1024, width=1024, top_p=0.75,
+                 num_inference_steps=50, guidance_scale=1.5, group_size=4, prompts_per_step=1,
+                 micro_batch_size=1, lora_rank=16, before_after=0),
 }
-
 
 def parse_config(argv: list[str] | None = None) -> Config:
     """Command line -> Config (helpers/run.py builds the parser): a flag per field."""
@@ -129,7 +123,6 @@ def parse_config(argv: list[str] | None = None) -> Config:
                          "build the config in code: with_defaults(Config(model='tiny', ...))")
     config = run.with_run_settings(Config)  # + the run's fields: --out, --resume, --device ...
     return with_defaults(config(**vars(run.config_parser(config).parse_args(argv))))
-
 
 def with_defaults(cfg: Config) -> Config:
     """`cfg` with its None fields from MODEL_DEFAULTS: the tiny model's or the real one's."""
@@ -146,17 +139,15 @@ TINY = Path(__file__).resolve().parent / "tiny_glm_image"  # pre-trained by tool
 # the tiny model and its editing sibling (tools/train_tiny_edit.py: an AR that edits, the same DiT)
 TINY_MODELS = {"tiny": TINY, "tiny-edit": TINY.with_name("tiny_glm_image_edit")}
 
-
 def load_glm_image(name: str, device: str = "cpu", dtype: torch.dtype = torch.float32):
-    """GlmImagePipeline from a hub id, a folder or TINY_MODELS; 'random[:L]' builds GLM-Image from
-    its published configs with random weights (L layers a part): speed and memory, no download."""
+    """GlmImagePipeline from a hub id, a folder or TINY_MODELS; 'random[:L]': GLM-Image built from
+    its published configs, random weights, L layers a part (helpers/offline_model.py)."""
     from diffusers import GlmImagePipeline
-    if name.split(":")[0] == "random":  # built in code (helpers/offline_model.py)
+    if name.split(":")[0] == "random":
         from helpers.offline_model import random_glm_image
         return only_ar_trains(random_glm_image(name, device, dtype))
-    pipe = GlmImagePipeline.from_pretrained(TINY_MODELS.get(name, name), dtype=dtype)
-    return only_ar_trains(pipe.to(device))
-
+    return only_ar_trains(GlmImagePipeline.from_pretrained(TINY_MODELS.get(name, name),
+                                                           dtype=dtype).to(device))
 
 def only_ar_trains(pipe):
     """Freeze the DiT, VAE, T5 and the AR's vision tower and VQ; eval mode, no dropout."""
@@ -169,7 +160,6 @@ def only_ar_trains(pipe):
     disable_dropout(ar)
     return pipe
 
-
 def disable_dropout(model) -> None:
     """Zero every dropout (GLM-Image's are 0): dropout in training only would make pi != pi_old."""
     for module in model.modules():
@@ -177,21 +167,6 @@ def disable_dropout(model) -> None:
             module.p = 0.0
         if isinstance(getattr(module, "attention_dropout", None), float):
             module.attention_dropout = 0.0
-
-
-def apply_lora(policy, rank: int, seed: int = 0):
-    """LoRA (peft, dropout 0) on the language model's attention and MLP, injected in place (the
-    pipeline samples with it); its `disable_adapter` is the reference. A matrices from `seed`."""
-    from peft import LoraConfig, get_peft_model  # optional dependency, only for --lora-rank > 0
-    projections = r"(self_attn\.(q|k|v|o)_proj|mlp\.(gate_up|down)_proj)"
-    config = LoraConfig(r=rank, lora_alpha=rank, lora_dropout=0.0,
-                        target_modules=r".*language_model\.layers\.\d+\." + projections)
-    with torch.random.fork_rng(devices=[]), warnings.catch_warnings():
-        torch.manual_seed(seed)
-        warnings.filterwarnings("ignore", "`is_gradient_checkpointing` is deprecated",
-                                FutureWarning)  # peft asks it
-        return get_peft_model(policy, config)
-
 
 def reference_model(policy, kl_beta: float):
     """The KL reference: None when beta = 0; with LoRA the policy (adapter off), else a copy."""
@@ -202,34 +177,6 @@ def reference_model(policy, kl_beta: float):
     return copy.deepcopy(policy).requires_grad_(False).eval()
 
 
-def setup_training(pipe, cfg, dtype: torch.dtype, world: int, policy=None, lora=None):
-    """The trained model (the AR, or dit_grpo.py's DiT) with LoRA or in float32, --offload, the
-    reference, FSDP2 over `world` processes, AdamW -> (policy, reference or None, optimizer)."""
-    policy = pipe.vision_language_encoder if policy is None else policy
-    if cfg.lora_rank:  # adapters in float32 (peft's default), base weights frozen
-        policy = (lora or apply_lora)(policy, cfg.lora_rank, cfg.seed)
-    elif dtype != torch.float32:
-        policy.float()  # trainable weights stay float32: AdamW steps on bf16 weights round away
-    if cfg.gradient_checkpointing:  # transformers' AR, or diffusers' DiT
-        if hasattr(policy, "activation_checkpointing_enable"):
-            policy.activation_checkpointing_enable(
-                activation_checkpointing_kwargs={"use_reentrant": False})
-        else:
-            policy.enable_gradient_checkpointing()
-    if cfg.offload:
-        for module in (pipe.text_encoder, pipe.transformer, pipe.vae):
-            module.to("cpu")
-    ref_model = reference_model(policy, cfg.kl_beta)  # before a checkpoint loads: initial weights
-    if ref_model is not None and ref_model is not policy:
-        ref_model.to(dtype)  # frozen: bf16 storage is enough
-    if world > 1:  # FSDP2: each process keeps 1/world of the weights, gradients and AdamW state
-        for model in {id(m): m for m in (policy, ref_model) if m is not None}.values():
-            shard(model, dtype)
-    optimizer = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=cfg.lr,
-                                  weight_decay=cfg.weight_decay)
-    return policy, ref_model, optimizer
-
-
 # ---- 3. Group sampling --------------------------------------------------------------------------
 
 class Source(NamedTuple):
@@ -237,13 +184,11 @@ class Source(NamedTuple):
     codes: torch.Tensor  # (h_s * w_s,) long, its VQ codes from the AR's vision tower
     grid_hw: tuple[int, int]  # (h_s, w_s) = its size / 32
 
-
 class Prompt(NamedTuple):  # one prompt's group, ready for the AR (group_prompt)
     inputs: dict  # input_ids (G, P), attention_mask (G, P), image_grid_thw (2G, 3), images_per_sample
     preview_hw: tuple[int, int]  # the grid the AR writes FIRST (h', w'); (0, 0) when editing
     large_hw: tuple[int, int]  # the grid it writes last (H/32, W/32): the only one the DiT sees
     source: Source | None  # the image being edited, or None (text-to-image)
-
 
 class Rollout(NamedTuple):  # a group's samples (sample_groups): the Prompt's fields after the draws
     tokens: torch.Tensor  # (G, N) long codes: preview grid then large grid (editing: large only)
@@ -253,15 +198,13 @@ class Rollout(NamedTuple):  # a group's samples (sample_groups): the Prompt's fi
     preview_hw: tuple[int, int]
     large_hw: tuple[int, int]
     source: Source | None
-    support: torch.Tensor | None = None  # (G, N, K/8) bits: the codes each top-k / top-p draw kept
-    # (helpers/fast_decode.py packs them; micro_batches unpacks), or None: the trainer recomputes
-
+    support: torch.Tensor | None = None  # (G, N, K/8) bits of each draw's kept codes (fast_decode)
 
 def code_logprobs(logits: torch.Tensor, temperature: float, codebook_size: int, top_k: int = 0,
                   top_p: float = 1.0, support: torch.Tensor | None = None) -> torch.Tensor:
     """(..., V) AR logits -> (..., K) float32 log-probs over the codebook: softmax(logits / T) cut
-    to `top_k` / `top_p` (or to the sampler's kept codes, `support`), renormalised, -inf outside.
-    One definition of the policy: the sampler draws from it, the trainer scores with it."""
+    to `top_k` / `top_p` (or to the sampler's kept codes, a (..., K) bool `support`), renormalised,
+    -inf outside. One definition of the policy: the sampler draws from it, the trainer scores it."""
     scores = logits[..., :codebook_size].float() / temperature  # ids >= K are never drawn
     if support is not None:
         return torch.log_softmax(scores.masked_fill(~support, -math.inf), dim=-1)
@@ -276,27 +219,21 @@ def code_logprobs(logits: torch.Tensor, temperature: float, codebook_size: int, 
         scores = scores.masked_fill(drop.scatter(-1, order, drop), -math.inf)
     return torch.log_softmax(scores, dim=-1)
 
-
 def group_inputs(processor, prompt: str, group_size: int, height: int, width: int, device,
                  source: Image.Image | None = None) -> dict:
-    """One prompt (and an image to edit) -> its AR inputs repeated G times, a sample's grid rows
-    together (generate would interleave them). image_grid_thw: [large, preview] a sample, or
-    [source, large] (and pixel_values)."""
-    content = [{"type": "text", "text": prompt}]
-    content = ([{"type": "image", "image": source}] if source is not None else []) + content
+    """One prompt (and an image to edit) -> its AR inputs repeated G times (Prompt.inputs; editing:
+    and the source's pixel_values), image_grid_thw a sample's rows together: [large, preview]."""
+    content = [{"type": "image", "image": source}] if source is not None else []
     one = processor.apply_chat_template(
-        [[{"role": "user", "content": content}]], tokenize=True, return_dict=True,
+        [[{"role": "user", "content": content + [{"type": "text", "text": prompt}]}]],
+        tokenize=True, return_dict=True,
         processor_kwargs=dict(target_h=height, target_w=width, return_tensors="pt"))
-    inputs = {
-        "input_ids": one["input_ids"].repeat(group_size, 1).to(device),  # (G, P)
-        "attention_mask": one["attention_mask"].repeat(group_size, 1).to(device),  # (G, P)
-        "image_grid_thw": one["image_grid_thw"].repeat(group_size, 1).to(device),  # (2G, 3)
-        "images_per_sample": one["images_per_sample"].repeat(group_size).to(device),  # (G,)
-    }
+    inputs = {k: one[k].repeat(group_size, 1).to(device)
+              for k in ("input_ids", "attention_mask", "image_grid_thw")}
+    inputs["images_per_sample"] = one["images_per_sample"].repeat(group_size).to(device)
     if source is not None:
-        inputs["pixel_values"] = one["pixel_values"].to(device)  # (h_s * w_s, 3 * 16 * 16)
+        inputs["pixel_values"] = one["pixel_values"].to(device)
     return inputs
-
 
 @torch.no_grad()
 def encode_source(model, inputs: dict, source: Image.Image) -> tuple[dict, Source]:
@@ -314,19 +251,16 @@ def encode_source(model, inputs: dict, source: Image.Image) -> tuple[dict, Sourc
                          f"{source.height} source; the DiT needs size / 32: resize the sources")
     return inputs, Source(source, codes, (h, w))
 
-
 def to_pil(image: torch.Tensor) -> Image.Image:
     """(3, H, W) float in [0, 1] -> PIL (exact for 8-bit images)."""
     array = (image.float().clamp(0, 1).permute(1, 2, 0).cpu().numpy() * 255).round()
     return Image.fromarray(array.astype(np.uint8))
 
-
 def group_prompt(pipe, prompt: str, group_size: int, height: int, width: int,
                  source: torch.Tensor | None = None) -> Prompt:
     """One prompt (and a (3, H, W) source to edit) -> its group's Prompt. The processor lists a
-    sample's grids as [large, preview] (or [source, large]), but the AR WRITES the preview first:
-    at 96x96 image_grid_thw holds [1, 3, 3], [1, 16, 16] and the AR draws the 16x16 preview, then
-    the 3x3 large grid (N = 256 + 9 tokens)."""
+    sample's grids as [large, preview] (or [source, large]), but the AR WRITES the preview first: at
+    96x96 [1, 3, 3], [1, 16, 16]: the 16x16 preview, then the 3x3 large grid (N = 256 + 9)."""
     model = pipe.vision_language_encoder
     image = to_pil(source) if source is not None else None
     inputs = group_inputs(pipe.processor, prompt, group_size, height, width, model.device, image)
@@ -335,7 +269,6 @@ def group_prompt(pipe, prompt: str, group_size: int, height: int, width: int,
         return Prompt(inputs, preview_hw=listed[1], large_hw=listed[0], source=None)
     inputs, src = encode_source(model, inputs, image)  # [source, large]
     return Prompt(inputs, preview_hw=(0, 0), large_hw=listed[1], source=src)
-
 
 def rope_positions(input_ids: torch.Tensor, image_grid_thw: torch.Tensor, num_tokens: int,
                    image_start_id: int, image_end_id: int) -> torch.Tensor:
@@ -369,15 +302,13 @@ def rope_positions(input_ids: torch.Tensor, image_grid_thw: torch.Tensor, num_to
     positions = torch.cat(positions, dim=1)[:, : len(ids) + num_tokens - 1]  # the last: never fed
     return positions[:, None, :].to(image_grid_thw.device)  # (3, 1, P+N-1)
 
-
 @torch.no_grad()
 def generate(model, group: Prompt, temperature: float, seed: int, top_k: int = 0,
              top_p: float = 1.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The AR's decode loop, as nanoGPT's generate: prefill the prompt once, then N steps of logits
-    -> code_logprobs -> draw -> append, a KV cache holding the past -> (G, N) codes and their
-    log-probs under q (what the draw used: top-k / top-p) and under p (the whole softmax). Each
-    draw is torch.multinomial's exponential race on noise from a generator seeded with `seed`:
-    helpers/fast_decode.py draws the same tokens (tests/test_fast_decode.py)."""
+    -> code_logprobs -> draw -> append, a KV cache holding the past -> (G, N) codes, their log-probs
+    under q (what the draw used: top-k / top-p) and under p (the whole softmax). The draws: noise
+    from `seed`, as torch.multinomial; helpers/fast_decode.py draws the same tokens."""
     from transformers import DynamicCache
     ids = group.inputs["input_ids"]  # (G, P): one prompt, G times
     (G, P), (h0, w0), (h, w) = ids.shape, group.preview_hw, group.large_hw
@@ -401,14 +332,12 @@ def generate(model, group: Prompt, temperature: float, seed: int, top_k: int = 0
         at = slice(P + t, P + t + 1)  # the token just drawn is fed next, at its own position
     return torch.cat(tokens, 1), torch.cat(logprobs, 1), torch.cat(full_logprobs, 1)
 
-
 @torch.no_grad()
 def sample_groups(pipe, prompts: list[str], group_size: int, height: int, width: int,
                   temperature: float, seeds: list[int], sources: list | None = None, top_k: int = 0,
                   top_p: float = 1.0) -> list[Rollout]:
-    """G samples and their log-probs for each of P prompts, group p from seeds[p]: `generate` a
-    group at a time, or (helpers/ beside this file) helpers/fast_decode.py's same tokens, faster:
-    every group in one left-padded decode, with a static cache and a CUDA graph on a GPU."""
+    """G samples for each of P prompts (and sources to edit), group p from seeds[p]: `generate` a
+    group at a time, or helpers/fast_decode.py's same tokens, faster (all in one padded decode)."""
     model = pipe.vision_language_encoder.eval()  # no dropout: one distribution
     groups = [group_prompt(pipe, prompt, group_size, height, width, source)
               for prompt, source in zip(prompts, sources or [None] * len(prompts))]
@@ -419,7 +348,6 @@ def sample_groups(pipe, prompts: list[str], group_size: int, height: int, width:
         drawn = fast_decode.sample_groups(model, groups, temperature, seeds, top_k, top_p, prompts,
                                           code_logprobs, rope_positions)
     return [Rollout(*d[:3], *group, support=d[3]) for d, group in zip(drawn, groups)]
-
 
 def sample_group(pipe, prompt: str, group_size: int, height: int, width: int, temperature: float,
                  seed: int, source: torch.Tensor | None = None, top_k: int = 0,
@@ -439,16 +367,13 @@ def token_logprobs(model, inputs: dict, tokens: torch.Tensor, temperature: float
     logits = token_logits(model, inputs, tokens)  # (S, N, V)
     return logprob_of(code_logprobs(logits, temperature, K, top_k, top_p, support), tokens)
 
-
 def logprob_of(distribution: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-    """(G, N, K) log-probs of every code, (G, N) tokens -> (G, N) each token's log-prob."""
+    """(S, N, K) log-probs of every code, (S, N) tokens -> (S, N) each token's log-prob."""
     return distribution.gather(-1, tokens[..., None]).squeeze(-1)
 
-
 def token_logits(model, inputs: dict, tokens: torch.Tensor) -> torch.Tensor:
-    """(S, N, V) logits that predict each of `tokens`, S samples of ONE prompt (`inputs`: its
-    group's): one teacher-forced forward at generation's positions (rope_positions; without them
-    image tokens would sit on the text ramp)."""
+    """(S, N, V) logits that predict each of `tokens`, S samples of ONE prompt (its group's inputs):
+    one teacher-forced forward at generation's positions (rope_positions, not the text ramp)."""
     ids, (S, N) = inputs["input_ids"], tokens.shape
     if not (ids == ids[:1]).all():
         raise ValueError("token_logits scores one prompt's samples, but the rows of input_ids "
@@ -467,21 +392,18 @@ def large_grid(tokens: torch.Tensor, large_hw: tuple[int, int]) -> torch.Tensor:
     """(G, N) tokens -> (G, hw) the large grid: the last h*w tokens, the only ones the DiT sees."""
     return tokens[:, -large_hw[0] * large_hw[1]:]
 
-
 def prior_ids(tokens: torch.Tensor, large_hw: tuple[int, int]) -> torch.Tensor:
     """(G, N) tokens -> (G, 4hw) the DiT's prior ids: the large grid upsampled 2x (nearest)."""
     G, (h, w) = tokens.shape[0], large_hw
     large = large_grid(tokens, large_hw).reshape(G, 1, h, w).float()  # (G, 1, H/32, W/32)
     return F.interpolate(large, scale_factor=2, mode="nearest").long().reshape(G, -1)
 
-
 @torch.no_grad()
 def decode_images(pipe, prompt: str, tokens: torch.Tensor, large_hw: tuple[int, int], height: int,
                   width: int, num_inference_steps: int, seed: int, guidance_scale: float = 1.5,
                   source: Source | None = None) -> torch.Tensor:
-    """(G, N) tokens -> (G, 3, H, W) float32 images in [0, 1] by the pipeline (prior ids, DiT, VAE),
-    the group from one latent noise: images differ by their tokens only. Editing: the DiT also sees
-    the source, as GLM-Image edits."""
+    """(G, N) tokens -> (G, 3, H, W) float32 images in [0, 1] by the pipeline (prior ids, DiT, VAE;
+    editing: and the source), the group from one latent noise: images differ by tokens only."""
     G, device, dtype = tokens.shape[0], pipe.transformer.device, pipe.transformer.dtype
     prior = prior_ids(tokens, large_hw)  # (G, 4hw) at H/16
     embeds, negative = pipe.encode_prompt(prompt, do_classifier_free_guidance=guidance_scale > 1,
@@ -512,7 +434,6 @@ def mse_reward(images: torch.Tensor, example: dict) -> torch.Tensor:
     """(G, 3, H, W) in [0, 1], example["target"] (3, H, W) -> (G,) -MSE, in [-1, 0]."""
     return -((images - example["target"]) ** 2).mean(dim=(1, 2, 3))
 
-
 def ssim_reward(images: torch.Tensor, example: dict) -> torch.Tensor:
     """(G, 3, H, W) in [0, 1], example["target"] (3, H, W) -> (G,) SSIM (Wang et al. 2004) in
     [-1, 1]: 11-tap Gaussian window (sigma 1.5), K1 0.01, K2 0.03, valid windows."""
@@ -526,17 +447,13 @@ def ssim_reward(images: torch.Tensor, example: dict) -> torch.Tensor:
 
     x, y = images.float(), example["target"].float().expand_as(images)
     mu_x, mu_y = blur(x), blur(y)
-    var_x = blur(x * x) - mu_x ** 2
-    var_y = blur(y * y) - mu_y ** 2
-    cov = blur(x * y) - mu_x * mu_y
+    var_x, var_y, cov = blur(x * x) - mu_x ** 2, blur(y * y) - mu_y ** 2, blur(x * y) - mu_x * mu_y
     ssim_map = (((2 * mu_x * mu_y + C1) * (2 * cov + C2))
                 / ((mu_x ** 2 + mu_y ** 2 + C1) * (var_x + var_y + C2)))
     return ssim_map.mean(dim=(1, 2, 3))
 
-
 mse_reward.needs = ssim_reward.needs = ("target",)  # checked in every example before a run starts
 REWARDS = {"ssim": ssim_reward, "mse": mse_reward, **MORE_REWARDS}  # helpers/rewards.py: ocr, ...
-
 
 def group_rewards(images: list[torch.Tensor], examples: list[dict], rewards: dict[str, tuple]
                   ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -566,12 +483,10 @@ def group_advantages(rewards: torch.Tensor, eps: float = 1e-6, scale: str = "gro
     z = (rewards - mean) / std.clamp_min(torch.finfo(std.dtype).tiny)
     return torch.where(spread, z, torch.zeros_like(rewards))
 
-
 def repeats(grids: list[torch.Tensor]) -> torch.Tensor:
     """Each group's (G, n) large grids -> (P, G): how many of its group drew the same grid. The
     diversity bonus adds diversity / c to a reward: a layout drawn once earns it all."""
     return torch.stack([(g[:, None] == g[None]).all(-1).sum(-1) for g in grids])
-
 
 def score(images: list[torch.Tensor], batch: list[dict], rewards: dict, scale: str = "group",
           grids: list[torch.Tensor] | None = None, diversity: float = 0.0) -> tuple:
@@ -586,55 +501,14 @@ def score(images: list[torch.Tensor], batch: list[dict], rewards: dict, scale: s
 
 # ---- 8. Loss ------------------------------------------------------------------------------------
 
-def sampler_correction(old_logprobs: torch.Tensor, sampled_logprobs: torch.Tensor,
-                       mode: str = "token_truncate", cap: float = 2.0) -> tuple[torch.Tensor, dict]:
-    """TRL's mismatch correction: (S, T) log-probs of ONE distribution (the trained one) by the
-    trainer (pi_old) and by the sampler (its kernels, bf16, batch shape) -> weights pi_old /
-    pi_sampler per token (token_*) or sequence (sequence_*), capped at `cap` (*_truncate) or zeroed
-    above it (*_mask), and TRL's mismatch metrics. An exact sampler gets 1 (float32: 1 +- 1e-4)."""
-    both = old_logprobs.isfinite() & sampled_logprobs.isfinite()  # outside a truncation: no ratio
-    log_ratio = torch.where(both, old_logprobs - sampled_logprobs, 0.0)  # (S, T)
-    sequence = mode.startswith("sequence")
-    level = log_ratio.sum(dim=1, keepdim=True) if sequence else log_ratio  # (S, 1) or (S, T)
-    ratio = torch.exp(level.clamp(max=20.0))  # a sequence's sum can be large: exp stays finite
-    capped = ratio > cap
-    weights = (ratio.clamp(max=cap) if mode.endswith("truncate") else ratio.masked_fill(capped, 0.0)
-               if mode.endswith("mask") else torch.ones_like(ratio))
-    token_ratio = torch.exp(log_ratio)
-    metrics = {"sampling/sampling_logp_difference/mean": log_ratio.abs().mean().item(),
-               "sampling/sampling_logp_difference/max": log_ratio.abs().max().item(),
-               "sampling/importance_sampling_ratio/min": weights.min().item(),  # after the cap
-               "sampling/importance_sampling_ratio/mean": weights.mean().item(),
-               "sampling/importance_sampling_ratio/max": weights.max().item(),
-               "sampling/raw_importance_sampling_ratio/min": ratio.min().item(),  # before it
-               "sampling/raw_importance_sampling_ratio/max": ratio.max().item(),
-               "sampling/k3_kl": (token_ratio - 1 - log_ratio).mean().item(),  # KL(sampler || old)
-               "sampling/capped_frac": capped.float().mean().item() if mode != "none" else 0.0}
-    return weights.detach(), metrics
-
-
-def truncation_weights(sampled: torch.Tensor, sampled_full: torch.Tensor, mode: str = "none"
-                       ) -> tuple[torch.Tensor, dict]:
-    """(S, T) log-probs of the drawn tokens under the sampler's nucleus q and its whole softmax p ->
-    per-token weights p / q = Z_t, the mass p puts on the nucleus ("mass": the importance weight
-    from q's samples to p's per-token objective, over the nucleus: codes q never draws stay unseen,
-    and earlier tokens' weights are left out, as PPO leaves the prefix's ratio out), or 1 ("none":
-    the sampler's top-k / top-p ignored, as TRL and verl do). Without truncation Z_t = 1."""
-    mass = torch.exp(torch.where(sampled.isfinite(), sampled_full - sampled, 0.0)).clamp(max=1.0)
-    metrics = {"truncation/nucleus_mass/mean": mass.mean().item(),
-               "truncation/nucleus_mass/min": mass.min().item()}
-    return (mass if mode == "mass" else torch.ones_like(mass)), metrics
-
-
 def grpo_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, ref_logprobs: torch.Tensor | None,
               advantages: torch.Tensor, clip_eps: float | tuple[float, float], kl_beta: float,
               weights: torch.Tensor | None = None, mass: torch.Tensor | None = None
               ) -> tuple[torch.Tensor, dict]:
     """(S, T) log-probs, (S,) advantages -> the loss -(min(r A, clip(r) A) * weights - beta k3 KL)
     * mass, averaged over a sequence's tokens, then over sequences (1/|o_i|); and metrics.
-    `weights` (the mismatch correction) scale the surrogate only, as TRL's; `mass` (the truncation
-    weight) the whole token's term: it changes which distribution the samples stand for. The
-    metrics policy_loss and kl are unweighted: with a mass, loss != policy_loss + beta kl."""
+    `weights` (sampler_correction) scale the surrogate only, as TRL's; `mass` (truncation_weights)
+    the whole token's term. policy_loss and kl are logged unweighted."""
     # a token the old policy could not draw (-inf: outside its truncation): ratio 1, no gradient
     ratio = torch.exp(torch.where(old_logprobs.isneginf(), 0.0, logprobs - old_logprobs))  # (S, T)
     adv = advantages[:, None].to(ratio)  # (S, 1), on the log-probs' device
@@ -651,17 +525,82 @@ def grpo_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, ref_logprobs: 
                    "ratio_mean": ratio.mean().item(), "ratio_max": ratio.max().item()}
     return loss, metrics
 
-
 def k3_kl(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
-    """(S, T) -> k3 = exp(d) - d - 1, d = ref - logp (Schulman): >= 0, unbiased for KL(pi || ref);
-    as a loss its expected gradient is that of KL(ref || pi) (mass-covering). d capped at +-20
-    (tools/bench_kl_cap.py); a token outside the truncation (-inf) gets 0."""
+    """(S, T) -> k3 = exp(d) - d - 1, d = ref - logp (Schulman): >= 0, unbiased for KL(pi||ref), its
+    gradient KL(ref || pi)'s; d capped at +-20 (tools/bench_kl_cap.py), 0 outside a truncation."""
     d = (ref_logprobs - logprobs).clamp(-20.0, 20.0)
     kl = (torch.exp(d) - d - 1).clamp_min(0)  # >= 0; the clamp only removes rounding
     return torch.where(logprobs.isfinite(), kl, 0.0)
 
+def sampler_correction(old_logprobs: torch.Tensor, sampled_logprobs: torch.Tensor,
+                       mode: str = "token_truncate", cap: float = 2.0) -> torch.Tensor:
+    """TRL's mismatch correction: (S, T) log-probs of ONE distribution (the trained one) by the
+    trainer (pi_old) and by the sampler (its kernels, bf16, batch shape) -> weights pi_old /
+    pi_sampler per token (token_*) or sequence (sequence_*), capped at `cap` (*_truncate) or zeroed
+    above it (*_mask). An exact sampler gets 1 (float32: 1 +- 1e-4)."""
+    both = old_logprobs.isfinite() & sampled_logprobs.isfinite()  # outside a truncation: no ratio
+    log_ratio = torch.where(both, old_logprobs - sampled_logprobs, 0.0)  # (S, T)
+    sequence = mode.startswith("sequence")
+    level = log_ratio.sum(dim=1, keepdim=True) if sequence else log_ratio  # (S, 1) or (S, T)
+    ratio = torch.exp(level.clamp(max=20.0))  # a sequence's sum can be large: exp stays finite
+    weights = (ratio.clamp(max=cap) if mode.endswith("truncate") else
+               ratio.masked_fill(ratio > cap, 0.0) if mode.endswith("mask") else torch.ones_like(ratio))
+    return weights.detach()
+
+def truncation_weights(sampled: torch.Tensor, sampled_full: torch.Tensor, mode: str = "none"
+                       ) -> torch.Tensor:
+    """(S, T) log-probs of the drawn tokens under the sampler's nucleus q and its whole softmax p ->
+    per-token weights p / q = Z_t, the mass p puts on the nucleus ("mass": the importance weight
+    from q's samples to p's per-token objective, over the nucleus), or 1 ("none": top-k / top-p
+    ignored, as TRL and verl do). Without truncation Z_t = 1."""
+    mass = torch.exp(torch.where(sampled.isfinite(), sampled_full - sampled, 0.0)).clamp(max=1.0)
+    return mass if mode == "mass" else torch.ones_like(mass)
+
+class MicroBatch(NamedTuple):
+    inputs: dict  # its group's AR inputs (one prompt)
+    tokens: torch.Tensor  # (mb, N) the sampled codes
+    sampled: torch.Tensor  # (mb, N) their log-probs under the sampler's q (what it drew from)
+    sampled_full: torch.Tensor  # (mb, N) under the sampler's whole softmax p
+    support: torch.Tensor | None  # (mb, N, K) bool: the codes each draw kept (None: recompute)
+    advantages: torch.Tensor  # (mb,)
+    n_preview: int  # the preview grid's tokens, first in `tokens` (0 when editing)
+
+def logits_loss(logits: torch.Tensor, codebook_size: int, mb: MicroBatch, old: torch.Tensor | None,
+                ref: tuple | None, *, temperature: float, clip_eps: float | tuple[float, float],
+                kl_beta: float, train_tokens: str = "large", top_k: int = 0, top_p: float = 1.0,
+                correction: str = "token_truncate", cap: float = 2.0, policy_dist: str = "full",
+                truncation_weight: str = "none") -> tuple[torch.Tensor, dict]:
+    """(mb, N, V) logits -> the loss: the trained distribution's log-probs (the whole softmax p, or
+    the sampler's truncation q), its mismatch weights, the truncation weight (p only), grpo_loss.
+    `old`, `ref`: frozen_logprobs' (`old` None: mu 1). Defaults: the command line's."""
+    if policy_dist == "full":  # p, and the sampler's log-probs under p
+        pi, behaviour = code_logprobs(logits, temperature, codebook_size), mb.sampled_full
+    else:  # q: the sampler's truncation, replayed on its kept codes when it recorded them
+        pi = code_logprobs(logits, temperature, codebook_size, top_k, top_p, mb.support)
+        behaviour = mb.sampled
+    logp = logprob_of(pi, mb.tokens)  # (mb, N)
+    old = logp.detach() if old is None else old
+    weights = sampler_correction(old, behaviour, correction, cap)  # over all N tokens
+    mass = truncation_weights(mb.sampled, mb.sampled_full,
+                              truncation_weight if policy_dist == "full" else "none")
+    cols = slice(mb.n_preview, None) if train_tokens == "large" else slice(None)  # in the loss
+    weights = weights if correction.startswith("sequence") else weights[:, cols]
+    loss, m = grpo_loss(logp[:, cols], old[:, cols], None if ref is None else ref[0][:, cols],
+                        mb.advantages, clip_eps, kl_beta, weights, mass[:, cols])
+    return loss, {"loss": loss.item(), **m}
+
 
 # ---- 9. Update ---------------------------------------------------------------------------------
+
+def micro_batches(rollouts: list[Rollout], advantages: torch.Tensor, size: int,
+                  codebook_size: int) -> list[MicroBatch]:
+    """P rollouts and their (P, G) advantages -> MicroBatches of `size` rows, a group's in order."""
+    return [MicroBatch(r.inputs, r.tokens[rows], r.logprobs[rows], r.full_logprobs[rows],
+                       None if r.support is None  # the engine's bits, unpacked a micro-batch a time
+                       else fast_decode.code_support(r.support[rows], codebook_size),
+                       adv[rows], r.preview_hw[0] * r.preview_hw[1])
+            for r, adv in zip(rollouts, advantages)
+            for rows in (slice(i, i + size) for i in range(0, len(adv), size))]
 
 @torch.no_grad()
 def reference_logprobs(ref_model, inputs: dict, tokens: torch.Tensor, temperature: float,
@@ -676,35 +615,12 @@ def reference_logprobs(ref_model, inputs: dict, tokens: torch.Tensor, temperatur
     return (logprob_of(code_logprobs(logits, temperature, K, top_k, top_p, support), tokens),
             logprob_of(code_logprobs(logits, temperature, K), tokens))
 
-
-class MicroBatch(NamedTuple):
-    inputs: dict  # its group's AR inputs (one prompt)
-    tokens: torch.Tensor  # (mb, N) the sampled codes
-    sampled: torch.Tensor  # (mb, N) their log-probs under the sampler's q (what it drew from)
-    sampled_full: torch.Tensor  # (mb, N) under the sampler's whole softmax p
-    support: torch.Tensor | None  # (mb, N, K) bool: the codes each draw kept (None: recompute)
-    advantages: torch.Tensor  # (mb,)
-    n_preview: int  # the preview grid's tokens, first in `tokens` (0 when editing)
-
-
-def micro_batches(rollouts: list[Rollout], advantages: torch.Tensor, size: int,
-                  codebook_size: int) -> list:
-    """P rollouts and their (P, G) advantages -> MicroBatches of `size` rows, a group's in order."""
-    return [MicroBatch(r.inputs, r.tokens[rows], r.logprobs[rows], r.full_logprobs[rows],
-                       None if r.support is None  # the engine's bits: unpacked a micro-batch at a time
-                       else fast_decode.code_support(r.support[rows], codebook_size),
-                       adv[rows], r.preview_hw[0] * r.preview_hw[1])
-            for r, adv in zip(rollouts, advantages)
-            for rows in (slice(i, i + size) for i in range(0, len(adv), size))]
-
-
 @torch.no_grad()
 def frozen_logprobs(policy, ref_model, batches: list[MicroBatch], mu: int, *, temperature: float,
                     kl_beta: float, top_k: int = 0, top_p: float = 1.0, policy_dist: str = "full",
                     **loss_only) -> tuple[list, list]:
-    """Each micro-batch's log-probs before the first update, on the trained distribution: under
-    pi_old (mu > 1; mu = 1: None, the old policy IS the current one: ratio 1, the clip idles) and
-    under the reference, on it and on p (kl_beta > 0, else None). `loss_only`: unused settings."""
+    """Each micro-batch's log-probs before the first update, on the trained distribution: pi_old's
+    (mu > 1; else None: ratio 1) and the reference's, on it and on p (kl_beta > 0; else None)."""
     olds, refs = [], []
     for mb in batches:  # the trained distribution: p (no cut), or the sampler's truncation q
         cut = (top_k, top_p, mb.support) if policy_dist == "truncated" else (0, 1.0, None)
@@ -714,97 +630,46 @@ def frozen_logprobs(policy, ref_model, batches: list[MicroBatch], mu: int, *, te
                     if kl_beta > 0 else None)
     return olds, refs
 
-
 def micro_batch_loss(policy, mb: MicroBatch, old: torch.Tensor | None, ref: tuple | None,
                      **objective) -> tuple[torch.Tensor, dict]:
-    """One micro-batch's loss (logits_loss) from the policy's logits and, beside it, the readings
-    of docs/healthy_training.md (helpers/diagnostics.py: each region's, the sampler's gap ...)."""
+    """One micro-batch's loss (logits_loss) and, beside it, docs/healthy_training.md's readings."""
     logits = token_logits(policy, mb.inputs, mb.tokens)  # (mb, N, V), with grad
     K = policy.config.vq_config.num_embeddings
     loss, metrics = logits_loss(logits, K, mb, old, ref, **objective)
     if diagnostics is not None:  # grpo.py copied alone: the loss's own metrics only
-        metrics |= diagnostics.readings(logits.detach(), K, mb, old, ref,
-                                        (code_logprobs, grpo_loss, k3_kl), **objective)
+        metrics |= diagnostics.readings(logits.detach(), K, mb, old, ref, (code_logprobs, grpo_loss,
+                                        k3_kl, sampler_correction), **objective)
     return loss, metrics
-
-
-def logits_loss(logits: torch.Tensor, codebook_size: int, mb: MicroBatch, old: torch.Tensor | None,
-                ref: tuple | None, *, temperature: float, clip_eps: float | tuple[float, float],
-                kl_beta: float, train_tokens: str = "large", top_k: int = 0, top_p: float = 1.0,
-                correction: str = "token_truncate", cap: float = 2.0, policy_dist: str = "full",
-                truncation_weight: str = "none") -> tuple[torch.Tensor, dict]:
-    """(mb, N, V) logits -> the loss: the trained distribution's log-probs (the whole softmax p, or
-    the sampler's truncation q), the mismatch correction on THAT distribution (trainer vs sampler),
-    the truncation weight (p only) and grpo_loss. `old` and `ref`: frozen_logprobs' (`old` None:
-    mu 1). Defaults: the command line's."""
-    if policy_dist == "full":  # p, and the sampler's log-probs under p
-        pi, behaviour = code_logprobs(logits, temperature, codebook_size), mb.sampled_full
-    else:  # q: the sampler's truncation, replayed on its kept codes when it recorded them
-        pi = code_logprobs(logits, temperature, codebook_size, top_k, top_p, mb.support)
-        behaviour = mb.sampled
-    logp = logprob_of(pi, mb.tokens)  # (mb, N)
-    old = logp.detach() if old is None else old
-    weights, m_corr = sampler_correction(old, behaviour, correction, cap)  # over all N tokens
-    mass, m_mass = truncation_weights(mb.sampled, mb.sampled_full,
-                                      truncation_weight if policy_dist == "full" else "none")
-    cols = slice(mb.n_preview, None) if train_tokens == "large" else slice(None)  # in the loss
-    weights = weights if correction.startswith("sequence") else weights[:, cols]
-    loss, m = grpo_loss(logp[:, cols], old[:, cols], None if ref is None else ref[0][:, cols],
-                        mb.advantages, clip_eps, kl_beta, weights, mass[:, cols])
-    return loss, {"loss": loss.item(), **m, **m_corr, **m_mass}
-
 
 def train_step(policy, optimizer, rollouts: list[Rollout], advantages: torch.Tensor, ref_model, *,
                micro_batch_size: int, max_grad_norm: float, mu: int = 1, **objective) -> dict:
-    """`mu` optimizer steps on P groups with (P, G) advantages -> metrics. Each micro-batch's loss
-    is weighted by its share of the P*G sequences: the accumulated gradient is the batch's.
-    `objective`: logits_loss' settings (temperature, clip_eps, kl_beta, top_p, ...)."""
+    """`mu` optimizer steps on P groups with (P, G) advantages -> metrics; `objective`: logits_loss'
+    settings. Each micro-batch's loss weighs its share: the accumulated gradient is the batch's."""
     # transformers only checkpoints in train mode; without dropout, train and eval are one policy
     policy.train(policy.is_activation_checkpointing)
     K = policy.config.vq_config.num_embeddings
     batches = micro_batches(rollouts, advantages, micro_batch_size, K)
     olds, refs = frozen_logprobs(policy, ref_model, batches, mu, **objective)
-    skipped, parts = 0, []  # parts: every micro-batch's metrics and share, over all mu updates
+    updates, skipped = [], 0  # each update's micro-batches: (metrics, share)
     for _ in range(mu):
         optimizer.zero_grad(set_to_none=True)
-        update, finite = [], True
+        updates.append([])
+        finite = True
         for k, mb in enumerate(batches):
             loss, m = micro_batch_loss(policy, mb, olds[k], refs[k], **objective)
             share = len(mb.tokens) / advantages.numel()  # losses are means: weigh each to the batch
             finite = finite and bool(torch.isfinite(loss))
             sync_gradients(policy, k == len(batches) - 1)  # FSDP + LoRA: reduce after the last
             (loss * share).backward()  # even when not finite: with FSDP every process joins
-            update.append((m, share))
-        totals, parts = merge_metrics(update), parts + update  # means: this update's
+            updates[-1].append((m, share))
         params = [p for group in optimizer.param_groups for p in group["params"]]
-        totals["grad_norm"] = torch.nn.utils.clip_grad_norm_(params, max_grad_norm).item()
-        if all_agree(finite) and math.isfinite(totals["grad_norm"]):  # every process steps, or none
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm).item()
+        if all_agree(finite) and math.isfinite(grad_norm):  # every process steps, or none
             optimizer.step()
         else:  # a NaN / inf loss or gradient never reaches the weights: this update is skipped
             optimizer.zero_grad(set_to_none=True)
             skipped += 1
-    first = merge_metrics(parts[:len(batches)])  # the sampler's own readings: the first update's
-    return {**totals, **{k: v for k, v in merge_metrics(parts).items() if extreme(k)},
-            **{k: first[k] for k in ("sampler_gap", "outside_truncation") if k in first},
-            "skipped": skipped}  # extremes over all mu updates, counted once
-
-
-EXTREMES = {"ratio_min": min, "ratio_max": max, "sampler_gap": max, "skipped": max,
-            "outside_truncation": sum}  # and names ending /max, /min; the rest: means
-
-
-def extreme(key: str):
-    """How a metric combines over micro-batches or processes (min, max, sum), or None: a mean."""
-    suffix = {"/max": max, "/min": min}.get(key[-4:])
-    return EXTREMES.get(key) or suffix
-
-
-def merge_metrics(parts: list[tuple[dict, float]]) -> dict:
-    """Micro-batches' (metrics, share) -> one dict: extremes by rule, the rest weighted means."""
-    keys = dict.fromkeys(k for m, _ in parts for k in m)
-    return {k: extreme(k)([m[k] for m, _ in parts if k in m]) if extreme(k) else
-            sum(m[k] * s for m, s in parts if k in m) / sum(s for m, s in parts if k in m)
-            for k in keys}
+    return merge_metrics(updates) | {"grad_norm": grad_norm, "skipped": skipped}
 
 
 # ---- 10. Main -----------------------------------------------------------------------------------
@@ -816,12 +681,11 @@ def main(argv: list[str] | None = None) -> dict:
     with run.timed({}, "load", cfg), run.loading(cfg.model):
         pipe = load_glm_image(cfg.model, r.device, r.dtype)
     with run.timed({}, "setup", cfg):
-        policy, ref_model, optimizer = setup_training(pipe, cfg, r.dtype, r.world)  # the AR trains
+        policy, ref_model, optimizer = setup.setup_training(  # the AR: LoRA, FSDP2, AdamW
+            pipe, cfg, r.dtype, r.world, reference_model)
         run.open_run(r, policy, optimizer)  # --resume's checkpoint; the run directory
-
     # the before / after grids and --eval-prompts: steps 1-3 on fixed seeds (helpers/run.py)
     r.evaluate = run.evaluator(r, pipe, policy, (sample_groups, decode_images, group_rewards))
-    r.extreme = extreme  # how each metric combines over processes
 
     with run.training(r):  # Ctrl-C: a checkpoint, exit 130; a full disk: one line, exit 1
         for step, groups, batch, seconds in run.steps(r):  # a group's number: its prompt and seed
@@ -860,6 +724,10 @@ if run is None:  # without helpers/: one process, so each collective is an ident
     def all_agree(value): return value  # noqa: E704
     def gather_rows(rows): return rows  # noqa: E704
     def sync_gradients(model, last): return None  # noqa: E704
+
+    def merge_metrics(updates):  # the last update's means (helpers/: min / max / sum by name)
+        parts = updates[-1]
+        return {k: sum(m[k] * s for m, s in parts) / sum(s for _, s in parts) for k in parts[0][0]}
 
 
 if __name__ == "__main__":

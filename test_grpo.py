@@ -26,8 +26,9 @@ from helpers import fast_decode
 from helpers import rewards
 from helpers import run
 from helpers import run_io
+from helpers import setup
 from helpers.offline_model import tiny_glm_image
-from tests.conftest import (DEVICE, ROOT, PARITY, T, TINY, TINY_CPU, as_line, assert_same_metrics,
+from tests.conftest import (ALGORITHM, DEVICE, ROOT, PARITY, T, TINY, TINY_CPU, as_line, assert_same_metrics,
                             assert_same_weights, codebook, kept_codes, sampled_rows, eval_lines, expect_exit, fresh_pipe, run_record, smooth_source,
                             tiny_run, torchrun, write_evals, write_example)  # shared helpers and settings
 from tests.conftest import pipe, random_pipe, sharp_pipe  # noqa: F401  the tiny pipelines (fixtures)
@@ -249,8 +250,8 @@ def test_decode_full_logprobs(random_pipe):
 
 def test_sampler_correction():
     """Each mode against the formula by hand: r = exp(old - sampled) per token or per sequence (the sum), truncated
-    at the cap or masked to 0 above it, 1 for none; TRL's metric names, the k3 KL of the sampler from pi_old; a token
-    outside a truncation (-inf) has ratio 1."""
+    at the cap or masked to 0 above it, 1 for none; a token outside a truncation (-inf) has ratio 1; an exact sampler
+    gets weight 1. (TRL's metrics of these weights: tests/test_diagnostics.py::test_mismatch.)"""
     old = torch.tensor([[-1.0, -2.0, -0.5], [-1.0, -1.0, -1.0]])
     sampled = torch.tensor([[-1.5, -1.0, -0.5], [-2.0, -1.0, -math.inf]])
     d = torch.tensor([[0.5, -1.0, 0.0], [1.0, 0.0, 0.0]])  # old - sampled, 0 where not finite
@@ -260,33 +261,18 @@ def test_sampler_correction():
             "sequence_mask": torch.where(d.sum(1, keepdim=True).exp() > cap, 0.0, d.sum(1, keepdim=True).exp()),
             "none": torch.ones(2, 3)}
     for mode in grpo.CORRECTIONS:
-        weights, m = grpo.sampler_correction(old, sampled, mode, cap)
-        assert torch.allclose(weights, want[mode]), mode
-    weights, m = grpo.sampler_correction(old, sampled, "token_truncate", cap)
-    assert m["sampling/sampling_logp_difference/max"] == 1.0
-    assert m["sampling/sampling_logp_difference/mean"] == pytest.approx(2.5 / 6)
-    assert m["sampling/raw_importance_sampling_ratio/max"] == pytest.approx(math.e)  # before the cap
-    assert m["sampling/raw_importance_sampling_ratio/min"] == pytest.approx(math.exp(-1))
-    assert m["sampling/importance_sampling_ratio/max"] == pytest.approx(cap)  # the weights applied, as TRL logs them
-    assert m["sampling/importance_sampling_ratio/min"] == pytest.approx(math.exp(-1))
-    assert m["sampling/k3_kl"] == pytest.approx(((d.exp() - 1 - d).sum() / 6).item())
-    assert m["sampling/capped_frac"] == pytest.approx(2 / 6)  # e^0.5 and e^1 exceed 1.5
-    _, seq = grpo.sampler_correction(old, sampled, "sequence_mask", cap)
-    assert seq["sampling/raw_importance_sampling_ratio/max"] == pytest.approx(math.e)  # the sequence's product
-    assert seq["sampling/importance_sampling_ratio/max"] == pytest.approx(math.exp(-0.5))  # e is masked to 0
-    assert grpo.sampler_correction(old, old, "token_truncate", cap)[0].eq(1).all()  # an exact sampler: weight 1
+        assert torch.allclose(grpo.sampler_correction(old, sampled, mode, cap), want[mode]), mode
+    assert grpo.sampler_correction(old, old, "token_truncate", cap).eq(1).all()  # an exact sampler: weight 1
 
 
 def test_truncation_weights():
     """The nucleus' mass Z_t = p / q from the sampler's two log-probs ("mass"), 1 for "none" and where nothing was
-    cut (log p = log q); a token outside a truncation (-inf) gets 1; the mass is logged either way."""
+    cut (log p = log q); a token outside a truncation (-inf) gets 1."""
     sampled = torch.tensor([[-0.1, -1.0, -math.inf]])
     full = torch.tensor([[-0.4, -1.0, -5.0]])
-    mass, m = grpo.truncation_weights(sampled, full, "mass")
+    mass = grpo.truncation_weights(sampled, full, "mass")
     assert torch.allclose(mass, torch.tensor([[math.exp(-0.3), 1.0, 1.0]]))
-    assert m["truncation/nucleus_mass/min"] == pytest.approx(math.exp(-0.3))
-    none, m_none = grpo.truncation_weights(sampled, full, "none")
-    assert none.eq(1).all() and m_none == m
+    assert grpo.truncation_weights(sampled, full, "none").eq(1).all()
 
 
 def test_grpo_loss_mass():
@@ -412,7 +398,7 @@ def test_token_logprobs_one_prompt_per_call(pipe):
     a, b = (grpo.sample_group(pipe, p, 2, 96, 96, T, seed=0) for p in ("a red circle", "a blue square"))
     assert a.inputs["input_ids"].shape == b.inputs["input_ids"].shape  # same length, different words
     both = {k: torch.cat([a.inputs[k], b.inputs[k]]) for k in a.inputs}
-    with pytest.raises(ValueError, match="one prompt per call"):
+    with pytest.raises(ValueError, match="one prompt.s samples"):
         grpo.token_logprobs(pipe.vision_language_encoder, both, torch.cat([a.tokens, b.tokens]), T)
 
 
@@ -1034,6 +1020,8 @@ def test_logits_loss_real_size():
                                    truncation_weight=weight)
         loss.backward()
         grads[top_p, dist, weight, mode] = x.grad.norm().item()
+        m = diagnostics.readings(x.detach(), K, rows[top_p], None, None, ALGORITHM, temperature=T, clip_eps=0.2,
+                                 kl_beta=0.0, top_p=top_p, correction=mode, policy_dist=dist)  # TRL's metrics
         assert m["sampling/sampling_logp_difference/max"] <= 1e-5, (top_p, dist, weight, mode)
         assert abs(m["sampling/importance_sampling_ratio/mean"] - 1) <= 1e-4, (top_p, dist, weight, mode)
         assert m["sampling/importance_sampling_ratio/min"] >= 1 - 1e-4, (top_p, dist, weight, mode)
@@ -1203,16 +1191,6 @@ def test_train_step_mu(pipe):
 # ---- 11. main -----------------------------------------------------------------------------------
 
 
-def test_merge_metrics():
-    """Micro-batches' metrics -> one dict: extremes by min / max, counts summed, the rest weighted by each part's
-    share of the sequences, over the parts that have the metric (an editing group has no preview region)."""
-    parts = [({"loss": 1.0, "ratio_min": 0.9, "ratio_max": 1.1, "outside_truncation": 2, "x/max": 3.0,
-               "preview/kl": 0.5}, 0.25),
-             ({"loss": 3.0, "ratio_min": 0.8, "ratio_max": 1.0, "outside_truncation": 1, "x/max": 1.0}, 0.75)]
-    assert grpo.merge_metrics(parts) == {"loss": 2.5, "ratio_min": 0.8, "ratio_max": 1.1, "outside_truncation": 3,
-                                         "x/max": 3.0, "preview/kl": 0.5}
-
-
 def test_main_offload(tmp_path):
     """--offload changes where the frozen parts wait, not what is computed: the same metrics as without it."""
     common = ["--steps", "2", "--save-every", "0"]
@@ -1264,7 +1242,9 @@ except SystemExit as refused:  # one line naming what it needs
     assert "helpers/run.py" in str(refused) and "\\n" not in str(refused), refused
 cfg = grpo.with_defaults(grpo.Config(model="tiny", group_size=4, height=64, width=64, num_inference_steps=1))
 pipe = grpo.load_glm_image({tiny!r})  # a model folder
-policy, ref, opt = grpo.setup_training(pipe, cfg, torch.float32, world=1)
+policy = pipe.vision_language_encoder  # the whole AR trains (the tiny defaults: no LoRA)
+ref = grpo.reference_model(policy, cfg.kl_beta)
+opt = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=cfg.lr)
 prompts = ["a red circle", "two blue squares"]
 rollouts = grpo.sample_groups(pipe, prompts, 4, 64, 64, cfg.temperature, [1, 2])
 images = [grpo.decode_images(pipe, p, r.tokens, r.large_hw, 64, 64, 1, 0, 1.0) for p, r in zip(prompts, rollouts)]
@@ -1466,7 +1446,7 @@ def test_main_zero_spread_group(tmp_path, monkeypatch):
 
 
 def lora_policy(pipe, rank=4, seed=0):
-    policy = grpo.apply_lora(pipe.vision_language_encoder, rank)
+    policy = setup.apply_lora(pipe.vision_language_encoder, rank)
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():  # LoRA starts as a no-op (B = 0); give it weights so the tests can see it
         for name, p in policy.named_parameters():
@@ -1499,7 +1479,7 @@ def test_apply_lora():
                         clip_eps=0.2, kl_beta=0.04, micro_batch_size=2, max_grad_norm=1.0)
     assert m["ratio_min"] == m["ratio_max"] == 1 and m["sampler_gap"] <= 1e-5 and m["kl"] > 0
     assert all(p.grad is None for n, p in policy.named_parameters() if "lora_" not in n)
-    adapters = [grpo.apply_lora(fresh_pipe().vision_language_encoder, 4, seed) for seed in (0, 0, 1)]
+    adapters = [setup.apply_lora(fresh_pipe().vision_language_encoder, 4, seed) for seed in (0, 0, 1)]
     a, b, c = ({n: p for n, p in m.named_parameters() if "lora_A" in n} for m in adapters)
     assert a and a.keys() == b.keys() == c.keys()  # the loops below compare something
     assert all(torch.equal(a[n], b[n]) for n in a) and not all(torch.equal(a[n], c[n]) for n in a)  # seeded init
@@ -1573,7 +1553,7 @@ COLLECTIVES = """
 import copy, json, math, sys, torch, torch.distributed as dist
 sys.path.insert(0, {here!r})
 import grpo
-from helpers import parallel
+from helpers import parallel, setup
 counts = {{"all_gather": 0, "reduce_scatter": 0}}
 for op, name in [(op, op.split("_")[0] + "_" + op.split("_")[1]) for op in ("all_gather_into_tensor",
                  "all_gather_single", "reduce_scatter_tensor", "reduce_scatter_single") if hasattr(dist, op)]:
@@ -1584,7 +1564,7 @@ for op, name in [(op, op.split("_")[0] + "_" + op.split("_")[1]) for op in ("all
     setattr(dist, op, counted)
 rank, world, _ = parallel.start_processes("cpu")
 pipe = grpo.load_glm_image("tiny")
-policy = grpo.apply_lora(pipe.vision_language_encoder, 4) if {lora} else pipe.vision_language_encoder
+policy = setup.apply_lora(pipe.vision_language_encoder, 4) if {lora} else pipe.vision_language_encoder
 reference = copy.deepcopy(policy)  # unsharded, on every process: the one-process gradient over both groups
 both = [grpo.sample_group(pipe, "a cat", 4, 64, 64, 0.9, seed=s) for s in range(2)]
 advantages = torch.tensor([[1.0, -1.0, 0.5, -0.5], [0.3, 0.3, -0.9, 0.3]])
@@ -1685,13 +1665,14 @@ def test_setup_training():
     (None at beta 0); --offload moves the DiT, VAE and T5 to the CPU."""
     pipe = grpo.only_ar_trains(tiny_glm_image(0))
     cfg = grpo.with_defaults(grpo.Config(model="tiny", lr=2e-4, kl_beta=0.1, offload=True))
-    policy, ref, opt = grpo.setup_training(pipe, cfg, torch.float32, world=1)
+    policy, ref, opt = setup.setup_training(pipe, cfg, torch.float32, 1, grpo.reference_model)
     trainable = [p for p in policy.parameters() if p.requires_grad]
     assert policy is pipe.vision_language_encoder and opt.param_groups[0]["lr"] == 2e-4
     assert [id(p) for p in opt.param_groups[0]["params"]] == [id(p) for p in trainable]
     assert ref is not policy and not any(p.requires_grad for p in ref.parameters())
     assert pipe.transformer.device.type == "cpu"
-    _, none, _ = grpo.setup_training(pipe, dataclasses.replace(cfg, kl_beta=0.0), torch.float32, world=1)
+    _, none, _ = setup.setup_training(pipe, dataclasses.replace(cfg, kl_beta=0.0), torch.float32, 1,
+                                      grpo.reference_model)
     assert none is None
 
 
@@ -1796,7 +1777,7 @@ def test_reference_logprobs(pipe):
     with torch.no_grad():
         assert torch.allclose(ref, grpo.token_logprobs(ar, r.inputs, r.tokens, T, 0, 0.75, kept_codes(r, ar)))
         assert torch.allclose(full, grpo.token_logprobs(ar, r.inputs, r.tokens, T))
-    lora = grpo.apply_lora(copy.deepcopy(ar), 4)
+    lora = setup.apply_lora(copy.deepcopy(ar), 4)
     for name, p in lora.named_parameters():
         if "lora_B" in name:
             p.data.fill_(0.5)  # the adapter now changes the policy
@@ -1836,10 +1817,3 @@ def test_frozen_logprobs(random_pipe):
     olds, _ = grpo.frozen_logprobs(ar, None, batches, 2, temperature=T, kl_beta=0.0, top_p=0.75,
                                    policy_dist="truncated")
     assert torch.allclose(olds[0], cut) and not torch.allclose(cut, full)
-
-
-def test_extreme():
-    """How a metric combines: min / max by name or by its /min, /max suffix, counts summed, None (a mean) otherwise."""
-    assert grpo.extreme("ratio_min") is min and grpo.extreme("sampler_gap") is max
-    assert grpo.extreme("sampling/importance_sampling_ratio/max") is max and grpo.extreme("x/min") is min
-    assert grpo.extreme("outside_truncation") is sum and grpo.extreme("loss") is None

@@ -129,10 +129,37 @@ def gather_list(items: list) -> list:
     return [x for part in parts for x in part]
 
 
-def reduce_metrics(metrics: dict, extreme) -> dict:
-    """train_step's metrics of every process -> one dict: extremes and counts by their rule (`extreme`, grpo.extreme:
-    min, max or sum), the rest averaged (every process trains on the same number of sequences, so the mean of means is
-    the mean over all sequences)."""
+EXTREMES = {"ratio_min": min, "ratio_max": max, "sampler_gap": max, "skipped": max,
+            "outside_truncation": sum}  # and names ending /max, /min; the rest: means
+
+
+def extreme(key: str):
+    """How a metric combines over micro-batches, updates or processes (min, max, sum), or None: a mean."""
+    return EXTREMES.get(key) or {"/max": max, "/min": min}.get(key[-4:])
+
+
+def merge_parts(parts: list[tuple[dict, float]]) -> dict:
+    """Micro-batches' (metrics, share) -> one dict: extremes by rule, the rest means weighted by each part's share,
+    over the parts that have the metric (an editing group has no preview region)."""
+    keys = dict.fromkeys(k for m, _ in parts for k in m)
+    return {k: extreme(k)([m[k] for m, _ in parts if k in m]) if extreme(k) else
+            sum(m[k] * s for m, s in parts if k in m) / sum(s for m, s in parts if k in m)
+            for k in keys}
+
+
+def merge_metrics(updates: list[list[tuple[dict, float]]]) -> dict:
+    """grpo.train_step's mu updates, each a list of micro-batches' (metrics, share) -> one dict: the last update's
+    means, the extremes over all updates (counted once), and the sampler's own readings (sampler_gap,
+    outside_truncation) from the first update."""
+    first, every = merge_parts(updates[0]), merge_parts([part for update in updates for part in update])
+    return {**merge_parts(updates[-1]), **{k: v for k, v in every.items() if extreme(k)},
+            **{k: first[k] for k in ("sampler_gap", "outside_truncation") if k in first}}
+
+
+def reduce_metrics(metrics: dict) -> dict:
+    """train_step's metrics of every process -> one dict: extremes and counts by their rule (`extreme`: min, max or
+    sum), the rest averaged (every process trains on the same number of sequences, so the mean of means is the mean
+    over all sequences)."""
     if not distributed():
         return metrics
     parts = [None] * dist.get_world_size()

@@ -54,7 +54,6 @@ class Run:
     optimizer: object = None
     evaluate: Callable | None = None  # (examples, seeds, rewards, n_samples) -> images, total, each, layouts: one
     # process's `evaluate`, with the policy ready to sample (`evaluator`; evaluate_shared shares the examples out)
-    extreme: Callable | None = None  # how a metric combines over processes: min, max, sum or None (grpo.extreme)
     reporter: Reporter | None = None
     progress: object = None
     history: list = dataclasses.field(default_factory=list)  # the training metrics lines, this run's and before
@@ -627,7 +626,7 @@ def log_step(r: Run, step: int, groups: list[int], reward: torch.Tensor, each: d
     and a warning for a skipped update (rank 0). The bar shows the step's reward, its mean over the last 20 steps
     (steps differ by prompt) and, when there is a KL term, the KL."""
     record = step_record(step, groups, len(r.examples), reward, each, advantages, samples,
-                         reduce_metrics(metrics, r.extreme), seconds)
+                         reduce_metrics(metrics), seconds)
     r.skipped, r.done = r.skipped + record["skipped"], step + 1
     r.history.append(record)
     if r.rank != 0:

@@ -3,14 +3,15 @@
     python -m pytest -q tests/test_diagnostics.py
 """
 
+import math
+
 import pytest
 import torch
 
 import grpo
-from conftest import T, sampled_rows
+from conftest import ALGORITHM, T, sampled_rows
 from helpers import diagnostics
 
-ALGORITHM = (grpo.code_logprobs, grpo.grpo_loss, grpo.k3_kl)  # as grpo.micro_batch_loss passes them
 
 
 def test_readings():
@@ -36,3 +37,27 @@ def test_readings():
     assert "preview/logprob" not in edit and "kl_untruncated" not in edit
     least = mb._replace(tokens=logits.argmin(-1), support=None)  # codes no nucleus keeps
     assert diagnostics.readings(logits, 16, least, None, None, ALGORITHM, **kw)["outside_truncation"] == 12
+
+
+def test_mismatch():
+    """TRL's mismatch metrics of sampler_correction's weights, by hand: the gap (0 where either side is -inf), the
+    ratios before the cap (per token, or the sequence's product), the weights after it, the k3 KL of the sampler from
+    pi_old, the share above the cap."""
+    old = torch.tensor([[-1.0, -2.0, -0.5], [-1.0, -1.0, -1.0]])
+    sampled = torch.tensor([[-1.5, -1.0, -0.5], [-2.0, -1.0, -math.inf]])
+    d = torch.tensor([[0.5, -1.0, 0.0], [1.0, 0.0, 0.0]])  # old - sampled, 0 where not finite
+    cap = 1.5
+    m = diagnostics.mismatch(old, sampled, grpo.sampler_correction(old, sampled, "token_truncate", cap), "token_truncate",
+                             cap)
+    assert m["sampling/sampling_logp_difference/max"] == 1.0
+    assert m["sampling/sampling_logp_difference/mean"] == pytest.approx(2.5 / 6)
+    assert m["sampling/raw_importance_sampling_ratio/max"] == pytest.approx(math.e)  # before the cap
+    assert m["sampling/raw_importance_sampling_ratio/min"] == pytest.approx(math.exp(-1))
+    assert m["sampling/importance_sampling_ratio/max"] == pytest.approx(cap)  # the weights applied, as TRL logs them
+    assert m["sampling/importance_sampling_ratio/min"] == pytest.approx(math.exp(-1))
+    assert m["sampling/k3_kl"] == pytest.approx(((d.exp() - 1 - d).sum() / 6).item())
+    assert m["sampling/capped_frac"] == pytest.approx(2 / 6)  # e^0.5 and e^1 exceed 1.5
+    seq = diagnostics.mismatch(old, sampled, grpo.sampler_correction(old, sampled, "sequence_mask", cap), "sequence_mask",
+                               cap)
+    assert seq["sampling/raw_importance_sampling_ratio/max"] == pytest.approx(math.e)  # the sequence's product
+    assert seq["sampling/importance_sampling_ratio/max"] == pytest.approx(math.exp(-0.5))  # e is masked to 0

@@ -25,6 +25,7 @@ from helpers import fast_decode
 from helpers import parallel
 from helpers import run
 from helpers import run_io
+from helpers import setup
 from conftest import (DEVICE, ROOT, TINY, TINY_CPU, assert_same_metrics, assert_same_weights, error_lines, eval_lines,
                       expect_exit, fresh_pipe, run_cli, run_record, snapshot, tiny_run, torchrun,
                       write_evals, write_example)  # shared helpers and settings
@@ -223,6 +224,32 @@ def test_evaluate(random_pipe, tmp_path):
     cfg1 = dataclasses.replace(cfg, prompts_per_step=3, group_size=3)  # the three examples in one decode
     steps = (repeats, grpo.decode_images, grpo.group_rewards)
     assert run.evaluate(pipe, examples, [7, 8, 9], rewards, 3, cfg1, steps)[3].tolist() == [1.0, 2.0, 3.0]
+
+
+def test_merge_parts():
+    """Micro-batches' metrics -> one dict (parallel.merge_parts): extremes by min / max, counts summed, the rest weighted by each part's
+    share of the sequences, over the parts that have the metric (an editing group has no preview region)."""
+    parts = [({"loss": 1.0, "ratio_min": 0.9, "ratio_max": 1.1, "outside_truncation": 2, "x/max": 3.0,
+               "preview/kl": 0.5}, 0.25),
+             ({"loss": 3.0, "ratio_min": 0.8, "ratio_max": 1.0, "outside_truncation": 1, "x/max": 1.0}, 0.75)]
+    assert parallel.merge_parts(parts) == {"loss": 2.5, "ratio_min": 0.8, "ratio_max": 1.1, "outside_truncation": 3,
+                                         "x/max": 3.0, "preview/kl": 0.5}
+
+
+def test_merge_metrics():
+    """train_step's mu updates -> the last update's means, extremes over every update, the sampler's readings from
+    the first update only (later updates read the changed policy)."""
+    first = [({"loss": 1.0, "ratio_min": 1.0, "sampler_gap": 1e-7, "outside_truncation": 0}, 1.0)]
+    last = [({"loss": 3.0, "ratio_min": 0.7, "sampler_gap": 0.5, "outside_truncation": 4}, 1.0)]
+    assert parallel.merge_metrics([first, last]) == {"loss": 3.0, "ratio_min": 0.7, "sampler_gap": 1e-7,
+                                                     "outside_truncation": 0}
+
+
+def test_extreme():
+    """How a metric combines: min / max by name or by its /min, /max suffix, counts summed, None (a mean) otherwise."""
+    assert parallel.extreme("ratio_min") is min and parallel.extreme("sampler_gap") is max
+    assert parallel.extreme("sampling/importance_sampling_ratio/max") is max and parallel.extreme("x/min") is min
+    assert parallel.extreme("outside_truncation") is sum and parallel.extreme("loss") is None
 
 
 def test_evaluate_shared():
@@ -478,7 +505,8 @@ def test_main_out_of_memory_setup(tmp_path, monkeypatch, capsys, where):
     def runs_out(*args, **kwargs):
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 40.00 GiB")
 
-    monkeypatch.setattr(run if where == "load_trainable_state" else grpo, where, runs_out)  # where main calls it
+    owner = {"load_trainable_state": run, "apply_lora": setup}.get(where, grpo)  # where main reaches it
+    monkeypatch.setattr(owner, where, runs_out)
     flags = {"reference_model": ["--kl-beta", "0.04"], "apply_lora": ["--lora-rank", "4"]}.get(where, [])
     with pytest.raises(SystemExit) as exit_info:
         if resume:

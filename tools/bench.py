@@ -48,7 +48,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # grpo.py and the files it imports live in the repository root
 
 import grpo  # noqa: E402
-from helpers import fast_decode, run  # noqa: E402
+from helpers import diagnostics, fast_decode, run, setup  # noqa: E402
 from helpers import rewards  # noqa: E402
 from tools.generate_reference import generate_group  # noqa: E402  grpo.py's sampler before its decode loop
 
@@ -133,7 +133,7 @@ def memory_vs_micro_batch(policy, r, adv, rows):
 def full_vs_lora(rows):
     for rank in (0, 16):
         pipe = grpo.load_glm_image("tiny")
-        policy = grpo.apply_lora(pipe.vision_language_encoder, rank) if rank else pipe.vision_language_encoder
+        policy = setup.apply_lora(pipe.vision_language_encoder, rank) if rank else pipe.vision_language_encoder
         params = [p for p in policy.parameters() if p.requires_grad]
         opt = torch.optim.AdamW(params, lr=1e-3)
         r = grpo.sample_group(pipe, PROMPT, G, H, W, T, seed=0)
@@ -230,7 +230,7 @@ def real_shapes(rows):
     # 23.1 GiB resident, all but 0.4 GiB of a 24 GB machine (grpo.py decodes a group in one call; the AR's numbers
     # do not depend on it)
     pipe.vae.enable_slicing()
-    policy = grpo.apply_lora(pipe.vision_language_encoder, 16)
+    policy = setup.apply_lora(pipe.vision_language_encoder, 16)
     real_shapes_step(pipe, policy, "float32", rows)
     # as grpo.py runs on a GPU: bf16 AR weights, float32 adapters, autocast. The DiT and VAE stay float32 here:
     # bf16 convolutions and long matmuls are ~8x slower than float32 on CPUs without bf16 units, and decoding
@@ -404,6 +404,12 @@ def float32_logits(head, args, logits):
         return torch.nn.functional.linear(args[0].float(), head.weight.float())
 
 
+def mismatch(trainer: torch.Tensor, sampled: torch.Tensor) -> dict:
+    """TRL's mismatch metrics of the default correction (token_truncate at 2), as a run logs them."""
+    weights = grpo.sampler_correction(trainer, sampled, "token_truncate", 2.0)
+    return diagnostics.mismatch(trainer, sampled, weights, "token_truncate", 2.0)
+
+
 def gap_rows(pipe, name, group, size, top_p, emit_row, train_tokens="large"):
     """Sample a group in bf16 (autocast, as grpo.py on a GPU) and score it with the trainer, once with bf16 logits
     (grpo.py) and once with float32 logits (float32_logits): the gap per token, the sampled tokens outside the
@@ -420,7 +426,7 @@ def gap_rows(pipe, name, group, size, top_p, emit_row, train_tokens="large"):
             kept = None if r.support is None else fast_decode.code_support(r.support, K)
             replayed = grpo.code_logprobs(raw, T, K, 0, top_p, kept).gather(-1, r.tokens[..., None]).squeeze(-1)
         cols = slice(r.preview_hw[0] * r.preview_hw[1], None) if train_tokens == "large" else slice(None)
-        _, m = grpo.sampler_correction(replayed[:, cols], r.logprobs[:, cols], "token_truncate", 2.0)
+        m = mismatch(replayed[:, cols], r.logprobs[:, cols])
         seq = (replayed[:, cols] - r.logprobs[:, cols]).sum(1)  # log of each sequence's ratio
         outside = int((~own.isfinite()).sum())
         emit_row(f"{name}, {logits} logits: gap max / mean (nats), k3 KL",
@@ -437,9 +443,9 @@ def gap_rows(pipe, name, group, size, top_p, emit_row, train_tokens="large"):
         # the default objective (--policy-dist full): the mismatch on the whole softmax p, apart from the truncation
         with torch.no_grad():
             trainer_p = grpo.logprob_of(grpo.code_logprobs(raw, T, K), r.tokens)
-        _, p_m = grpo.sampler_correction(trainer_p[:, cols], r.full_logprobs[:, cols], "token_truncate", 2.0)
+        p_m = mismatch(trainer_p[:, cols], r.full_logprobs[:, cols])
         p_seq = (trainer_p[:, cols] - r.full_logprobs[:, cols]).sum(1)
-        mass, _ = grpo.truncation_weights(r.logprobs[:, cols], r.full_logprobs[:, cols])
+        mass = grpo.truncation_weights(r.logprobs[:, cols], r.full_logprobs[:, cols], "mass")
         emit_row(f"{name}, {logits} logits, on p (--policy-dist full): gap max / mean (nats), k3 KL; token_truncate "
                  "weights min / max, capped share; sequences' log-ratio min / max; nucleus mass Z_t mean / min",
                  f"{p_m['sampling/sampling_logp_difference/max']:.3g} / "

@@ -26,11 +26,12 @@ import dit_grpo  # noqa: E402
 import grpo  # noqa: E402
 from helpers import run_io  # noqa: E402
 from helpers import run  # noqa: E402
+from helpers import setup  # noqa: E402
 from helpers.parallel import load_trainable_state, start_processes  # noqa: E402
 
 
 def load_trained(policy, optimizer, path: Path, train: str = "ar") -> int | None:
-    """The run's trained weights into `policy` (set up as grpo.setup_training does): from checkpoint.pt (returns its
+    """The run's trained weights into `policy` (set up as helpers/setup.setup_training does): from checkpoint.pt (returns its
     step) or from a final/ folder (the whole AR, or the LoRA adapter; returns None)."""
     if (path / "checkpoint.pt").exists():
         state = run_io.read_checkpoint(path / "checkpoint.pt")
@@ -69,8 +70,9 @@ def compare(path: Path, eval_prompts: str | None = None, eval_samples: int | Non
     _, _, device = start_processes(cfg.device)  # one process: grpo.py's device choice, nothing started
     dtype = run.compute_settings(device, cfg.dtype, cfg.model)  # as grpo.py: the same threads give the same sums and samples
     pipe = grpo.load_glm_image(cfg.model, device, dtype)
-    setup = dit_grpo.setup_training if cfg.train == "dit" else grpo.setup_training  # as the run did
-    policy, _, optimizer = setup(pipe, dataclasses.replace(cfg, kl_beta=0.0), dtype, world=1)
+    no_kl = dataclasses.replace(cfg, kl_beta=0.0)  # as the run did, without the reference
+    policy, _, optimizer = (dit_grpo.setup_training(pipe, no_kl, dtype, world=1) if cfg.train == "dit" else
+                            setup.setup_training(pipe, no_kl, dtype, 1, grpo.reference_model))
     autocast = torch.autocast(device, dtype=torch.bfloat16, enabled=dtype == torch.bfloat16)
     examples = [{k: v.to(device) if torch.is_tensor(v) else v for k, v in e.items()} for e in evals[0]]
     result, grids = {}, []

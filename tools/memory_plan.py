@@ -663,7 +663,7 @@ def one_row_embedding(model):
 def measured_ar(ar_config: dict, layers: int, mode: str, lora_rank: int = 16, full_embedding: bool = False):
     """The AR of `ar_config` with `layers` decoder layers and 1 vision block, zero weights, on the CPU, set up as
     grpo.py sets it up for `mode`: built in bf16 (grpo.py's dtype on a GPU), then `policy.float()` (full_fp32) or
-    `grpo.apply_lora` (lora); vision tower and VQ frozen (as `grpo.only_ar_trains`). The token embedding is frozen too
+    `helpers/setup.apply_lora` (lora); vision tower and VQ frozen (as `grpo.only_ar_trains`). The token embedding is frozen too
     (`one_row_embedding`) unless full_embedding. With 0 layers the final norm's input is the embedding output plus a
     trainable scalar, as if it came from a trainable layer."""
     from transformers import GlmImageConfig, GlmImageForConditionalGeneration
@@ -690,7 +690,7 @@ def measured_ar(ar_config: dict, layers: int, mode: str, lora_rank: int = 16, fu
         if not full_embedding:
             one_row_embedding(model)
     elif mode == "lora" and layers:
-        from grpo import apply_lora
+        from helpers.setup import apply_lora
         model = apply_lora(model, lora_rank)
     elif mode == "lora":  # no layer to adapt: the frozen base
         model.requires_grad_(False)
