@@ -637,8 +637,8 @@ def micro_batch_loss(policy, mb: MicroBatch, old: torch.Tensor | None, ref: tupl
     K = policy.config.vq_config.num_embeddings
     loss, metrics = logits_loss(logits, K, mb, old, ref, **objective)
     if diagnostics is not None:  # grpo.py copied alone: the loss's own metrics only
-        metrics |= diagnostics.readings(logits.detach(), K, mb, old, ref, (code_logprobs, grpo_loss,
-                                        k3_kl, sampler_correction), **objective)
+        algorithm = (code_logprobs, grpo_loss, k3_kl, sampler_correction, truncation_weights)
+        metrics |= diagnostics.readings(logits.detach(), K, mb, old, ref, algorithm, **objective)
     return loss, metrics
 
 def train_step(policy, optimizer, rollouts: list[Rollout], advantages: torch.Tensor, ref_model, *,

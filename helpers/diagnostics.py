@@ -4,7 +4,7 @@ beside grpo.py. Nothing here changes what is trained: the loss and its own metri
 KL) are grpo.py's `logits_loss`.
 
 Like the rest of helpers/ it never imports grpo.py: grpo.py's `code_logprobs`, `grpo_loss`, `k3_kl`
-and `sampler_correction` arrive as arguments.
+`sampler_correction` and `truncation_weights` arrive as arguments.
 """
 
 import torch
@@ -23,9 +23,9 @@ def readings(logits: torch.Tensor, codebook_size: int, mb, old: torch.Tensor | N
     - no_gradient_frac: rows whose trained distribution keeps one code (log-prob 0: no gradient);
     - kl_untruncated: k3 on the whole softmax p (kl_beta > 0);
     - TRL's mismatch metrics of logits_loss' correction (`mismatch`) and the nucleus' mass Z_t = p / q.
-    `algorithm`: grpo.py's (code_logprobs, grpo_loss, k3_kl, sampler_correction). `loss_only`: logits_loss'
-    other settings."""
-    code_logprobs, grpo_loss, k3_kl, sampler_correction = algorithm
+    `algorithm`: grpo.py's (code_logprobs, grpo_loss, k3_kl, sampler_correction, truncation_weights).
+    `loss_only`: logits_loss' other settings."""
+    code_logprobs, grpo_loss, k3_kl, sampler_correction, truncation_weights = algorithm
     K, tokens = codebook_size, mb.tokens[..., None]
 
     def of(distribution):  # (mb, N, K) -> (mb, N): the sampled tokens' log-probs
@@ -52,19 +52,20 @@ def readings(logits: torch.Tensor, codebook_size: int, mb, old: torch.Tensor | N
     if ref is not None:
         m["kl_untruncated"] = k3_kl(of(full)[:, cols], ref[1][:, cols]).mean().item()
     behaviour = mb.sampled_full if policy_dist == "full" else mb.sampled  # on the trained distribution
-    m |= mismatch(old, behaviour, sampler_correction(old, behaviour, correction, cap), correction, cap)
-    mass = torch.exp(torch.where(mb.sampled.isfinite(), mb.sampled_full - mb.sampled, 0.0)).clamp(max=1.0)
+    m |= mismatch(old, behaviour, correction, cap, sampler_correction)
+    mass = truncation_weights(mb.sampled, mb.sampled_full, "mass")  # Z_t, whether the loss weighs by it or not
     return m | {"truncation/nucleus_mass/mean": mass.mean().item(), "truncation/nucleus_mass/min": mass.min().item()}
 
 
-def mismatch(old: torch.Tensor, sampled: torch.Tensor, weights: torch.Tensor, mode: str, cap: float) -> dict:
-    """TRL's mismatch metrics of (S, T) log-probs of one distribution by the trainer (`old`) and by the sampler, and
-    grpo.sampler_correction's `weights` for them (`mode`, `cap`): the log-prob gap, the weights after the cap and the
-    ratios before it (per token, or per sequence in the sequence modes), the k3 KL of the sampler from pi_old, the
-    share of ratios above the cap. Tokens outside a truncation (-inf on either side) count as a gap of 0."""
+def mismatch(old: torch.Tensor, sampled: torch.Tensor, mode: str, cap: float, sampler_correction) -> dict:
+    """TRL's mismatch metrics of (S, T) log-probs of one distribution by the trainer (`old`) and by the sampler, under
+    grpo's `sampler_correction` (`mode`, `cap`): the log-prob gap, its weights after the cap and the ratios before it
+    (per token, or per sequence in the sequence modes), the k3 KL of the sampler from pi_old, the share of ratios above
+    the cap. Tokens outside a truncation (-inf on either side) count as a gap of 0."""
     log_ratio = torch.where(old.isfinite() & sampled.isfinite(), old - sampled, 0.0)  # (S, T)
-    level = log_ratio.sum(dim=1, keepdim=True) if mode.startswith("sequence") else log_ratio
-    ratio = torch.exp(level.clamp(max=20.0))  # before the cap, as sampler_correction computes it
+    weights = sampler_correction(old, sampled, mode, cap)
+    level = "sequence" if mode.startswith("sequence") else "token"
+    ratio = sampler_correction(old, sampled, f"{level}_truncate", float("inf"))  # before the cap
     return {"sampling/sampling_logp_difference/mean": log_ratio.abs().mean().item(),
             "sampling/sampling_logp_difference/max": log_ratio.abs().max().item(),
             "sampling/importance_sampling_ratio/min": weights.min().item(),  # after the cap

@@ -32,8 +32,8 @@ TINY = ["--model", "tiny", "--device", DEVICE, "--group-size", "4", "--prompts-p
 TINY_CPU = [*TINY[:2], "--device", "cpu", *TINY[4:]]  # torchrun tests: gloo on the CPU (one GPU cannot host 2 ranks)
 
 
-ALGORITHM = (grpo.code_logprobs, grpo.grpo_loss, grpo.k3_kl, grpo.sampler_correction)  # as grpo.micro_batch_loss
-# passes them to helpers/diagnostics.readings
+ALGORITHM = (grpo.code_logprobs, grpo.grpo_loss, grpo.k3_kl, grpo.sampler_correction, grpo.truncation_weights)  # as
+# grpo.micro_batch_loss passes them to helpers/diagnostics.readings
 
 
 def codebook(model) -> int:

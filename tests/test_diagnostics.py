@@ -47,8 +47,7 @@ def test_mismatch():
     sampled = torch.tensor([[-1.5, -1.0, -0.5], [-2.0, -1.0, -math.inf]])
     d = torch.tensor([[0.5, -1.0, 0.0], [1.0, 0.0, 0.0]])  # old - sampled, 0 where not finite
     cap = 1.5
-    m = diagnostics.mismatch(old, sampled, grpo.sampler_correction(old, sampled, "token_truncate", cap), "token_truncate",
-                             cap)
+    m = diagnostics.mismatch(old, sampled, "token_truncate", cap, grpo.sampler_correction)
     assert m["sampling/sampling_logp_difference/max"] == 1.0
     assert m["sampling/sampling_logp_difference/mean"] == pytest.approx(2.5 / 6)
     assert m["sampling/raw_importance_sampling_ratio/max"] == pytest.approx(math.e)  # before the cap
@@ -57,7 +56,6 @@ def test_mismatch():
     assert m["sampling/importance_sampling_ratio/min"] == pytest.approx(math.exp(-1))
     assert m["sampling/k3_kl"] == pytest.approx(((d.exp() - 1 - d).sum() / 6).item())
     assert m["sampling/capped_frac"] == pytest.approx(2 / 6)  # e^0.5 and e^1 exceed 1.5
-    seq = diagnostics.mismatch(old, sampled, grpo.sampler_correction(old, sampled, "sequence_mask", cap), "sequence_mask",
-                               cap)
+    seq = diagnostics.mismatch(old, sampled, "sequence_mask", cap, grpo.sampler_correction)
     assert seq["sampling/raw_importance_sampling_ratio/max"] == pytest.approx(math.e)  # the sequence's product
     assert seq["sampling/importance_sampling_ratio/max"] == pytest.approx(math.exp(-0.5))  # e is masked to 0

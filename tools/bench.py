@@ -406,8 +406,7 @@ def float32_logits(head, args, logits):
 
 def mismatch(trainer: torch.Tensor, sampled: torch.Tensor) -> dict:
     """TRL's mismatch metrics of the default correction (token_truncate at 2), as a run logs them."""
-    weights = grpo.sampler_correction(trainer, sampled, "token_truncate", 2.0)
-    return diagnostics.mismatch(trainer, sampled, weights, "token_truncate", 2.0)
+    return diagnostics.mismatch(trainer, sampled, "token_truncate", 2.0, grpo.sampler_correction)
 
 
 def gap_rows(pipe, name, group, size, top_p, emit_row, train_tokens="large"):
