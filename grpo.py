@@ -52,7 +52,6 @@ except ModuleNotFoundError as missing:  # copied alone: one process (see the end
 
 
 # ---- 1. Config ----------------------------------------------------------------------------------
-
 def arg(default, help: str, choices: tuple = ()):
     """A config field whose doc becomes its --help (and, if given, the values it may take)."""
     return dataclasses.field(default=default, metadata={"help": help, "choices": choices})
@@ -105,36 +104,33 @@ class Config:  # a field per flag (--group-size ...); None: MODEL_DEFAULTS fills
     offload: bool = arg(False, "keep DiT, VAE, T5 on CPU except to decode")
     # and the run's: --out, --eval-prompts, --save-every, --resume, --device ... (helpers/run.py)
 
-MODEL_DEFAULTS = {  # where the command line left a field at None. The tiny demo runs the whole
-    # loss: the KL and the clip (mu 2); the diversity bonus is a switch (docs/evaluation.md)
+MODEL_DEFAULTS = {  # where the command line left a field at None; the tiny demo runs the whole loss
     "tiny": dict(lr=1e-4, kl_beta=0.1, mu=2, diversity=0.0, height=96, width=96, top_p=1.0,
                  num_inference_steps=2, guidance_scale=1.0, group_size=8, prompts_per_step=2,
-                 lora_rank=0, before_after=4),
+                 lora_rank=0, before_after=4, gradient_checkpointing=False),
     # LoRA r=16 with micro-batches of 1 fits one 80 GB GPU (docs/real_model.md: the memory plan)
     "real": dict(lr=1e-5, kl_beta=0.04, mu=1, diversity=0.0, height=1024, width=1024, top_p=0.75,
                  num_inference_steps=50, guidance_scale=1.5, group_size=4, prompts_per_step=1,
-                 micro_batch_size=1, lora_rank=16, before_after=0),
+                 micro_batch_size=1, lora_rank=16, before_after=0, gradient_checkpointing=False),
 }
 
 def parse_config(argv: list[str] | None = None) -> Config:
     """Command line -> Config (helpers/run.py builds the parser): a flag per field."""
     if run is None:  # grpo.py copied alone
-        raise SystemExit("grpo.py: parse_config needs helpers/run.py beside grpo.py; copied alone, "
-                         "build the config in code: with_defaults(Config(model='tiny', ...))")
+        raise SystemExit("grpo.py: parse_config needs helpers/ beside grpo.py; copied alone, build "
+                         "the config in code: with_defaults(Config(model='tiny', ...))")
     config = run.with_run_settings(Config)  # + the run's fields: --out, --resume, --device ...
     return with_defaults(config(**vars(run.config_parser(config).parse_args(argv))))
 
 def with_defaults(cfg: Config) -> Config:
     """`cfg` with its None fields from MODEL_DEFAULTS: the tiny model's or the real one's."""
-    defaults = dict(MODEL_DEFAULTS["tiny" if cfg.model in TINY_MODELS else "real"],
-                    gradient_checkpointing=False)
+    defaults = dict(MODEL_DEFAULTS["tiny" if cfg.model in TINY_MODELS else "real"])
     # the tiny model trains a whole group in one pass (its default or --group-size)
     defaults.setdefault("micro_batch_size", cfg.group_size or defaults["group_size"])
     return dataclasses.replace(cfg, **{k: v for k, v in defaults.items() if getattr(cfg, k) is None})
 
 
 # ---- 2. Loading GLM-Image -----------------------------------------------------------------------
-
 TINY = Path(__file__).resolve().parent / "tiny_glm_image"  # pre-trained by tools/train_tiny.py
 # the tiny model and its editing sibling (tools/train_tiny_edit.py: an AR that edits, the same DiT)
 TINY_MODELS = {"tiny": TINY, "tiny-edit": TINY.with_name("tiny_glm_image_edit")}
@@ -150,13 +146,11 @@ def load_glm_image(name: str, device: str = "cpu", dtype: torch.dtype = torch.fl
                                                            dtype=dtype).to(device))
 
 def only_ar_trains(pipe):
-    """Freeze the DiT, VAE, T5 and the AR's vision tower and VQ; eval mode, no dropout."""
+    """Freeze all but the AR (its vision tower and VQ only encode sources); eval, no dropout."""
     pipe.set_progress_bar_config(disable=True)
-    for module in (pipe.text_encoder, pipe.transformer, pipe.vae):
-        module.requires_grad_(False).eval()
     ar = pipe.vision_language_encoder.eval()  # models built in code start in train mode
-    ar.model.visual.requires_grad_(False)  # the vision tower and VQ only encode source images
-    ar.model.vqmodel.requires_grad_(False)
+    for module in (pipe.text_encoder, pipe.transformer, pipe.vae, ar.model.visual, ar.model.vqmodel):
+        module.requires_grad_(False).eval()
     disable_dropout(ar)
     return pipe
 
@@ -178,7 +172,6 @@ def reference_model(policy, kl_beta: float):
 
 
 # ---- 3. Group sampling --------------------------------------------------------------------------
-
 class Source(NamedTuple):
     image: Image.Image  # the image being edited, as the DiT's VAE sees it
     codes: torch.Tensor  # (h_s * w_s,) long, its VQ codes from the AR's vision tower
@@ -349,16 +342,8 @@ def sample_groups(pipe, prompts: list[str], group_size: int, height: int, width:
                                           code_logprobs, rope_positions)
     return [Rollout(*d[:3], *group, support=d[3]) for d, group in zip(drawn, groups)]
 
-def sample_group(pipe, prompt: str, group_size: int, height: int, width: int, temperature: float,
-                 seed: int, source: torch.Tensor | None = None, top_k: int = 0,
-                 top_p: float = 1.0) -> Rollout:
-    """G samples for one prompt: sample_groups with one group."""
-    return sample_groups(pipe, [prompt], group_size, height, width, temperature, [seed],
-                         None if source is None else [source], top_k, top_p)[0]
-
 
 # ---- 4. Log-probs of given tokens ---------------------------------------------------------------
-
 def token_logprobs(model, inputs: dict, tokens: torch.Tensor, temperature: float, top_k: int = 0,
                    top_p: float = 1.0, support: torch.Tensor | None = None) -> torch.Tensor:
     """(S, N) float32 log-probs of `tokens` from one teacher-forced forward, under code_logprobs
@@ -376,8 +361,7 @@ def token_logits(model, inputs: dict, tokens: torch.Tensor) -> torch.Tensor:
     one teacher-forced forward at generation's positions (rope_positions, not the text ramp)."""
     ids, (S, N) = inputs["input_ids"], tokens.shape
     if not (ids == ids[:1]).all():
-        raise ValueError("token_logits scores one prompt's samples, but the rows of input_ids "
-                         "differ: call it once per group")
+        raise ValueError("token_logits scores one prompt's samples: call it once per group")
     input_ids = torch.cat([ids[:1].expand(S, -1), tokens[:, :-1]], dim=1)  # (S, P+N-1)
     grids = inputs["image_grid_thw"][:int(inputs["images_per_sample"][0])]  # a sample's grid rows
     positions = rope_positions(ids[0], grids, N, model.config.image_start_token_id,
@@ -387,7 +371,6 @@ def token_logits(model, inputs: dict, tokens: torch.Tensor) -> torch.Tensor:
 
 
 # ---- 5. Decoding tokens to images ---------------------------------------------------------------
-
 def large_grid(tokens: torch.Tensor, large_hw: tuple[int, int]) -> torch.Tensor:
     """(G, N) tokens -> (G, hw) the large grid: the last h*w tokens, the only ones the DiT sees."""
     return tokens[:, -large_hw[0] * large_hw[1]:]
@@ -408,9 +391,8 @@ def decode_images(pipe, prompt: str, tokens: torch.Tensor, large_hw: tuple[int, 
     prior = prior_ids(tokens, large_hw)  # (G, 4hw) at H/16
     embeds, negative = pipe.encode_prompt(prompt, do_classifier_free_guidance=guidance_scale > 1,
                                           device=device, dtype=dtype)
-    generator = torch.Generator("cpu").manual_seed(seed)
-    f = pipe.vae_scale_factor
-    shape = (1, pipe.transformer.config.in_channels, height // f, width // f)
+    f, generator = pipe.vae_scale_factor, torch.Generator("cpu").manual_seed(seed)
+    shape = (1, pipe.transformer.config.in_channels, height // f, width // f)  # one noise for all G
     latents = torch.randn(shape, generator=generator).to(device, dtype).repeat(G, 1, 1, 1)
     edit = {}
     if source is not None:  # one copy per sample: the pipeline's batch is the group
@@ -426,10 +408,8 @@ def decode_images(pipe, prompt: str, tokens: torch.Tensor, large_hw: tuple[int, 
 
 
 # ---- 6. Rewards ---------------------------------------------------------------------------------
-# A reward is any function fn(images, example) -> (G,) float tensor, higher is better: images
-# (G, 3, H, W) float32 in [0, 1], example one prompts line with "target" loaded as a (3, H, W)
-# tensor (or None). `fn.needs = ("target",)` names the fields it needs (checked before a run).
-
+# A reward: any fn(images, example) -> (G,) float, higher is better; images (G, 3, H, W) float32 in
+# [0, 1], example a prompts line ("target": a (3, H, W) tensor or None); fn.needs: fields it needs.
 def mse_reward(images: torch.Tensor, example: dict) -> torch.Tensor:
     """(G, 3, H, W) in [0, 1], example["target"] (3, H, W) -> (G,) -MSE, in [-1, 0]."""
     return -((images - example["target"]) ** 2).mean(dim=(1, 2, 3))
@@ -441,13 +421,10 @@ def ssim_reward(images: torch.Tensor, example: dict) -> torch.Tensor:
     g = torch.exp(-((torch.arange(11, dtype=torch.float32) - 5) ** 2) / (2 * 1.5 ** 2))
     g = (g / g.sum()).to(images.device)
     window = (g[:, None] * g[None, :]).expand(3, 1, 11, 11)  # (3, 1, 11, 11), one per channel
-
-    def blur(x):  # (G, 3, H, W) -> (G, 3, H-10, W-10)
-        return F.conv2d(x, window, groups=3)
-
-    x, y = images.float(), example["target"].float().expand_as(images)
-    mu_x, mu_y = blur(x), blur(y)
-    var_x, var_y, cov = blur(x * x) - mu_x ** 2, blur(y * y) - mu_y ** 2, blur(x * y) - mu_x * mu_y
+    x, y = images.float(), example["target"].float().expand_as(images)  # (G, 3, H, W)
+    # local means and second moments: each map blurred by the window -> (G, 3, H-10, W-10)
+    mu_x, mu_y, xx, yy, xy = (F.conv2d(m, window, groups=3) for m in (x, y, x * x, y * y, x * y))
+    var_x, var_y, cov = xx - mu_x ** 2, yy - mu_y ** 2, xy - mu_x * mu_y
     ssim_map = (((2 * mu_x * mu_y + C1) * (2 * cov + C2))
                 / ((mu_x ** 2 + mu_y ** 2 + C1) * (var_x + var_y + C2)))
     return ssim_map.mean(dim=(1, 2, 3))
@@ -466,15 +443,12 @@ def group_rewards(images: list[torch.Tensor], examples: list[dict], rewards: dic
 
 
 # ---- 7. Advantages ------------------------------------------------------------------------------
-
 def group_advantages(rewards: torch.Tensor, eps: float = 1e-6, scale: str = "group",
                      batch: torch.Tensor | None = None) -> torch.Tensor:
     """(P, G) or (G,) rewards R -> advantages A_i = (R_i - mean(R)) / std(R) within each group.
     Variants: the std of the whole step ("batch") or none ("none": Dr. GRPO). A group with no
-    spread (rounding) gets zeros. The std is the population std (/ G): TRL's is the sample std
-    (/ (G - 1)), so at G = 4 these are 1.15x TRL's, at G = 8 1.07x (the same direction)."""
-    mean = rewards.mean(dim=-1, keepdim=True)
-    std = rewards.std(dim=-1, unbiased=False, keepdim=True)  # (P, 1), population std
+    spread (rounding) gets zeros. The std is the population std (/ G; TRL's: / (G - 1))."""
+    mean, std = rewards.mean(-1, keepdim=True), rewards.std(-1, unbiased=False, keepdim=True)
     spread = std > eps * rewards.abs().amax(dim=-1, keepdim=True)
     if scale == "batch":
         std = (rewards if batch is None else batch).std(unbiased=False)
@@ -500,7 +474,6 @@ def score(images: list[torch.Tensor], batch: list[dict], rewards: dict, scale: s
 
 
 # ---- 8. Loss ------------------------------------------------------------------------------------
-
 def grpo_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, ref_logprobs: torch.Tensor | None,
               advantages: torch.Tensor, clip_eps: float | tuple[float, float], kl_beta: float,
               weights: torch.Tensor | None = None, mass: torch.Tensor | None = None
@@ -540,8 +513,7 @@ def sampler_correction(old_logprobs: torch.Tensor, sampled_logprobs: torch.Tenso
     above it (*_mask). An exact sampler gets 1 (float32: 1 +- 1e-4)."""
     both = old_logprobs.isfinite() & sampled_logprobs.isfinite()  # outside a truncation: no ratio
     log_ratio = torch.where(both, old_logprobs - sampled_logprobs, 0.0)  # (S, T)
-    sequence = mode.startswith("sequence")
-    level = log_ratio.sum(dim=1, keepdim=True) if sequence else log_ratio  # (S, 1) or (S, T)
+    level = log_ratio.sum(dim=1, keepdim=True) if mode.startswith("sequence") else log_ratio
     ratio = torch.exp(level.clamp(max=20.0))  # a sequence's sum can be large: exp stays finite
     weights = (ratio.clamp(max=cap) if mode.endswith("truncate") else
                ratio.masked_fill(ratio > cap, 0.0) if mode.endswith("mask") else torch.ones_like(ratio))
@@ -591,7 +563,6 @@ def logits_loss(logits: torch.Tensor, codebook_size: int, mb: MicroBatch, old: t
 
 
 # ---- 9. Update ---------------------------------------------------------------------------------
-
 def micro_batches(rollouts: list[Rollout], advantages: torch.Tensor, size: int,
                   codebook_size: int) -> list[MicroBatch]:
     """P rollouts and their (P, G) advantages -> MicroBatches of `size` rows, a group's in order."""
@@ -603,31 +574,26 @@ def micro_batches(rollouts: list[Rollout], advantages: torch.Tensor, size: int,
             for rows in (slice(i, i + size) for i in range(0, len(adv), size))]
 
 @torch.no_grad()
-def reference_logprobs(ref_model, inputs: dict, tokens: torch.Tensor, temperature: float,
-                       top_k: int = 0, top_p: float = 1.0, support: torch.Tensor | None = None
-                       ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(S, N) log-probs under the reference (a frozen copy, or LoRA with its adapter off), under
-    the policy's distribution and under the full softmax (for kl_untruncated)."""
-    K = ref_model.config.vq_config.num_embeddings
-    off = ref_model.disable_adapter() if hasattr(ref_model, "disable_adapter") else None
-    with off or contextlib.nullcontext():
-        logits = token_logits(ref_model, inputs, tokens)  # (S, N, V)
-    return (logprob_of(code_logprobs(logits, temperature, K, top_k, top_p, support), tokens),
-            logprob_of(code_logprobs(logits, temperature, K), tokens))
-
-@torch.no_grad()
 def frozen_logprobs(policy, ref_model, batches: list[MicroBatch], mu: int, *, temperature: float,
                     kl_beta: float, top_k: int = 0, top_p: float = 1.0, policy_dist: str = "full",
                     **loss_only) -> tuple[list, list]:
     """Each micro-batch's log-probs before the first update, on the trained distribution: pi_old's
-    (mu > 1; else None: ratio 1) and the reference's, on it and on p (kl_beta > 0; else None)."""
+    (mu > 1; else None: ratio 1) and the reference's (kl_beta > 0; else None), on it and on the
+    whole softmax p (for kl_untruncated). A LoRA reference is the policy with its adapter off."""
+    K = policy.config.vq_config.num_embeddings
+    adapter_off = getattr(ref_model, "disable_adapter", contextlib.nullcontext)
     olds, refs = [], []
     for mb in batches:  # the trained distribution: p (no cut), or the sampler's truncation q
         cut = (top_k, top_p, mb.support) if policy_dist == "truncated" else (0, 1.0, None)
         olds.append(token_logprobs(policy, mb.inputs, mb.tokens, temperature, *cut)
                     if mu > 1 else None)
-        refs.append(reference_logprobs(ref_model, mb.inputs, mb.tokens, temperature, *cut)
-                    if kl_beta > 0 else None)
+        ref = None
+        if kl_beta > 0:
+            with adapter_off():
+                logits = token_logits(ref_model, mb.inputs, mb.tokens)  # (mb, N, V)
+            ref = tuple(logprob_of(code_logprobs(logits, temperature, K, *c), mb.tokens)
+                        for c in (cut, (0, 1.0, None)))
+        refs.append(ref)
     return olds, refs
 
 def micro_batch_loss(policy, mb: MicroBatch, old: torch.Tensor | None, ref: tuple | None,
@@ -673,7 +639,6 @@ def train_step(policy, optimizer, rollouts: list[Rollout], advantages: torch.Ten
 
 
 # ---- 10. Main -----------------------------------------------------------------------------------
-
 def main(argv: list[str] | None = None) -> dict:
     r = run.prepare(parse_config(argv), argv, REWARDS)  # every input checked, nothing written yet
     cfg, rewards = r.cfg, r.rewards
@@ -719,15 +684,12 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 # ---- 11. Copied alone ---------------------------------------------------------------------------
-
 if run is None:  # without helpers/: one process, so each collective is an identity
     def all_agree(value): return value  # noqa: E704
     def gather_rows(rows): return rows  # noqa: E704
     def sync_gradients(model, last): return None  # noqa: E704
-
-    def merge_metrics(updates):  # the last update's means (helpers/: min / max / sum by name)
-        parts = updates[-1]
-        return {k: sum(m[k] * s for m, s in parts) / sum(s for _, s in parts) for k in parts[0][0]}
+    def merge_metrics(updates):  # the last update's means, its shares summing to 1 (helpers/: more)
+        return {k: sum(m[k] * share for m, share in updates[-1]) for k in updates[-1][0][0]}
 
 
 if __name__ == "__main__":

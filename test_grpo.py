@@ -8,7 +8,6 @@ fast decode's (the same tokens as grpo.generate) tests/test_fast_decode.py's.
 
 import copy
 import dataclasses
-import functools
 import inspect
 import json
 import math
@@ -25,12 +24,12 @@ from helpers import diagnostics
 from helpers import fast_decode
 from helpers import rewards
 from helpers import run
-from helpers import run_io
 from helpers import setup
 from helpers.offline_model import tiny_glm_image
 from tests.conftest import (ALGORITHM, DEVICE, ROOT, PARITY, T, TINY, TINY_CPU, as_line, assert_same_metrics,
-                            assert_same_weights, codebook, kept_codes, sampled_rows, eval_lines, expect_exit, fresh_pipe, run_record, smooth_source,
-                            tiny_run, torchrun, write_evals, write_example)  # shared helpers and settings
+                            assert_same_weights, codebook, eval_lines, expect_exit, fresh_pipe, kept_codes,
+                            lora_policy, run_record, sample_group, sampled_rows, smooth_source, tiny_run, torchrun,
+                            write_evals, write_example)  # shared helpers and settings
 from tests.conftest import pipe, random_pipe, sharp_pipe  # noqa: F401  the tiny pipelines (fixtures)
 from tools import rejection_sampling  # the baseline GRPO has to beat, from grpo.py's own pieces
 from tools.generate_reference import generate_group  # grpo.py's sampler before its decode loop
@@ -132,13 +131,13 @@ def test_group_inputs(pipe):
 
 
 @pytest.mark.parametrize("height,width", [(64, 64), (64, 96)])
-def test_sample_group(random_pipe, height, width):
+def test_sample_groups_one_group(random_pipe, height, width):
     """Exactly N codebook tokens per sample, no image-end, seeded, caller's RNG untouched; the log-probs kept are the
     trainer's (token_logprobs) of the tokens drawn."""
     pipe = random_pipe
     K = pipe.vision_language_encoder.config.vq_config.num_embeddings
     state = torch.random.get_rng_state()
-    r = grpo.sample_group(pipe, "a cat", 4, height, width, T, seed=3)
+    r = sample_group(pipe, "a cat", 4, height, width, T, seed=3)
     assert torch.equal(state, torch.random.get_rng_state())
     n = r.preview_hw[0] * r.preview_hw[1] + r.large_hw[0] * r.large_hw[1]
     assert r.large_hw == (height // 32, width // 32)
@@ -147,8 +146,8 @@ def test_sample_group(random_pipe, height, width):
     with torch.no_grad():
         trainer = grpo.token_logprobs(pipe.vision_language_encoder, r.inputs, r.tokens, T)
     assert (trainer - r.logprobs).abs().max() <= PARITY
-    assert torch.equal(r.tokens, grpo.sample_group(pipe, "a cat", 4, height, width, T, seed=3).tokens)
-    assert not torch.equal(r.tokens, grpo.sample_group(pipe, "a cat", 4, height, width, T, seed=4).tokens)
+    assert torch.equal(r.tokens, sample_group(pipe, "a cat", 4, height, width, T, seed=3).tokens)
+    assert not torch.equal(r.tokens, sample_group(pipe, "a cat", 4, height, width, T, seed=4).tokens)
     assert len({tuple(t) for t in r.tokens.tolist()}) == 4  # the G samples differ
 
 
@@ -178,7 +177,7 @@ def test_generate_draws_what_generate_draws(pipe, sharp_pipe, lesson, top_k, top
     for p, (height, width), source in [(pipe, (96, 96), None), (sharp_pipe, (64, 96), None),
                                         (pipe, (96, 64), smooth_source(96, 64))]:
         K = p.vision_language_encoder.config.vq_config.num_embeddings
-        r = grpo.sample_group(p, "a red circle", 4, height, width, T, seed=5, source=source, top_k=top_k, top_p=top_p)
+        r = sample_group(p, "a red circle", 4, height, width, T, seed=5, source=source, top_k=top_k, top_p=top_p)
         tokens, _, _, logits = generate_group(p, "a red circle", 4, height, width, T, 5, source, top_k, top_p)
         assert torch.equal(r.tokens, tokens) and r.support is None
         want = grpo.code_logprobs(logits, T, K, top_k, top_p).gather(-1, tokens[..., None]).squeeze(-1)
@@ -193,7 +192,7 @@ def test_generate_exact(random_pipe, lesson, attention):
     ar = pipe.vision_language_encoder
     ar.set_attn_implementation(attention)
     for source in (None, smooth_source(64, 64)):
-        r = grpo.sample_group(pipe, "make it red", 3, 64, 64, T, seed=2, source=source, top_p=0.75)
+        r = sample_group(pipe, "make it red", 3, 64, 64, T, seed=2, source=source, top_p=0.75)
         with torch.no_grad():
             q = grpo.token_logprobs(ar, r.inputs, r.tokens, T, 0, 0.75)
             p = grpo.token_logprobs(ar, r.inputs, r.tokens, T)
@@ -238,13 +237,13 @@ def test_decode_full_logprobs(random_pipe):
     trainer's replayed nucleus, and log p - log q = log Z_t <= 0 (< 0 where the nucleus cut codes); without top-k /
     top-p the two are one."""
     ar = random_pipe.vision_language_encoder
-    r = grpo.sample_group(random_pipe, "a red circle", 3, 64, 64, T, seed=7, top_p=0.75)
+    r = sample_group(random_pipe, "a red circle", 3, 64, 64, T, seed=7, top_p=0.75)
     with torch.no_grad():
         full = grpo.token_logprobs(ar, r.inputs, r.tokens, T)
         nucleus = grpo.token_logprobs(ar, r.inputs, r.tokens, T, 0, 0.75, kept_codes(r, ar))
     assert (r.full_logprobs - full).abs().max() <= PARITY and (r.logprobs - nucleus).abs().max() <= PARITY
     assert (r.full_logprobs <= r.logprobs + 1e-6).all() and (r.full_logprobs < r.logprobs - 0.05).float().mean() > 0.5
-    plain = grpo.sample_group(random_pipe, "a red circle", 3, 64, 64, T, seed=7)
+    plain = sample_group(random_pipe, "a red circle", 3, 64, 64, T, seed=7)
     assert torch.equal(plain.full_logprobs, plain.logprobs)
 
 
@@ -315,7 +314,7 @@ def test_truncated_sampling_exact(pipe, sharp_pipe, top_k, top_p):
         model = p.vision_language_encoder
         K = model.config.vq_config.num_embeddings
         for source in (None, smooth_source(96, 96)):
-            r = grpo.sample_group(p, "a red circle", 4, 96, 96, T, seed=3, source=source, top_k=top_k, top_p=top_p)
+            r = sample_group(p, "a red circle", 4, 96, 96, T, seed=3, source=source, top_k=top_k, top_p=top_p)
             _, _, scores, logits = generate_group(p, "a red circle", 4, 96, 96, T, 3, source, top_k, top_p)
             want = grpo.code_logprobs(logits, T, K, top_k, top_p)
             assert torch.equal(torch.isinf(scores[..., :K]), torch.isinf(want)) and torch.isinf(scores[..., K:]).all()
@@ -353,7 +352,7 @@ def test_grpo_loss_outside_truncation():
 @pytest.mark.parametrize("height,width", [(64, 64), (64, 96)])
 def test_rope_positions(pipe, height, width):
     """Prompt + decode positions equal those that GlmImageModel computes for generate."""
-    r = grpo.sample_group(pipe, "a cat", 4, height, width, T, seed=0)
+    r = sample_group(pipe, "a cat", 4, height, width, T, seed=0)
     core = pipe.vision_language_encoder.model
     P, N = r.inputs["input_ids"].shape[1], r.tokens.shape[1]
     prompt_pos, _ = core.get_rope_index(r.inputs["input_ids"], r.inputs["image_grid_thw"],
@@ -372,7 +371,7 @@ def test_token_logprobs(pipe, sharp_pipe, height, width):
     """Parity: teacher-forced log-probs equal the sampler's within 1e-5 (float32), on a plain and a sharpened
     model, square and non-square; a forward without explicit positions is far off on the sharpened model."""
     for p in (pipe, sharp_pipe):
-        r = grpo.sample_group(p, "a cat", 4, height, width, T, seed=1)
+        r = sample_group(p, "a cat", 4, height, width, T, seed=1)
         lp = grpo.token_logprobs(p.vision_language_encoder, r.inputs, r.tokens, T)
         assert lp.shape == r.tokens.shape and (lp - r.logprobs).abs().max() <= 1e-5
     # the naive forward: model(prompt + tokens) lets get_rope_index put image tokens on the 1D ramp
@@ -387,7 +386,7 @@ def test_token_logprobs(pipe, sharp_pipe, height, width):
 
 def test_token_logprobs_temperature_mismatch(sharp_pipe):
     """Peer bug: scoring at T = 1 what was sampled at T = 0.9 gives a step-0 ratio far from 1."""
-    r = grpo.sample_group(sharp_pipe, "a cat", 4, 64, 64, T, seed=2)
+    r = sample_group(sharp_pipe, "a cat", 4, 64, 64, T, seed=2)
     wrong = grpo.token_logprobs(sharp_pipe.vision_language_encoder, r.inputs, r.tokens, 1.0)
     _, m = grpo.grpo_loss(wrong, r.logprobs, None, torch.ones(4), 0.2, 0.0)
     assert max(m["ratio_max"] - 1, 1 - m["ratio_min"]) > 0.2
@@ -395,7 +394,7 @@ def test_token_logprobs_temperature_mismatch(sharp_pipe):
 
 def test_token_logprobs_one_prompt_per_call(pipe):
     """Rows of different prompts in one call would be scored at row 0's positions: refused with a clear error."""
-    a, b = (grpo.sample_group(pipe, p, 2, 96, 96, T, seed=0) for p in ("a red circle", "a blue square"))
+    a, b = (sample_group(pipe, p, 2, 96, 96, T, seed=0) for p in ("a red circle", "a blue square"))
     assert a.inputs["input_ids"].shape == b.inputs["input_ids"].shape  # same length, different words
     both = {k: torch.cat([a.inputs[k], b.inputs[k]]) for k in a.inputs}
     with pytest.raises(ValueError, match="one prompt.s samples"):
@@ -405,7 +404,7 @@ def test_token_logprobs_one_prompt_per_call(pipe):
 def test_token_logprobs_differentiable(pipe):
     """Gradients reach the AR weights through token_logprobs."""
     ar = copy.deepcopy(pipe.vision_language_encoder)
-    r = grpo.sample_group(pipe, "a cat", 2, 64, 64, T, seed=0)
+    r = sample_group(pipe, "a cat", 2, 64, 64, T, seed=0)
     grpo.token_logprobs(ar, r.inputs, r.tokens, T).sum().backward()
     assert ar.lm_head.weight.grad.abs().sum() > 0
 
@@ -447,7 +446,7 @@ def test_encode_source(pipe):
 def test_rope_positions_editing(pipe, height, width):
     """With a source in the prompt, the explicit positions equal those generate uses; the text-to-image positions
     (the whole prompt on a 1D ramp) applied to the editing prompt are wrong."""
-    r = grpo.sample_group(pipe, "make it red", 2, height, width, T, seed=0, source=smooth_source(height, width))
+    r = sample_group(pipe, "make it red", 2, height, width, T, seed=0, source=smooth_source(height, width))
     core, cfg = pipe.vision_language_encoder.model, pipe.vision_language_encoder.config
     P, N = r.inputs["input_ids"].shape[1], r.tokens.shape[1]
     assert r.preview_hw == (0, 0) and N == (height // 32) * (width // 32)
@@ -467,7 +466,7 @@ def test_token_logprobs_editing(pipe, sharp_pipe, height, width):
     sharpened, square and not, and with LoRA (first-step ratio exactly 1); the text-to-image positions are far off."""
     source = smooth_source(height, width)
     for p in (pipe, sharp_pipe):
-        r = grpo.sample_group(p, "make it red", 4, height, width, T, seed=1, source=source)
+        r = sample_group(p, "make it red", 4, height, width, T, seed=1, source=source)
         with torch.no_grad():
             lp = grpo.token_logprobs(p.vision_language_encoder, r.inputs, r.tokens, T)
         assert (lp - r.logprobs).abs().max() <= 1e-5
@@ -481,7 +480,7 @@ def test_token_logprobs_editing(pipe, sharp_pipe, height, width):
     assert (wrong - r.logprobs).abs().max() > 0.1  # nats
     lora_pipe = fresh_pipe()
     policy = lora_policy(lora_pipe)
-    r = grpo.sample_group(lora_pipe, "make it red", 4, height, width, T, seed=2, source=source)
+    r = sample_group(lora_pipe, "make it red", 4, height, width, T, seed=2, source=source)
     opt = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=1e-3)
     m = grpo.train_step(policy, opt, [r], torch.tensor([[1.0, -1.0, 0.5, -0.5]]), policy, temperature=T,
                         clip_eps=0.2, kl_beta=0.04, micro_batch_size=2, max_grad_norm=1.0)
@@ -498,8 +497,8 @@ def test_prior_ids():
 
 def test_decode_images_editing(pipe):
     """The DiT sees the source: the same tokens decode differently with another source or none; deterministic."""
-    r = grpo.sample_group(pipe, "make it red", 2, 64, 64, T, seed=0, source=smooth_source(seed=0))
-    other = grpo.sample_group(pipe, "make it red", 2, 64, 64, T, seed=0, source=smooth_source(seed=5)).source
+    r = sample_group(pipe, "make it red", 2, 64, 64, T, seed=0, source=smooth_source(seed=0))
+    other = sample_group(pipe, "make it red", 2, 64, 64, T, seed=0, source=smooth_source(seed=5)).source
 
     def decode(source):
         return grpo.decode_images(pipe, "make it red", r.tokens, r.large_hw, 64, 64, 2, seed=0, source=source)
@@ -512,7 +511,7 @@ def test_decode_images_editing(pipe):
 def test_decode_images_edits_as_the_pipeline(pipe, monkeypatch):
     """Editing: the source's prior ids and grid that decode_images hands the DiT are what GlmImagePipeline makes of the
     source's codes (its _upsample_token_ids: 2x, as generate_prior_tokens does), one copy per sample."""
-    r = grpo.sample_group(pipe, "make it red", 2, 64, 64, T, seed=0, source=smooth_source(seed=0))
+    r = sample_group(pipe, "make it red", 2, 64, 64, T, seed=0, source=smooth_source(seed=0))
     (hs, ws), upsampled = r.source.grid_hw, pipe._upsample_token_ids(r.source.codes, *r.source.grid_hw)
     calls, call = [], type(pipe).__call__
     monkeypatch.setattr(type(pipe), "__call__", lambda self, **kw: calls.append(kw) or call(self, **kw))
@@ -527,7 +526,7 @@ def test_decode_images_edits_as_the_pipeline(pipe, monkeypatch):
 
 def test_decode_images(pipe):
     """(G, 3, H, W) in [0, 1]; deterministic for a seed; changes with the large-grid tokens only."""
-    r = grpo.sample_group(pipe, "a cat", 4, 64, 96, T, seed=0)
+    r = sample_group(pipe, "a cat", 4, 64, 96, T, seed=0)
     images = grpo.decode_images(pipe, "a cat", r.tokens, r.large_hw, 64, 96, 2, seed=0)
     assert images.shape == (4, 3, 64, 96) and images.dtype == torch.float32
     assert images.min() >= 0 and images.max() <= 1 and images.std() > 0
@@ -552,7 +551,7 @@ def test_decode_images(pipe):
 def real_size_rollout(request, sharp_pipe):
     """One G=2 group on the sharpened tiny model at a real resolution (~10 s each on 2 cores)."""
     height, width = request.param
-    return height, width, grpo.sample_group(sharp_pipe, "a cat", 2, height, width, T, seed=0)
+    return height, width, sample_group(sharp_pipe, "a cat", 2, height, width, T, seed=0)
 
 
 def test_real_resolution_layout(real_size_rollout):
@@ -876,7 +875,7 @@ def test_micro_batch_loss(random_pipe):
     update its sampler_gap is float error and no sampled token is outside the truncation; its gradient is the loss's
     (the random model: the pre-trained one's nucleus is often one code, whose log-prob 0 has no gradient)."""
     pipe = random_pipe
-    r = grpo.sample_group(pipe, "two blue squares", 4, 64, 64, T, seed=3, top_p=0.9)
+    r = sample_group(pipe, "two blue squares", 4, 64, 64, T, seed=3, top_p=0.9)
     adv = torch.tensor([1.0, -1.0, 0.5, -0.5])
     n_preview = r.preview_hw[0] * r.preview_hw[1]
     ar = pipe.vision_language_encoder
@@ -904,7 +903,7 @@ def test_micro_batch_loss_correction(pipe, policy_dist):
     grpo_loss of the trainer's log-probs with the weights exp(old - sampled), per token over the loss's tokens, or per
     sequence over ALL its sampled tokens (the preview conditions the large grid), truncated or masked at the cap,
     times the nucleus' mass under p; the mismatch is logged over all tokens and reads the perturbation only."""
-    r = grpo.sample_group(pipe, "two blue squares", 4, 64, 64, T, seed=3, top_p=0.9)
+    r = sample_group(pipe, "two blue squares", 4, 64, 64, T, seed=3, top_p=0.9)
     noise = 0.3 * torch.randn(r.logprobs.shape, generator=torch.Generator().manual_seed(0)).to(DEVICE)
     full = policy_dist == "full"
     r = r._replace(full_logprobs=r.full_logprobs + noise) if full else r._replace(logprobs=r.logprobs + noise)
@@ -947,7 +946,7 @@ def test_train_step_correction(random_pipe):
     a gap of -0.3 weighs e^-0.3 (the direction), 1.0 is cut to the cap 2 (truncate) or to 0 (mask). A gap on the
     PREVIEW tokens only (outside the loss): token modes are untouched, sequence modes see it (the preview conditions
     the large grid): its sum over 256 tokens is cut to 2 (truncate) or masks the sequence (0)."""
-    r = grpo.sample_group(random_pipe, "a red circle", 4, 64, 64, T, seed=1)
+    r = sample_group(random_pipe, "a red circle", 4, 64, 64, T, seed=1)
     n_preview = r.preview_hw[0] * r.preview_hw[1]
     adv = torch.tensor([[1.0, -1.0, 0.5, -0.5]])
     base, _ = grads_after_step(random_pipe, [r], adv, 2, correction="none")
@@ -1038,7 +1037,7 @@ def test_train_step_float32_corrections(random_pipe):
     float error against the teacher-forced trainer, on the random model whose nucleus is wide): in every
     --sampler-correction mode the mismatch metrics read <= 1e-5, the weights 1 +- 1e-4 and the gradient equals the
     uncorrected one within 1e-4; the nucleus' mass is below 1 (the truncation is real) and weighs the gradient down."""
-    r = grpo.sample_group(random_pipe, "a red circle", 4, 64, 64, T, seed=2, top_p=0.75)
+    r = sample_group(random_pipe, "a red circle", 4, 64, 64, T, seed=2, top_p=0.75)
     adv = torch.tensor([[1.0, -1.0, 0.5, -0.5]])
     kw = dict(top_p=0.75, policy_dist="full", truncation_weight="mass")
     plain, _ = grads_after_step(random_pipe, [r], adv, 4, correction="none", **kw)
@@ -1099,7 +1098,7 @@ def test_train_step_follows_support(random_pipe, kl_beta):
     sampled code, every log-prob is 0, so no gradient at all (KL on or off) and a one-code share of 1; with
     --policy-dist full the support is ignored (the full softmax), whatever it holds."""
     K = random_pipe.vision_language_encoder.config.vq_config.num_embeddings
-    r = grpo.sample_group(random_pipe, "a red circle", 4, 64, 64, T, seed=2, top_p=0.75)
+    r = sample_group(random_pipe, "a red circle", 4, 64, 64, T, seed=2, top_p=0.75)
     adv = torch.tensor([[1.0, -1.0, 0.5, -0.5]])
     kw = dict(kl_beta=kl_beta, mu=2, train_tokens="all", top_p=0.75, lr=1.0, policy_dist="truncated")
     plain, m_plain = grads_after_step(random_pipe, [r._replace(support=None)], adv, 2, **{**kw, "top_p": 1.0})
@@ -1120,7 +1119,7 @@ def test_train_step_kl_untruncated(random_pipe):
     """The KL that shows drift: against a reference that differs from the policy, a one-code nucleus makes the loss's
     `kl` 0 on every token, while `kl_untruncated` (k3 of the full softmaxes) equals its hand computation, > 0."""
     K = random_pipe.vision_language_encoder.config.vq_config.num_embeddings
-    r = narrowed(grpo.sample_group(random_pipe, "a red circle", 4, 64, 64, T, seed=2, top_p=0.75), K)
+    r = narrowed(sample_group(random_pipe, "a red circle", 4, 64, 64, T, seed=2, top_p=0.75), K)
     policy = copy.deepcopy(random_pipe.vision_language_encoder)
     with torch.no_grad():
         policy.lm_head.weight.mul_(1.5)  # a policy that drifted from the reference
@@ -1138,7 +1137,7 @@ def test_train_step_kl_untruncated(random_pipe):
 
 def test_train_step_micro_batching(pipe):
     """Micro-batches of 1 give the full-batch gradient within 1e-5 relative (accumulation divides by n)."""
-    rollouts = [grpo.sample_group(pipe, p, 4, 64, 64, T, seed=s) for s, p in enumerate(["a cat", "a dog"])]
+    rollouts = [sample_group(pipe, p, 4, 64, 64, T, seed=s) for s, p in enumerate(["a cat", "a dog"])]
     advantages = torch.tensor([[1.0, -1.0, 0.5, -0.5], [0.3, 0.3, -0.9, 0.3]])
     full, m_full = grads_after_step(pipe, rollouts, advantages, 4)
     micro, m_micro = grads_after_step(pipe, rollouts, advantages, 1)
@@ -1156,7 +1155,7 @@ def test_train_step(sharp_pipe):
     policy = pipe.vision_language_encoder
     for layer in policy.model.language_model.layers:  # peer bug: dropout on in training but not in sampling
         layer.self_attn.attention_dropout = 0.5
-    r = grpo.sample_group(pipe, "a cat", 4, 64, 64, T, seed=0)
+    r = sample_group(pipe, "a cat", 4, 64, 64, T, seed=0)
     policy.train()
     before = policy.lm_head.weight.detach().clone()
     opt = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=1e-3)
@@ -1178,7 +1177,7 @@ def test_train_step(sharp_pipe):
 
 def test_train_step_mu(pipe):
     """With mu > 1 the later updates see ratios != 1, and the clip starts to act."""
-    r = grpo.sample_group(pipe, "a cat", 4, 64, 64, T, seed=0)
+    r = sample_group(pipe, "a cat", 4, 64, 64, T, seed=0)
     policy = copy.deepcopy(pipe.vision_language_encoder)
     opt = torch.optim.SGD([p for p in policy.parameters() if p.requires_grad], lr=50.0)
     m = grpo.train_step(policy, opt, [r], torch.tensor([[1.0, -1.0, 1.0, -1.0]]), None, temperature=T,
@@ -1205,7 +1204,7 @@ def test_disable_dropout():
     ar = pipe.vision_language_encoder
     for layer in ar.model.language_model.layers:
         layer.self_attn.attention_dropout = 0.5
-    r = grpo.sample_group(pipe, "a cat", 2, 64, 64, T, seed=0)  # sample_group switches dropout off (eval)
+    r = sample_group(pipe, "a cat", 2, 64, 64, T, seed=0)  # sample_group switches dropout off (eval)
     ar.train()
     torch.manual_seed(0)
     with torch.no_grad():
@@ -1239,7 +1238,7 @@ try:
     grpo.parse_config([])
     raise AssertionError("parse_config ran without helpers/")
 except SystemExit as refused:  # one line naming what it needs
-    assert "helpers/run.py" in str(refused) and "\\n" not in str(refused), refused
+    assert "needs helpers/ beside grpo.py" in str(refused) and "\\n" not in str(refused), refused
 cfg = grpo.with_defaults(grpo.Config(model="tiny", group_size=4, height=64, width=64, num_inference_steps=1))
 pipe = grpo.load_glm_image({tiny!r})  # a model folder
 policy = pipe.vision_language_encoder  # the whole AR trains (the tiny defaults: no LoRA)
@@ -1275,6 +1274,22 @@ def test_grpo_copied_alone(tmp_path):
     done = subprocess.run([sys.executable, "step.py"], cwd=tmp_path, capture_output=True, text=True, env=env,
                           timeout=300)
     assert done.returncode == 0 and "copied alone: torch.Size([2, 4])" in done.stdout, done.stderr[-3000:]
+
+
+def test_grpo_layout():
+    """The lesson's shape (issue 47): every top-level function of grpo.py has a test_<name> here, grpo.py is at most
+    700 lines, at most 5 of them over 100 columns, and no function is over 45 lines."""
+    import ast
+    source = (ROOT / "grpo.py").read_text()
+    functions = [n for n in ast.parse(source).body if isinstance(n, ast.FunctionDef)]
+    tests = {name for name in globals() if name.startswith("test_")}
+    untested = [f.name for f in functions if not any(t == f"test_{f.name}" or t.startswith(f"test_{f.name}_")
+                                                     for t in tests)]
+    assert len(functions) > 30 and not untested, untested
+    lines = source.splitlines()
+    assert len(lines) <= 700 and sum(len(line) > 100 for line in lines) <= 5
+    longest = max(functions, key=lambda f: f.end_lineno - f.lineno)
+    assert longest.end_lineno - longest.lineno + 1 <= 45, longest.name
 
 
 def test_main_defaults(tmp_path):
@@ -1405,7 +1420,7 @@ def test_main_editing(tmp_path):
 
 def test_train_step_nonfinite(pipe):
     """A NaN loss skips the update (counted), and the weights stay finite and unchanged."""
-    r = grpo.sample_group(pipe, "a cat", 4, 64, 64, T, seed=0)
+    r = sample_group(pipe, "a cat", 4, 64, 64, T, seed=0)
     policy = copy.deepcopy(pipe.vision_language_encoder)
     before = [p.detach().clone() for p in policy.parameters()]
     opt = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=1e-2)
@@ -1442,65 +1457,12 @@ def test_main_zero_spread_group(tmp_path, monkeypatch):
     assert all(x["loss"] == 0 for x in lines)
 
 
-# ---- LoRA and gradient checkpointing (the scale path) --------------------------------------------
-
-
-def lora_policy(pipe, rank=4, seed=0):
-    policy = setup.apply_lora(pipe.vision_language_encoder, rank)
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():  # LoRA starts as a no-op (B = 0); give it weights so the tests can see it
-        for name, p in policy.named_parameters():
-            if "lora_B" in name:
-                p.copy_(torch.randn(p.shape, generator=g) * 0.5)
-    return policy
-
-
-def test_apply_lora():
-    """LoRA: only adapter weights train; sampler/trainer parity and ratio 1 at step 0; the reference with the
-    adapter off equals the base model; the adapter saves and loads back in the peft format."""
-    pipe = fresh_pipe()
-    base = copy.deepcopy(pipe.vision_language_encoder)
-    policy = lora_policy(pipe)
-    trainable = [n for n, p in policy.named_parameters() if p.requires_grad]
-    assert trainable and all("lora_" in n for n in trainable)
-    assert any("gate_up_proj" in n for n in trainable) and any("q_proj" in n for n in trainable)
-    r = grpo.sample_group(pipe, "a cat", 4, 64, 96, T, seed=0)  # samples through the injected adapters
-    lp = grpo.token_logprobs(policy, r.inputs, r.tokens, T)
-    assert (lp - r.logprobs).abs().max() <= 1e-5
-    ref = grpo.reference_model(policy, 0.04)
-    assert ref is policy  # no second copy
-    with torch.no_grad():
-        base_lp = grpo.token_logprobs(base, r.inputs, r.tokens, T)
-    for ref_lp in grpo.reference_logprobs(ref, r.inputs, r.tokens, T):  # over the policy's distribution, and full
-        assert (ref_lp - base_lp).abs().max() <= 1e-5
-    assert (base_lp - r.logprobs).abs().max() > 1e-3  # the adapter matters
-    opt = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=1e-3)
-    m = grpo.train_step(policy, opt, [r], torch.tensor([[1.0, -1.0, 0.5, -0.5]]), ref, temperature=T,
-                        clip_eps=0.2, kl_beta=0.04, micro_batch_size=2, max_grad_norm=1.0)
-    assert m["ratio_min"] == m["ratio_max"] == 1 and m["sampler_gap"] <= 1e-5 and m["kl"] > 0
-    assert all(p.grad is None for n, p in policy.named_parameters() if "lora_" not in n)
-    adapters = [setup.apply_lora(fresh_pipe().vision_language_encoder, 4, seed) for seed in (0, 0, 1)]
-    a, b, c = ({n: p for n, p in m.named_parameters() if "lora_A" in n} for m in adapters)
-    assert a and a.keys() == b.keys() == c.keys()  # the loops below compare something
-    assert all(torch.equal(a[n], b[n]) for n in a) and not all(torch.equal(a[n], c[n]) for n in a)  # seeded init
-
-
-def test_apply_lora_save_load(tmp_path):
-    """main with --lora-rank writes a peft adapter that PeftModel.from_pretrained loads onto the tiny AR."""
-    from peft import PeftModel
-    tiny_run(tmp_path, tmp_path / "lora", "--steps", "2", "--lora-rank", "4", "--lr", "0.05", "--kl-beta", "0.04")
-    assert (tmp_path / "lora" / "final" / "adapter_config.json").is_file()
-    loaded = PeftModel.from_pretrained(fresh_pipe().vision_language_encoder, tmp_path / "lora" / "final")
-    state = run_io.read_checkpoint(tmp_path / "lora" / "checkpoint.pt")["weights"]
-    for name, p in loaded.named_parameters():
-        if "lora_" in name:
-            key = name.replace(".lora_A.weight", ".lora_A.default.weight").replace(".lora_B.weight", ".lora_B.default.weight")
-            assert torch.equal(p.cpu(), state[key] if key in state else state[name])
+# ---- gradient checkpointing (the scale path; LoRA and the set-up: tests/test_setup.py) -----------
 
 
 def test_gradient_checkpointing(pipe):
     """Gradient checkpointing gives the same gradients as without, within 1e-5 relative."""
-    r = grpo.sample_group(pipe, "a cat", 4, 64, 64, T, seed=0)
+    r = sample_group(pipe, "a cat", 4, 64, 64, T, seed=0)
     adv = torch.tensor([[1.0, -1.0, 0.5, -0.5]])
     plain, _ = grads_after_step(pipe, [r], adv, 2)
     ckpt_pipe = copy.deepcopy(pipe)
@@ -1542,7 +1504,7 @@ def test_torchrun_equals_one_process(tmp_path, extra):
     assert_same_weights(tmp_path / "one" / "final", tmp_path / "two" / "final")
     if "--lora-rank" not in extra:  # the zero-gradient entries excepted above change nothing the model computes
         from transformers import GlmImageForConditionalGeneration
-        r = grpo.sample_group(fresh_pipe(), "a cat", 2, 64, 64, T, seed=0)
+        r = sample_group(fresh_pipe(), "a cat", 2, 64, 64, T, seed=0)
         with torch.no_grad():
             one, two = (grpo.token_logprobs(GlmImageForConditionalGeneration.from_pretrained(tmp_path / d / "final")
                                             .to(DEVICE), r.inputs, r.tokens, T) for d in ("one", "two"))
@@ -1566,12 +1528,12 @@ rank, world, _ = parallel.start_processes("cpu")
 pipe = grpo.load_glm_image("tiny")
 policy = setup.apply_lora(pipe.vision_language_encoder, 4) if {lora} else pipe.vision_language_encoder
 reference = copy.deepcopy(policy)  # unsharded, on every process: the one-process gradient over both groups
-both = [grpo.sample_group(pipe, "a cat", 4, 64, 64, 0.9, seed=s) for s in range(2)]
+both = [sample_group(pipe, "a cat", 4, 64, 64, 0.9, seed=s) for s in range(2)]
 advantages = torch.tensor([[1.0, -1.0, 0.5, -0.5], [0.3, 0.3, -0.9, 0.3]])
 parallel.shard(policy, torch.float32)
 opt = torch.optim.SGD([p for p in policy.parameters() if p.requires_grad], lr=0.0)
 with parallel.unsharded(policy):
-    r = grpo.sample_group(pipe, "a cat", 4, 64, 64, 0.9, seed=rank)
+    r = sample_group(pipe, "a cat", 4, 64, 64, 0.9, seed=rank)
 sampling = dict(counts)
 counts.update(all_gather=0, reduce_scatter=0)
 grpo.train_step(policy, opt, [r], advantages[rank:rank + 1], None, temperature=0.9, clip_eps=0.2,
@@ -1660,22 +1622,6 @@ def test_only_ar_trains():
     assert any(p.requires_grad for p in ar.model.language_model.parameters()) and not ar.training
 
 
-def test_setup_training():
-    """The AR is the policy with AdamW over exactly its trainable weights at --lr; the reference is a frozen copy
-    (None at beta 0); --offload moves the DiT, VAE and T5 to the CPU."""
-    pipe = grpo.only_ar_trains(tiny_glm_image(0))
-    cfg = grpo.with_defaults(grpo.Config(model="tiny", lr=2e-4, kl_beta=0.1, offload=True))
-    policy, ref, opt = setup.setup_training(pipe, cfg, torch.float32, 1, grpo.reference_model)
-    trainable = [p for p in policy.parameters() if p.requires_grad]
-    assert policy is pipe.vision_language_encoder and opt.param_groups[0]["lr"] == 2e-4
-    assert [id(p) for p in opt.param_groups[0]["params"]] == [id(p) for p in trainable]
-    assert ref is not policy and not any(p.requires_grad for p in ref.parameters())
-    assert pipe.transformer.device.type == "cpu"
-    _, none, _ = setup.setup_training(pipe, dataclasses.replace(cfg, kl_beta=0.0), torch.float32, 1,
-                                      grpo.reference_model)
-    assert none is None
-
-
 def test_code_logprobs_unsort_example():
     """The worked example in code_logprobs: scores [2, 0, 1] at top-p 0.75 drop code 1 (the least likely) only."""
     kept = grpo.code_logprobs(torch.tensor([2.0, 0.0, 1.0]), 1.0, 3, top_p=0.75).isfinite()
@@ -1717,10 +1663,10 @@ def test_sample_groups(random_pipe, lesson):
     prompts, sources = ["a red circle", "make it red"], [None, smooth_source(64, 64)]
     rollouts = grpo.sample_groups(random_pipe, prompts, 2, 64, 64, T, [4, 5], sources)
     for prompt, source, seed, r in zip(prompts, sources, [4, 5], rollouts):
-        alone = grpo.sample_group(random_pipe, prompt, 2, 64, 64, T, seed, source)
+        alone = sample_group(random_pipe, prompt, 2, 64, 64, T, seed, source)
         assert torch.equal(r.tokens, alone.tokens) and torch.equal(r.inputs["input_ids"], alone.inputs["input_ids"])
         assert r.preview_hw == ((0, 0) if source is not None else (16, 16)) and r.large_hw == (2, 2)
-    assert not torch.equal(rollouts[0].tokens, grpo.sample_group(random_pipe, prompts[0], 2, 64, 64, T, 5).tokens)
+    assert not torch.equal(rollouts[0].tokens, sample_group(random_pipe, prompts[0], 2, 64, 64, T, 5).tokens)
 
 
 def test_logprob_of():
@@ -1734,7 +1680,7 @@ def test_token_logits(sharp_pipe):
     sampler saw before drawing it (its log-prob from them), and the positions matter (the text ramp gives others)."""
     ar = sharp_pipe.vision_language_encoder
     K = ar.config.vq_config.num_embeddings
-    r = grpo.sample_group(sharp_pipe, "a red circle", 2, 64, 96, T, seed=1)
+    r = sample_group(sharp_pipe, "a red circle", 2, 64, 96, T, seed=1)
     with torch.no_grad():
         logits = grpo.token_logits(ar, r.inputs, r.tokens)
         ramp = ar(input_ids=torch.cat([r.inputs["input_ids"], r.tokens[:, :-1]], 1),
@@ -1768,29 +1714,12 @@ def test_k3_kl():
     assert kl[0, 4] == pytest.approx(math.exp(20) - 21, rel=1e-5)  # capped: finite
 
 
-def test_reference_logprobs(pipe):
-    """Under the frozen reference: on the policy's distribution (with its truncation) and on the whole softmax, each
-    as token_logprobs gives them; a LoRA reference is the policy with its adapter off."""
-    ar = pipe.vision_language_encoder
-    r = grpo.sample_group(pipe, "a red circle", 2, 64, 64, T, seed=0, top_p=0.75)
-    ref, full = grpo.reference_logprobs(ar, r.inputs, r.tokens, T, 0, 0.75, kept_codes(r, ar))
-    with torch.no_grad():
-        assert torch.allclose(ref, grpo.token_logprobs(ar, r.inputs, r.tokens, T, 0, 0.75, kept_codes(r, ar)))
-        assert torch.allclose(full, grpo.token_logprobs(ar, r.inputs, r.tokens, T))
-    lora = setup.apply_lora(copy.deepcopy(ar), 4)
-    for name, p in lora.named_parameters():
-        if "lora_B" in name:
-            p.data.fill_(0.5)  # the adapter now changes the policy
-    off, _ = grpo.reference_logprobs(lora, r.inputs, r.tokens, T, 0, 0.75, kept_codes(r, ar))
-    assert torch.allclose(off, ref, atol=1e-5)
-
-
 def test_micro_batches(pipe):
     """P groups cut into MicroBatches of `size` rows, a group's rows in order, never two groups in one; each with its
     group's inputs, its rows' tokens, log-probs, advantages, kept codes (the sampler's bits unpacked) and the preview's
     length."""
     K = codebook(pipe.vision_language_encoder)
-    rollouts = [grpo.sample_group(pipe, p, 4, 64, 64, T, seed=s, top_p=top_p)
+    rollouts = [sample_group(pipe, p, 4, 64, 64, T, seed=s, top_p=top_p)
                 for s, (p, top_p) in enumerate([("a cat", 1.0), ("a dog", 0.75)])]
     advantages = torch.arange(8.0).view(2, 4)
     batches = grpo.micro_batches(rollouts, advantages, 3, K)
@@ -1803,9 +1732,10 @@ def test_micro_batches(pipe):
 
 def test_frozen_logprobs(random_pipe):
     """Before the first update: pi_old only when mu > 1 (None at mu 1: the current policy is the old one), the
-    reference only when kl_beta > 0; both on the trained distribution (p under --policy-dist full)."""
+    reference only when kl_beta > 0, on the trained distribution (p under --policy-dist full, the sampler's
+    truncation under truncated) and on the whole softmax p; a LoRA reference is the policy with its adapter off."""
     ar = random_pipe.vision_language_encoder
-    r = grpo.sample_group(random_pipe, "a cat", 2, 64, 64, T, seed=0, top_p=0.75)
+    r = sample_group(random_pipe, "a cat", 2, 64, 64, T, seed=0, top_p=0.75)
     batches = grpo.micro_batches([r], torch.tensor([[1.0, -1.0]]), 2, codebook(ar))
     olds, refs = grpo.frozen_logprobs(ar, None, batches, 1, temperature=T, kl_beta=0.0, top_p=0.75)
     assert olds == [None] and refs == [None]
@@ -1814,6 +1744,15 @@ def test_frozen_logprobs(random_pipe):
         full = grpo.token_logprobs(ar, r.inputs, r.tokens, T)
         cut = grpo.token_logprobs(ar, r.inputs, r.tokens, T, 0, 0.75, kept_codes(r, ar))
     assert torch.allclose(olds[0], full) and torch.allclose(refs[0][0], full) and torch.allclose(refs[0][1], full)
-    olds, _ = grpo.frozen_logprobs(ar, None, batches, 2, temperature=T, kl_beta=0.0, top_p=0.75,
-                                   policy_dist="truncated")
+    olds, refs = grpo.frozen_logprobs(ar, ar, batches, 2, temperature=T, kl_beta=0.1, top_p=0.75,
+                                      policy_dist="truncated")
     assert torch.allclose(olds[0], cut) and not torch.allclose(cut, full)
+    assert torch.allclose(refs[0][0], cut) and torch.allclose(refs[0][1], full)  # the reference: on q, and on p
+    lora = setup.apply_lora(copy.deepcopy(ar), 4)
+    for name, p in lora.named_parameters():
+        if "lora_B" in name:
+            p.data.fill_(0.5)  # the adapter now changes the policy
+    (changed,), (off,) = grpo.frozen_logprobs(lora, lora, batches, 2, temperature=T, kl_beta=0.1, top_p=0.75,
+                                              policy_dist="truncated")
+    assert torch.allclose(off[0], cut, atol=1e-5) and torch.allclose(off[1], full, atol=1e-5)  # the adapter off
+    assert (changed - cut).abs().max() > 1e-3  # ... and on for pi_old: the adapter matters

@@ -41,6 +41,24 @@ def codebook(model) -> int:
     return model.config.vq_config.num_embeddings
 
 
+def sample_group(pipe, prompt, group_size, height, width, temperature, seed, source=None, top_k=0, top_p=1.0):
+    """One prompt's Rollout: grpo.sample_groups with one group."""
+    return grpo.sample_groups(pipe, [prompt], group_size, height, width, temperature, [seed],
+                              None if source is None else [source], top_k, top_p)[0]
+
+
+def lora_policy(pipe, rank=4, seed=0):
+    """The tiny AR with LoRA adapters of `rank` whose B weights are random (peft starts them at 0: a no-op)."""
+    from helpers import setup
+    policy = setup.apply_lora(pipe.vision_language_encoder, rank)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():  # LoRA starts as a no-op (B = 0); give it weights so the tests can see it
+        for name, p in policy.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+    return policy
+
+
 def kept_codes(rollout, model):
     """A rollout's kept codes as the trainer sees them, (G, N, K) bool (micro_batches unpacks the sampler's bits), or
     None (no top-k / top-p)."""

@@ -10,7 +10,7 @@ import torch
 
 import dit_grpo
 import grpo
-from conftest import DEVICE, PARITY, ROOT, run_record as records  # a run's metrics.jsonl lines without the timings
+from conftest import DEVICE, PARITY, ROOT, sample_group, run_record as records  # a run's metrics.jsonl lines without the timings
 
 SIZE = 96  # the tiny model's world: 3x3 large tokens
 
@@ -22,7 +22,7 @@ def pipe():
 
 def world_tokens(pipe, caption="two red circles", seed=0):
     """One AR sample for `caption`: (1, N) tokens and the large grid's size."""
-    r = grpo.sample_group(pipe, caption, 1, SIZE, SIZE, 0.9, seed=seed)
+    r = sample_group(pipe, caption, 1, SIZE, SIZE, 0.9, seed=seed)
     return r.tokens, r.large_hw
 
 

@@ -16,7 +16,7 @@ import grpo
 from helpers import rewards
 from helpers import run
 from helpers import world
-from conftest import ROOT, TINY, picture, run_record
+from conftest import ROOT, TINY, picture, run_record, sample_group
 
 
 def test_edit_grammar_and_split():
@@ -123,7 +123,7 @@ def test_train_tiny_edit_quick(tmp_path):
     assert set(json.loads((out / "training_report.json").read_text())["held_out"]) >= {"accuracy", *world.EDIT_KINDS}
     pipe = grpo.load_glm_image(str(out))
     source = picture({(0, 0): ("red", "circle")})
-    rollout = grpo.sample_group(pipe, "remove the red circle", 2, 96, 96, 0.9, 0, source)
+    rollout = sample_group(pipe, "remove the red circle", 2, 96, 96, 0.9, 0, source)
     assert rollout.tokens.shape == (2, 9) and rollout.source.codes.tolist() == [1] + [0] * 8
 
 

@@ -14,7 +14,7 @@ import torch
 
 import grpo
 from helpers import fast_decode
-from conftest import DEVICE, PARITY, T, run_record, smooth_source, tiny_run
+from conftest import DEVICE, PARITY, T, run_record, sample_group, smooth_source, tiny_run
 from tools.generate_reference import generate_group  # grpo.py's sampler before its decode loop
 
 
@@ -56,7 +56,7 @@ def test_decode_static_cache(pipe, monkeypatch):
     """The fixed-shape step a GPU captures as a CUDA graph (pre-allocated cache, masks over every slot), run eagerly
     here: the same tokens as generate, log-probs within 1e-5, for one group and for groups of different lengths."""
     monkeypatch.setattr(fast_decode, "decode", functools.partial(fast_decode.decode, static=True))
-    r = grpo.sample_group(pipe, "a red circle", 4, 96, 64, T, seed=5, top_p=0.9)
+    r = sample_group(pipe, "a red circle", 4, 96, 64, T, seed=5, top_p=0.9)
     tokens, logprobs, _, _ = generate_group(pipe, "a red circle", 4, 96, 64, T, 5, top_p=0.9)
     assert torch.equal(r.tokens, tokens) and (r.logprobs - logprobs).abs().max() <= 1e-5
     both = grpo.sample_groups(pipe, ["a red circle", "two blue squares above a green triangle"], 2, 96, 96, T, [1, 2])
@@ -144,12 +144,12 @@ def test_decode_keeps_sampling_mask(sharp_pipe):
     code_logprobs on generate's logits, every sampled token inside; without truncation it records nothing."""
     model = sharp_pipe.vision_language_encoder
     K = model.config.vq_config.num_embeddings
-    r = grpo.sample_group(sharp_pipe, "a cat", 3, 64, 96, T, seed=4, top_k=20, top_p=0.8)
+    r = sample_group(sharp_pipe, "a cat", 3, 64, 96, T, seed=4, top_k=20, top_p=0.8)
     tokens, _, _, logits = generate_group(sharp_pipe, "a cat", 3, 64, 96, T, 4, top_k=20, top_p=0.8)
     kept = fast_decode.code_support(r.support, K)
     assert torch.equal(r.tokens, tokens) and torch.equal(kept, grpo.code_logprobs(logits, T, K, 20, 0.8).isfinite())
     assert kept.gather(-1, r.tokens[..., None]).all() and 0 < kept.sum(-1).float().mean() < 20
-    assert grpo.sample_group(sharp_pipe, "a cat", 3, 64, 96, T, seed=4).support is None
+    assert sample_group(sharp_pipe, "a cat", 3, 64, 96, T, seed=4).support is None
 
 
 def test_check_tokens():
@@ -188,7 +188,7 @@ def test_sample_groups_one_decode(random_pipe):
     assert len({r.inputs["input_ids"].shape[1] for r in together}) == 3  # three prompt lengths
     assert all(r.logprobs.exp().mean() < 0.2 for r in together)  # no token is forced: the check has teeth
     for prompt, source, seed, r in zip(prompts, sources, [11, 12, 13], together):
-        alone = grpo.sample_group(pipe, prompt, 3, 64, 64, T, seed, source)
+        alone = sample_group(pipe, prompt, 3, 64, 64, T, seed, source)
         assert torch.equal(r.tokens, alone.tokens) and (r.logprobs - alone.logprobs).abs().max() <= 1e-5
         assert torch.equal(r.inputs["input_ids"], alone.inputs["input_ids"]) and r.large_hw == alone.large_hw
         assert r.preview_hw == alone.preview_hw and (r.source is None) == (source is None)

@@ -18,7 +18,7 @@ from helpers import rewards
 from helpers import run
 from helpers import world
 
-from conftest import picture
+from conftest import picture, sample_group
 
 ROOT = Path(__file__).resolve().parent.parent  # the repository: grpo.py, tools/, examples/
 
@@ -227,7 +227,7 @@ def test_train_tiny_quick(tmp_path):
     report = json.loads((out / "training_report.json").read_text())
     assert set(report["seconds"]) == {"data", "vae", "vq", "dit", "ar", "check"}
     pipe = grpo.load_glm_image(str(out))
-    rollout = grpo.sample_group(pipe, "a red circle", 2, 96, 96, 0.9, seed=0)
+    rollout = sample_group(pipe, "a red circle", 2, 96, 96, 0.9, seed=0)
     assert rollout.tokens.shape == (2, 256 + 9)
 
 

@@ -15,7 +15,7 @@ Prints one markdown table:
     at 64x64 and at 1024x1024 (text rendered with PIL).
 Timings are medians of a few repeats; compare rows as ratios, these machines are noisy.
 
---sampler times grpo.sample_group (grpo.py's decode loop) against `generate` drawing from the same code_logprobs
+--sampler times grpo.sample_groups (grpo.py's decode loop) against `generate` drawing from the same code_logprobs
 (tools/generate_reference.py, grpo.py's sampler before the loop) in one run, in ms per decoding step, and checks that
 both draw the same tokens. CPU: a 40-layer AR at the tiny widths (the per-layer overhead of the real depth, no compute)
 at 1024x1024 with G = 4, and the pre-trained tiny model at its 96x96 (a group of 8, and a demo step's 2 groups of 8
@@ -55,6 +55,11 @@ from tools.generate_reference import generate_group  # noqa: E402  grpo.py's sam
 G, H, W, T, PROMPT = 4, 96, 96, 0.9, "a red square on the left"  # the pre-trained tiny model at its own size
 
 
+def sample_group(pipe, prompt, group_size, height, width, temperature, seed, top_p=1.0):
+    """One prompt's Rollout: grpo.sample_groups with one group."""
+    return grpo.sample_groups(pipe, [prompt], group_size, height, width, temperature, [seed], top_p=top_p)[0]
+
+
 def timed(fn, repeats=3):
     """Median seconds of `repeats` calls, and the last result."""
     times, result = [], None
@@ -83,7 +88,7 @@ def phases(pipe, policy, rows):
     target = run.load_image(ROOT / "examples" / "target_0.png", H, W)
     ref = copy.deepcopy(policy).requires_grad_(False)
     opt = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=1e-3)
-    t, r = timed(lambda: grpo.sample_group(pipe, PROMPT, G, H, W, T, seed=0))
+    t, r = timed(lambda: sample_group(pipe, PROMPT, G, H, W, T, seed=0))
     rows.append(("phase: sample (G=4, one decode)", f"{t:.3f} s"))
     t, images = timed(lambda: grpo.decode_images(pipe, PROMPT, r.tokens, r.large_hw, H, W, 2, seed=0))
     rows.append(("phase: decode (DiT + VAE, whole group)", f"{t:.3f} s"))
@@ -92,7 +97,8 @@ def phases(pipe, policy, rows):
     with torch.no_grad():
         t, _ = timed(lambda: grpo.token_logprobs(policy, r.inputs, r.tokens, T))
     rows.append(("phase: old log-probs (no grad)", f"{t:.3f} s"))
-    t, _ = timed(lambda: grpo.reference_logprobs(ref, r.inputs, r.tokens, T))  # (policy's, full softmax's)
+    batch = grpo.micro_batches([r], torch.zeros(1, G), G, policy.config.vq_config.num_embeddings)
+    t, _ = timed(lambda: grpo.frozen_logprobs(policy, ref, batch, 1, temperature=T, kl_beta=0.1))  # the ref's only
     rows.append(("phase: ref log-probs (no grad)", f"{t:.3f} s"))
     adv = grpo.group_advantages(rewards)[0]
     t_fwd, logp = timed(lambda: grpo.token_logprobs(policy, r.inputs, r.tokens, T))
@@ -112,8 +118,8 @@ def phases(pipe, policy, rows):
 
 def batched_vs_sequential(pipe, rows):
     for g in (4, 8):
-        t_batch, _ = timed(lambda: grpo.sample_group(pipe, PROMPT, g, H, W, T, seed=0), repeats=2)
-        t_seq, _ = timed(lambda: [grpo.sample_group(pipe, PROMPT, 1, H, W, T, seed=s) for s in range(g)], repeats=2)
+        t_batch, _ = timed(lambda: sample_group(pipe, PROMPT, g, H, W, T, seed=0), repeats=2)
+        t_seq, _ = timed(lambda: [sample_group(pipe, PROMPT, 1, H, W, T, seed=s) for s in range(g)], repeats=2)
         rows.append((f"sampling G={g}: batched vs {g} sequential", f"{t_batch:.2f} s vs {t_seq:.2f} s = "
                      f"{t_seq / t_batch:.1f}x faster"))
 
@@ -136,7 +142,7 @@ def full_vs_lora(rows):
         policy = setup.apply_lora(pipe.vision_language_encoder, rank) if rank else pipe.vision_language_encoder
         params = [p for p in policy.parameters() if p.requires_grad]
         opt = torch.optim.AdamW(params, lr=1e-3)
-        r = grpo.sample_group(pipe, PROMPT, G, H, W, T, seed=0)
+        r = sample_group(pipe, PROMPT, G, H, W, T, seed=0)
         adv = torch.tensor([[1.0, -1.0, 0.5, -0.5]])
         t, _ = timed(lambda: grpo.train_step(policy, opt, [r], adv, None, temperature=T, clip_eps=0.2, kl_beta=0.0,
                                              micro_batch_size=G, max_grad_norm=1.0))
@@ -191,7 +197,7 @@ def real_shapes_step(pipe, policy, precision: str, rows, height=1024, width=1024
     peak_rss_reset()
     t0 = time.perf_counter()
     with autocast:
-        r = grpo.sample_group(pipe, PROMPT, group, height, width, T, seed=0)
+        r = sample_group(pipe, PROMPT, group, height, width, T, seed=0)
     t1 = time.perf_counter()
     n_prev, n_large = r.preview_hw[0] * r.preview_hw[1], r.large_hw[0] * r.large_hw[1]
     emit(rows, f"{precision}: token layout", f"{n_prev} preview ({r.preview_hw[0]}x{r.preview_hw[1]}) + {n_large} "
@@ -274,9 +280,9 @@ def sampler_compare(pipe, name, device, group, height, width, prefix=0, repeats=
     """One row set: the decode loop vs generate on one prompt, ms per step, same tokens. `prefix` > 0 times generate
     and the eager loop on the first `prefix` tokens only (the real model's generate takes 139 ms a step)."""
     model = pipe.vision_language_encoder
-    r = grpo.sample_group(pipe, PROMPT, group, height, width, T, seed=0)  # warm-up (and the tokens to compare)
+    r = sample_group(pipe, PROMPT, group, height, width, T, seed=0)  # warm-up (and the tokens to compare)
     n = r.tokens.shape[1]
-    loop_ms, r = per_step(lambda: grpo.sample_group(pipe, PROMPT, group, height, width, T, seed=0), n, device, repeats)
+    loop_ms, r = per_step(lambda: sample_group(pipe, PROMPT, group, height, width, T, seed=0), n, device, repeats)
     m = prefix or n
     gen_ms, (tokens, *_) = per_step(lambda: generate_group(pipe, PROMPT, group, height, width, T, 0,
                                                            max_new_tokens=m), m, device, repeats)
@@ -288,7 +294,7 @@ def sampler_compare(pipe, name, device, group, height, width, prefix=0, repeats=
         original = fast_decode.repeat_step
         fast_decode.repeat_step = eager_prefix(m)
         try:
-            eager_ms, _ = per_step(lambda: grpo.sample_group(pipe, PROMPT, group, height, width, T, seed=0), m, device)
+            eager_ms, _ = per_step(lambda: sample_group(pipe, PROMPT, group, height, width, T, seed=0), m, device)
         finally:
             fast_decode.repeat_step = original
         emit_row(f"{name}: the same loop eager (no CUDA graph), ms per step", f"{eager_ms:.2f} (first {m} tokens)")
@@ -322,11 +328,11 @@ def sampler_cpu(emit_row):
     original = fast_decode.decode
     fast_decode.decode = lambda model, *args, **kwargs: original(compiled, *args, **{**kwargs, "static": True})
     try:
-        first, _ = timed(lambda: grpo.sample_group(pipe, PROMPT, 8, H, W, T, seed=0), repeats=1)
-        then, _ = timed(lambda: grpo.sample_group(pipe, PROMPT, 8, H, W, T, seed=0), repeats=5)
+        first, _ = timed(lambda: sample_group(pipe, PROMPT, 8, H, W, T, seed=0), repeats=1)
+        then, _ = timed(lambda: sample_group(pipe, PROMPT, 8, H, W, T, seed=0), repeats=5)
     finally:
         fast_decode.decode = original
-    eager, _ = timed(lambda: grpo.sample_group(pipe, PROMPT, 8, H, W, T, seed=0), repeats=5)
+    eager, _ = timed(lambda: sample_group(pipe, PROMPT, 8, H, W, T, seed=0), repeats=5)
     emit_row("tiny model: torch.compile on the CPU, first group (compiling) / then per group / eager per group",
              f"{first:.1f} s / {then:.3f} s / {eager:.3f} s: pays off after {first / max(eager - then, 1e-9):.0f} "
              "groups")
@@ -419,7 +425,7 @@ def gap_rows(pipe, name, group, size, top_p, emit_row, train_tokens="large"):
     for logits in ("bf16", "float32"):
         hook = model.lm_head.register_forward_hook(float32_logits) if logits == "float32" else None
         with torch.autocast(device, dtype=torch.bfloat16), torch.no_grad():
-            r = grpo.sample_group(pipe, PROMPT, group, size, size, T, seed=0, top_p=top_p)
+            r = sample_group(pipe, PROMPT, group, size, size, T, seed=0, top_p=top_p)
             raw = grpo.token_logits(model, r.inputs, r.tokens)
             own = grpo.code_logprobs(raw, T, K, 0, top_p).gather(-1, r.tokens[..., None]).squeeze(-1)
             kept = None if r.support is None else fast_decode.code_support(r.support, K)

@@ -31,7 +31,7 @@ def main(repeats: int = 5) -> list[dict]:
     pipe = grpo.load_glm_image("tiny")
     dit = pipe.transformer.requires_grad_(True)
     optimizer = torch.optim.AdamW(dit.parameters(), lr=0.0)  # lr 0: the weights, hence every step's work, stay put
-    rollouts = [grpo.sample_group(pipe, c, 1, 96, 96, 0.9, seed=i) for i, c in enumerate(CAPTIONS)]
+    rollouts = grpo.sample_groups(pipe, CAPTIONS, 1, 96, 96, 0.9, list(range(len(CAPTIONS))))
     rows = []
     for steps, window in SETTINGS:
         times = {"sample": 0.0, "update": 0.0}

@@ -66,7 +66,7 @@ HELD_OUT = ["--eval-prompts", str(ROOT / "examples" / "shapes_heldout.jsonl"), "
 
 
 def shapes_accuracy(pipe, captions: list[str], samples: int = 8, seed: int = 0, cfg: grpo.Config | None = None) -> dict:
-    """`samples` images per caption (the sampling seed fixed per caption), through grpo.sample_group and
+    """`samples` images per caption (the sampling seed fixed per caption), through grpo.sample_groups and
     grpo.decode_images at cfg's settings (default: the tiny model's), scored by the shapes reward ->
     {"accuracy": fraction drawn fully right, "reward": mean score, and the accuracy of each caption kind}. The quick
     reader of tools/train_tiny.py's report and tools/bench_kl_cap.py; the table below reads grpo.py's own evaluation."""
@@ -74,8 +74,8 @@ def shapes_accuracy(pipe, captions: list[str], samples: int = 8, seed: int = 0, 
     right, scores, kinds = [], [], []
     for i, caption in enumerate(captions):
         with torch.no_grad():
-            rollout = grpo.sample_group(pipe, caption, samples, cfg.height, cfg.width, cfg.temperature,
-                                        seed * 1_000_003 + i, top_k=cfg.top_k, top_p=cfg.top_p)
+            rollout, = grpo.sample_groups(pipe, [caption], samples, cfg.height, cfg.width, cfg.temperature,
+                                          [seed * 1_000_003 + i], top_k=cfg.top_k, top_p=cfg.top_p)
             images = grpo.decode_images(pipe, caption, rollout.tokens, rollout.large_hw, cfg.height, cfg.width,
                                         cfg.num_inference_steps, cfg.decode_seed, cfg.guidance_scale)
         score = shapes_reward(images, {"prompt": caption})

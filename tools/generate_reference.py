@@ -1,7 +1,7 @@
 """The sampler grpo.py had before its own decode loop, kept as a reference for the tests and tools/bench.py.
 
 One transformers `generate` for a group (its DynamicCache, its own 3D rotary positions from get_rope_index) drawing
-from grpo.code_logprobs as a logits processor, seeded with torch.manual_seed(seed). grpo.sample_group must draw the
+from grpo.code_logprobs as a logits processor, seeded with torch.manual_seed(seed). grpo.sample_groups must draw the
 very same tokens for a seed (test_grpo.test_generate_draws_what_generate_draws) and be no slower (bench.py
 --sampler).
 """

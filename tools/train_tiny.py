@@ -25,12 +25,12 @@ trained on CPU in the order the picture depends on them, with the pipeline's own
        a) without the 255 leading preview tokens (the prompt, the last preview token and the large grid at their
           true positions): short sequences, so the AR learns in minutes to read its caption. With all 265 tokens
           from the start a tiny AR never looks at the caption (../shared/GLM_IMAGE_NOTES.md).
-       b) the whole sequence, as sample_group generates it: it learns the blank preview and to read through it.
+       b) the whole sequence, as grpo.sample_groups generates it: it learns the blank preview and to read through it.
      A share of the pairs (--noise, 0.4) has a noisy caption: the picture has one mistake the caption does not
      mention (world.corrupt: an object too many or too few, a wrong colour, a wrong place), as web captions do.
      The pre-trained model makes such mistakes too, deliberately: GRPO's `shapes` reward has something to fix.
   6. save_pretrained of the whole pipeline (written beside --out and swapped in), reloaded with
-     GlmImagePipeline.from_pretrained, and its held-out accuracy measured through grpo.sample_group,
+     GlmImagePipeline.from_pretrained, and its held-out accuracy measured through grpo.sample_groups,
      grpo.decode_images and the shapes reward (bench_learning.shapes_accuracy: the fraction of held-out captions x
      samples drawn fully right, at grpo.py's tiny settings).
 

@@ -187,15 +187,15 @@ def save(pipe, tmp: Path) -> None:
 
 
 def held_out_accuracy(pipe, pairs: list[dict], samples: int = 8, seed: int = 0) -> dict:
-    """`samples` results of each held-out pair (seeds fixed per pair), through grpo.sample_group and
+    """`samples` results of each held-out pair (seeds fixed per pair), through grpo.sample_groups and
     grpo.decode_images at the tiny settings, scored by the edit reward -> {"accuracy", "reward", each kind's}."""
     cfg = grpo.parse_config(["--model", "tiny-edit"])
     right, scores, kinds = [], [], []
     for i, pair in enumerate(pairs):
         source = run.load_image(EXAMPLES / pair["source"], SIZE, SIZE, "source")  # as grpo.py loads it
         with torch.no_grad():
-            rollout = grpo.sample_group(pipe, pair["prompt"], samples, cfg.height, cfg.width, cfg.temperature,
-                                        seed * 1_000_003 + i, source, cfg.top_k, cfg.top_p)
+            rollout, = grpo.sample_groups(pipe, [pair["prompt"]], samples, cfg.height, cfg.width, cfg.temperature,
+                                          [seed * 1_000_003 + i], [source], cfg.top_k, cfg.top_p)
             images = grpo.decode_images(pipe, pair["prompt"], rollout.tokens, rollout.large_hw, cfg.height,
                                         cfg.width, cfg.num_inference_steps, cfg.decode_seed, cfg.guidance_scale,
                                         rollout.source)
