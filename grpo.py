@@ -70,7 +70,7 @@ class Config:  # a field per flag (--group-size ...); None: MODEL_DEFAULTS fills
     diversity: float | None = arg(None, "bonus / c on each reward, c its group's same-grid samples")
     clip_eps: float = arg(0.2, "PPO clip: the ratio is clipped to [1 - eps, 1 + eps_high]")
     clip_eps_high: float | None = arg(None, "upper clip (DAPO's clip-higher; default: --clip-eps)")
-    kl_beta: float | None = arg(None, "weight of the KL to the reference (default 0.1 tiny, 0.04)")
+    kl_beta: float | None = arg(None, "weight of the KL to the reference (0.1 tiny, 0.04 real)")
     mu: int | None = arg(None, "updates per batch; > 1 lets the clip act (default 2 tiny, 1 real)")
     lr: float | None = arg(None, "AdamW lr (default 1e-4 tiny, 1e-5 real)")
     steps: int = arg(100, "optimizer steps")
@@ -104,6 +104,10 @@ class Config:  # a field per flag (--group-size ...); None: MODEL_DEFAULTS fills
     offload: bool = arg(False, "keep DiT, VAE, T5 on CPU except to decode")
     # and the run's: --out, --eval-prompts, --save-every, --resume, --device ... (helpers/run.py)
 
+TINY = Path(__file__).resolve().parent / "tiny_glm_image"  # pre-trained by tools/train_tiny.py
+# the tiny model and its editing sibling (tools/train_tiny_edit.py: an AR that edits, the same DiT)
+TINY_MODELS = {"tiny": TINY, "tiny-edit": TINY.with_name("tiny_glm_image_edit")}
+
 MODEL_DEFAULTS = {  # where the command line left a field at None; the tiny demo runs the whole loss
     "tiny": dict(lr=1e-4, kl_beta=0.1, mu=2, diversity=0.0, height=96, width=96, top_p=1.0,
                  num_inference_steps=2, guidance_scale=1.0, group_size=8, prompts_per_step=2,
@@ -131,10 +135,6 @@ def with_defaults(cfg: Config) -> Config:
 
 
 # ---- 2. Loading GLM-Image -----------------------------------------------------------------------
-TINY = Path(__file__).resolve().parent / "tiny_glm_image"  # pre-trained by tools/train_tiny.py
-# the tiny model and its editing sibling (tools/train_tiny_edit.py: an AR that edits, the same DiT)
-TINY_MODELS = {"tiny": TINY, "tiny-edit": TINY.with_name("tiny_glm_image_edit")}
-
 def load_glm_image(name: str, device: str = "cpu", dtype: torch.dtype = torch.float32):
     """GlmImagePipeline from a hub id, a folder or TINY_MODELS; 'random[:L]': GLM-Image built from
     its published configs, random weights, L layers a part (helpers/offline_model.py)."""
@@ -178,7 +178,7 @@ class Source(NamedTuple):
     grid_hw: tuple[int, int]  # (h_s, w_s) = its size / 32
 
 class Prompt(NamedTuple):  # one prompt's group, ready for the AR (group_prompt)
-    inputs: dict  # input_ids (G, P), attention_mask (G, P), image_grid_thw (2G, 3), images_per_sample
+    inputs: dict  # input_ids, attention_mask (G, L), image_grid_thw (2G, 3), images_per_sample
     preview_hw: tuple[int, int]  # the grid the AR writes FIRST (h', w'); (0, 0) when editing
     large_hw: tuple[int, int]  # the grid it writes last (H/32, W/32): the only one the DiT sees
     source: Source | None  # the image being edited, or None (text-to-image)
@@ -265,7 +265,7 @@ def group_prompt(pipe, prompt: str, group_size: int, height: int, width: int,
 
 def rope_positions(input_ids: torch.Tensor, image_grid_thw: torch.Tensor, num_tokens: int,
                    image_start_id: int, image_end_id: int) -> torch.Tensor:
-    """3D rotary positions (3, 1, P + N - 1) of a prompt and its N tokens but the last, as
+    """3D rotary positions (3, 1, L + N - 1) of an L-token prompt and its N tokens but the last, as
     GlmImageModel.get_rope_index gives generate: text is a ramp on all 3 axes; a grid h x w at p
     puts cell (row, col) at (p, p + row, p + col) and the ramp resumes at p + max(h, w). Generated
     grids come in REVERSE order of image_grid_thw (text-to-image: preview, then large). Example:
@@ -293,25 +293,25 @@ def rope_positions(input_ids: torch.Tensor, image_grid_thw: torch.Tensor, num_to
         positions.append(grid(p, h, w))
         p += max(h, w)
     positions = torch.cat(positions, dim=1)[:, : len(ids) + num_tokens - 1]  # the last: never fed
-    return positions[:, None, :].to(image_grid_thw.device)  # (3, 1, P+N-1)
+    return positions[:, None, :].to(image_grid_thw.device)  # (3, 1, L+N-1)
 
 @torch.no_grad()
 def generate(model, group: Prompt, temperature: float, seed: int, top_k: int = 0,
              top_p: float = 1.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The AR's decode loop, as nanoGPT's generate: prefill the prompt once, then N steps of logits
     -> code_logprobs -> draw -> append, a KV cache holding the past -> (G, N) codes, their log-probs
-    under q (what the draw used: top-k / top-p) and under p (the whole softmax). The draws: noise
-    from `seed`, as torch.multinomial; helpers/fast_decode.py draws the same tokens."""
+    under q (what the draw used: top-k / top-p) and under p (the whole softmax). A draw is the race
+    torch.multinomial runs over all V ids: transformers' generate and fast_decode draw the same."""
     from transformers import DynamicCache
-    ids = group.inputs["input_ids"]  # (G, P): one prompt, G times
-    (G, P), (h0, w0), (h, w) = ids.shape, group.preview_hw, group.large_hw
+    ids = group.inputs["input_ids"]  # (G, L): one L-token prompt, G times
+    (G, L), (h0, w0), (h, w) = ids.shape, group.preview_hw, group.large_hw
     N, K, V = h0 * w0 + h * w, model.config.vq_config.num_embeddings, model.lm_head.out_features
     grids = group.inputs["image_grid_thw"][:int(group.inputs["images_per_sample"][0])]
     positions = rope_positions(ids[0], grids, N, model.config.image_start_token_id,
-                               model.config.image_end_token_id).expand(-1, G, -1)  # (3, G, P+N-1)
+                               model.config.image_end_token_id).expand(-1, G, -1)  # (3, G, L+N-1)
     generator = torch.Generator(ids.device).manual_seed(seed)
-    cache, fed, at = DynamicCache(config=model.config.text_config), ids, slice(0, P)
-    tokens, logprobs, full_logprobs = [], [], []
+    cache, fed, at = DynamicCache(config=model.config.text_config), ids, slice(0, L)
+    drawn = []  # each step's (G, 1) codes and their log-probs under q and under p
     for t in range(N):
         logits = model(input_ids=fed, position_ids=positions[:, :, at], cache=cache,
                        logits_to_keep=1).logits[:, -1]  # (G, V): the next token's, cache updated
@@ -319,11 +319,9 @@ def generate(model, group: Prompt, temperature: float, seed: int, top_k: int = 0
         p = code_logprobs(logits, temperature, K)  # the whole softmax (= q without top-k / top-p)
         noise = torch.empty(G, V, device=ids.device).exponential_(generator=generator)[:, :K]
         fed = (q.exp() / noise).argmax(dim=-1, keepdim=True)  # (G, 1) = torch.multinomial(q, 1)
-        tokens.append(fed)
-        logprobs.append(q.gather(-1, fed))
-        full_logprobs.append(p.gather(-1, fed))
-        at = slice(P + t, P + t + 1)  # the token just drawn is fed next, at its own position
-    return torch.cat(tokens, 1), torch.cat(logprobs, 1), torch.cat(full_logprobs, 1)
+        drawn.append((fed, q.gather(-1, fed), p.gather(-1, fed)))
+        at = slice(L + t, L + t + 1)  # the token just drawn is fed next, at its own position
+    return tuple(torch.cat(column, dim=1) for column in zip(*drawn))  # (G, N) each
 
 @torch.no_grad()
 def sample_groups(pipe, prompts: list[str], group_size: int, height: int, width: int,
@@ -362,7 +360,7 @@ def token_logits(model, inputs: dict, tokens: torch.Tensor) -> torch.Tensor:
     ids, (S, N) = inputs["input_ids"], tokens.shape
     if not (ids == ids[:1]).all():
         raise ValueError("token_logits scores one prompt's samples: call it once per group")
-    input_ids = torch.cat([ids[:1].expand(S, -1), tokens[:, :-1]], dim=1)  # (S, P+N-1)
+    input_ids = torch.cat([ids[:1].expand(S, -1), tokens[:, :-1]], dim=1)  # (S, L+N-1)
     grids = inputs["image_grid_thw"][:int(inputs["images_per_sample"][0])]  # a sample's grid rows
     positions = rope_positions(ids[0], grids, N, model.config.image_start_token_id,
                                model.config.image_end_token_id).expand(-1, S, -1)
@@ -567,7 +565,7 @@ def micro_batches(rollouts: list[Rollout], advantages: torch.Tensor, size: int,
                   codebook_size: int) -> list[MicroBatch]:
     """P rollouts and their (P, G) advantages -> MicroBatches of `size` rows, a group's in order."""
     return [MicroBatch(r.inputs, r.tokens[rows], r.logprobs[rows], r.full_logprobs[rows],
-                       None if r.support is None  # the engine's bits, unpacked a micro-batch a time
+                       None if r.support is None  # the engine's packed bits -> (mb, N, K) bool
                        else fast_decode.code_support(r.support[rows], codebook_size),
                        adv[rows], r.preview_hw[0] * r.preview_hw[1])
             for r, adv in zip(rollouts, advantages)
@@ -602,7 +600,7 @@ def micro_batch_loss(policy, mb: MicroBatch, old: torch.Tensor | None, ref: tupl
     logits = token_logits(policy, mb.inputs, mb.tokens)  # (mb, N, V), with grad
     K = policy.config.vq_config.num_embeddings
     loss, metrics = logits_loss(logits, K, mb, old, ref, **objective)
-    if diagnostics is not None:  # grpo.py copied alone: the loss's own metrics only
+    if diagnostics is not None:  # helpers/ there: the readings too (copied alone: the loss's only)
         algorithm = (code_logprobs, grpo_loss, k3_kl, sampler_correction, truncation_weights)
         metrics |= diagnostics.readings(logits.detach(), K, mb, old, ref, algorithm, **objective)
     return loss, metrics
@@ -684,12 +682,14 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 # ---- 11. Copied alone ---------------------------------------------------------------------------
-if run is None:  # without helpers/: one process, so each collective is an identity
+if run is None:  # without helpers/: one process, each collective an identity (main needs helpers/)
     def all_agree(value): return value  # noqa: E704
     def gather_rows(rows): return rows  # noqa: E704
     def sync_gradients(model, last): return None  # noqa: E704
-    def merge_metrics(updates):  # the last update's means, its shares summing to 1 (helpers/: more)
-        return {k: sum(m[k] * share for m, share in updates[-1]) for k in updates[-1][0][0]}
+    def merge_metrics(updates):  # the last update's means (shares sum to 1), the ratio's extremes
+        last = {k: sum(m[k] * share for m, share in updates[-1]) for k in updates[-1][0][0]}
+        every = [m for update in updates for m, _ in update]
+        return last | {k: f(m[k] for m in every) for k, f in [("ratio_min", min), ("ratio_max", max)]}
 
 
 if __name__ == "__main__":

@@ -77,7 +77,9 @@ def test_tiny_glm_image():
 
 
 def test_load_glm_image(pipe, monkeypatch):
-    """'tiny' is the checkpoint folder tiny_glm_image/, loaded by GlmImagePipeline.from_pretrained like a hub id or a
+    """'tiny' loads the shipped folder as a hub id would, with only the AR's language model trainable.
+
+    'tiny' is the checkpoint folder tiny_glm_image/, loaded by GlmImagePipeline.from_pretrained like a hub id or a
     local path. Only the AR's language model and head are trainable; DiT, VAE, T5, vision tower and VQ are frozen."""
     from diffusers import GlmImagePipeline
     loaded = []
@@ -152,7 +154,9 @@ def test_sample_groups_one_group(random_pipe, height, width):
 
 
 def test_code_logprobs(pipe):
-    """The distribution generate samples from with code_logprobs as its processor (its processed scores) equals
+    """code_logprobs is the distribution transformers' generate samples from with it as processor.
+
+    The distribution generate samples from with code_logprobs as its processor (its processed scores) equals
     code_logprobs of the raw logits: same temperature, no truncation, zero mass outside the codebook."""
     K = pipe.vision_language_encoder.config.vq_config.num_embeddings
     _, _, scores, logits = generate_group(pipe, "a cat", 4, 64, 64, T, 0)  # (G, N, V) processed / raw
@@ -248,7 +252,9 @@ def test_decode_full_logprobs(random_pipe):
 
 
 def test_sampler_correction():
-    """Each mode against the formula by hand: r = exp(old - sampled) per token or per sequence (the sum), truncated
+    """Each --sampler-correction mode's weights equal the formula by hand.
+
+    Each mode against the formula by hand: r = exp(old - sampled) per token or per sequence (the sum), truncated
     at the cap or masked to 0 above it, 1 for none; a token outside a truncation (-inf) has ratio 1; an exact sampler
     gets weight 1. (TRL's metrics of these weights: tests/test_diagnostics.py::test_mismatch.)"""
     old = torch.tensor([[-1.0, -2.0, -0.5], [-1.0, -1.0, -1.0]])
@@ -265,7 +271,9 @@ def test_sampler_correction():
 
 
 def test_truncation_weights():
-    """The nucleus' mass Z_t = p / q from the sampler's two log-probs ("mass"), 1 for "none" and where nothing was
+    """The nucleus' mass p / q under 'mass', 1 under 'none' and where nothing was cut.
+
+    The nucleus' mass Z_t = p / q from the sampler's two log-probs ("mass"), 1 for "none" and where nothing was
     cut (log p = log q); a token outside a truncation (-inf) gets 1."""
     sampled = torch.tensor([[-0.1, -1.0, -math.inf]])
     full = torch.tensor([[-0.4, -1.0, -5.0]])
@@ -368,7 +376,9 @@ def test_rope_positions(pipe, height, width):
 
 @pytest.mark.parametrize("height,width", [(64, 64), (64, 96), (96, 64)])
 def test_token_logprobs(pipe, sharp_pipe, height, width):
-    """Parity: teacher-forced log-probs equal the sampler's within 1e-5 (float32), on a plain and a sharpened
+    """Teacher-forced log-probs equal the sampler's within 1e-5 in float32.
+
+    Parity: teacher-forced log-probs equal the sampler's within 1e-5 (float32), on a plain and a sharpened
     model, square and non-square; a forward without explicit positions is far off on the sharpened model."""
     for p in (pipe, sharp_pipe):
         r = sample_group(p, "a cat", 4, height, width, T, seed=1)
@@ -425,7 +435,9 @@ def test_group_inputs_editing(pipe):
 
 
 def test_encode_source(pipe):
-    """The source is encoded once: its codes in place of the placeholders give the very logits the model computes
+    """The source's codes in place of its placeholders give the logits pixel_values give, once.
+
+    The source is encoded once: its codes in place of the placeholders give the very logits the model computes
     from pixel_values itself, and the encoding is deterministic."""
     ar = pipe.vision_language_encoder
     image = grpo.to_pil(smooth_source())
@@ -659,7 +671,9 @@ def test_mse_reward():
 
 
 def test_group_rewards():
-    """Row p of the rewards scores group p against example p (peer bug: rewards meeting the wrong prompt); each
+    """Row p of the rewards scores group p against example p.
+
+    Row p of the rewards scores group p against example p (peer bug: rewards meeting the wrong prompt); each
     reward comes back on its own besides the weighted sum."""
     examples = [{"target": torch.zeros(3, 16, 16)}, {"target": torch.ones(3, 16, 16)}]
     images = [torch.zeros(4, 3, 16, 16), torch.ones(4, 3, 16, 16)]
@@ -729,7 +743,9 @@ def test_ocr_reward_missing_package(tmp_path, capsys, monkeypatch):
 
 
 def test_group_advantages():
-    """Zero mean and unit std per group; zeros (not NaN) for equal rewards; invariant to a r + b, a > 0, at any scale
+    """Advantages are z-scores within each group, zero (not NaN) without spread.
+
+    Zero mean and unit std per group; zeros (not NaN) for equal rewards; invariant to a r + b, a > 0, at any scale
     (a reward whose spread is 1e-6 still teaches; the no-spread threshold is relative to the rewards' size)."""
     r = torch.tensor([[0.1, 0.5, 0.3, 0.9], [2.0, 2.0, 2.0, 2.0], [1.0, -1.0, 0.0, 0.0]])
     a = grpo.group_advantages(r)
@@ -746,7 +762,9 @@ def test_group_advantages():
 
 
 def test_score():
-    """Steps 3-4 together: each group scored against its own example, the weighted sum, and advantages scaled as
+    """Steps 3-4: each group scored against its own example, advantages scaled as --scale-rewards says.
+
+    Steps 3-4 together: each group scored against its own example, the weighted sum, and advantages scaled as
     --scale-rewards says (group: z-scores per group; batch: one std for the whole batch, so a group of small spread
     keeps small advantages)."""
     images = [torch.rand(4, 3, 8, 8), torch.rand(4, 3, 8, 8) * 0.1]
@@ -871,7 +889,9 @@ def grads_after_step(pipe, rollouts, advantages, micro_batch_size, kl_beta=0.0, 
 
 
 def test_micro_batch_loss(random_pipe):
-    """One micro-batch's loss is grpo_loss of the trainer's log-probs over the large grid (or every token); at the first
+    """A micro-batch's loss is grpo_loss of the trainer's log-probs over the loss's tokens.
+
+    One micro-batch's loss is grpo_loss of the trainer's log-probs over the large grid (or every token); at the first
     update its sampler_gap is float error and no sampled token is outside the truncation; its gradient is the loss's
     (the random model: the pre-trained one's nucleus is often one code, whose log-prob 0 has no gradient)."""
     pipe = random_pipe
@@ -1149,8 +1169,10 @@ def test_train_step_micro_batching(pipe):
 
 
 def test_train_step(sharp_pipe):
-    """Step 0 on a peaked model: ratio exactly 1, sampler and trainer agree, only the AR gets gradients,
-    the loss covers only the large grid with train_tokens='large', and the weights move."""
+    """The first update's ratio is exactly 1, only the AR gets gradients, and the weights move.
+
+    Step 0 on a peaked model; sampler and trainer agree; the loss covers only the large grid with
+    train_tokens='large'."""
     pipe = copy.deepcopy(sharp_pipe)
     policy = pipe.vision_language_encoder
     for layer in policy.model.language_model.layers:  # peer bug: dropout on in training but not in sampling
@@ -1277,8 +1299,9 @@ def test_grpo_copied_alone(tmp_path):
 
 
 def test_grpo_layout():
-    """The lesson's shape (issue 47): every top-level function of grpo.py has a test_<name> here, grpo.py is at most
-    700 lines, at most 5 of them over 100 columns, and no function is over 45 lines."""
+    """The lesson's shape: every function of grpo.py has a documented test_<name> here; <= 700 lines, 45 a function.
+
+    Issue 47's targets: grpo.py at most 700 lines, at most 5 of them over 100 columns, no function over 45 lines."""
     import ast
     source = (ROOT / "grpo.py").read_text()
     functions = [n for n in ast.parse(source).body if isinstance(n, ast.FunctionDef)]
@@ -1286,6 +1309,8 @@ def test_grpo_layout():
     untested = [f.name for f in functions if not any(t == f"test_{f.name}" or t.startswith(f"test_{f.name}_")
                                                      for t in tests)]
     assert len(functions) > 30 and not untested, untested
+    undocumented = [name for name, test in globals().items() if name.startswith("test_") and not test.__doc__]
+    assert not undocumented, undocumented  # each test names the property it checks
     lines = source.splitlines()
     assert len(lines) <= 700 and sum(len(line) > 100 for line in lines) <= 5
     longest = max(functions, key=lambda f: f.end_lineno - f.lineno)
@@ -1528,12 +1553,12 @@ rank, world, _ = parallel.start_processes("cpu")
 pipe = grpo.load_glm_image("tiny")
 policy = setup.apply_lora(pipe.vision_language_encoder, 4) if {lora} else pipe.vision_language_encoder
 reference = copy.deepcopy(policy)  # unsharded, on every process: the one-process gradient over both groups
-both = [sample_group(pipe, "a cat", 4, 64, 64, 0.9, seed=s) for s in range(2)]
+both = [grpo.sample_groups(pipe, ["a cat"], 4, 64, 64, 0.9, [s])[0] for s in range(2)]
 advantages = torch.tensor([[1.0, -1.0, 0.5, -0.5], [0.3, 0.3, -0.9, 0.3]])
 parallel.shard(policy, torch.float32)
 opt = torch.optim.SGD([p for p in policy.parameters() if p.requires_grad], lr=0.0)
 with parallel.unsharded(policy):
-    r = sample_group(pipe, "a cat", 4, 64, 64, 0.9, seed=rank)
+    r = grpo.sample_groups(pipe, ["a cat"], 4, 64, 64, 0.9, [rank])[0]
 sampling = dict(counts)
 counts.update(all_gather=0, reduce_scatter=0)
 grpo.train_step(policy, opt, [r], advantages[rank:rank + 1], None, temperature=0.9, clip_eps=0.2,
@@ -1603,7 +1628,9 @@ def test_arg():
 
 
 def test_with_defaults():
-    """None fields take the tiny or the real defaults; a value given stays; micro-batches are a whole group on the
+    """None fields take the tiny or the real model's defaults; given values stay.
+
+    None fields take the tiny or the real defaults; a value given stays; micro-batches are a whole group on the
     tiny model (the group size given, or its default) and 1 on the real one."""
     tiny = grpo.with_defaults(grpo.Config(model="tiny", group_size=4, lr=3e-4))
     assert (tiny.group_size, tiny.lr, tiny.micro_batch_size, tiny.kl_beta) == (4, 3e-4, 4, 0.1)
@@ -1637,7 +1664,9 @@ def test_to_pil():
 
 
 def test_group_prompt(pipe):
-    """The processor lists [large, preview] but the AR writes the preview first: at 96x96 the 16x16 preview, then the
+    """The preview grid is written first, the large grid last (the docstring's 96x96 example).
+
+    The processor lists [large, preview] but the AR writes the preview first: at 96x96 the 16x16 preview, then the
     3x3 large grid (the docstring's example); editing writes the large grid only, with the source encoded."""
     group = grpo.group_prompt(pipe, "a cat", 2, 96, 96)
     assert group.inputs["image_grid_thw"][:2, 1:].tolist() == [[3, 3], [16, 16]]  # as the processor lists them
@@ -1658,7 +1687,9 @@ def test_rope_positions_worked_example():
 
 
 def test_sample_groups(random_pipe, lesson):
-    """The lesson's sample_groups: one Rollout per prompt, group p drawn from seeds[p] as it is alone, its inputs,
+    """Group p is drawn from seeds[p] exactly as it is drawn alone, with its own inputs and source.
+
+    The lesson's sample_groups: one Rollout per prompt, group p drawn from seeds[p] as it is alone, its inputs,
     grids and source its own (editing beside text-to-image)."""
     prompts, sources = ["a red circle", "make it red"], [None, smooth_source(64, 64)]
     rollouts = grpo.sample_groups(random_pipe, prompts, 2, 64, 64, T, [4, 5], sources)
@@ -1676,7 +1707,9 @@ def test_logprob_of():
 
 
 def test_token_logits(sharp_pipe):
-    """One teacher-forced forward at generation's positions: the logits that predict token t equal the ones the
+    """The logits predicting token t are the ones the sampler drew it from.
+
+    One teacher-forced forward at generation's positions: the logits that predict token t equal the ones the
     sampler saw before drawing it (its log-prob from them), and the positions matter (the text ramp gives others)."""
     ar = sharp_pipe.vision_language_encoder
     K = ar.config.vq_config.num_embeddings
@@ -1704,8 +1737,7 @@ def test_repeats():
 
 
 def test_k3_kl():
-    """k3 = exp(d) - d - 1 with d = ref - logp: 0 where they agree, positive elsewhere, d capped at +-20, and 0 for a
-    token outside the truncation (-inf)."""
+    """k3 = exp(d) - d - 1, d = ref - logp: 0 where they agree, > 0 elsewhere, d capped at +-20, 0 outside a truncation."""
     logp = torch.tensor([[-1.0, -1.0, -1.0, -float("inf"), -1.0]])
     ref = torch.tensor([[-1.0, -2.0, 0.0, -1.0, 100.0]])
     d = torch.tensor([0.0, -1.0, 1.0])
@@ -1715,7 +1747,9 @@ def test_k3_kl():
 
 
 def test_micro_batches(pipe):
-    """P groups cut into MicroBatches of `size` rows, a group's rows in order, never two groups in one; each with its
+    """Micro-batches cut each group's rows in order, never mixing two groups.
+
+    P groups cut into MicroBatches of `size` rows, a group's rows in order, never two groups in one; each with its
     group's inputs, its rows' tokens, log-probs, advantages, kept codes (the sampler's bits unpacked) and the preview's
     length."""
     K = codebook(pipe.vision_language_encoder)
@@ -1731,7 +1765,9 @@ def test_micro_batches(pipe):
 
 
 def test_frozen_logprobs(random_pipe):
-    """Before the first update: pi_old only when mu > 1 (None at mu 1: the current policy is the old one), the
+    """pi_old only when mu > 1, the reference only when kl_beta > 0, both on the trained distribution.
+
+    Before the first update: pi_old only when mu > 1 (None at mu 1: the current policy is the old one), the
     reference only when kl_beta > 0, on the trained distribution (p under --policy-dist full, the sampler's
     truncation under truncated) and on the whole softmax p; a LoRA reference is the policy with its adapter off."""
     ar = random_pipe.vision_language_encoder
