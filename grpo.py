@@ -21,7 +21,6 @@ tokens), the diagnostics, torchrun + FSDP2 and more rewards. `python dit_grpo.py
 
   python grpo.py --prompts prompts.txt                          # the tiny GLM-Image, on a CPU
   python grpo.py --prompts examples/shapes.txt --reward shapes  # draw what the caption asks
-  python grpo.py --model tiny-edit --prompts examples/edits_train.jsonl --reward edit   # editing
   python grpo.py --prompts my_prompts.txt --model zai-org/GLM-Image   # the real model (GPU, bf16)
   torchrun --nproc-per-node 8 grpo.py --prompts my_prompts.txt --model zai-org/GLM-Image   # 8 GPUs
 """
@@ -56,9 +55,6 @@ def arg(default, help: str, choices: tuple = ()):
     """A config field whose doc becomes its --help (and, if given, the values it may take)."""
     return dataclasses.field(default=default, metadata={"help": help, "choices": choices})
 
-CORRECTIONS = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask", "none")
-TRUNCATION_WEIGHTS = ("mass", "none")
-
 @dataclasses.dataclass
 class Config:  # a field per flag (--group-size ...); None: MODEL_DEFAULTS fills it in
     # the algorithm: a group per prompt, its advantages, the clipped loss and the KL
@@ -68,9 +64,12 @@ class Config:  # a field per flag (--group-size ...); None: MODEL_DEFAULTS fills
     scale_rewards: str = arg("group", "advantages / std of the group, batch or none (Dr. GRPO)",
                              ("group", "batch", "none"))
     diversity: float | None = arg(None, "bonus / c on each reward, c its group's same-grid samples")
+    diversity_to: str = arg("all", "the bonus to all samples or each group's best", ("all", "best"))
     clip_eps: float = arg(0.2, "PPO clip: the ratio is clipped to [1 - eps, 1 + eps_high]")
     clip_eps_high: float | None = arg(None, "upper clip (DAPO's clip-higher; default: --clip-eps)")
     kl_beta: float | None = arg(None, "weight of the KL to the reference (0.1 tiny, 0.04 real)")
+    kl_on: str = arg("all", "the KL on every sample or on those with A >= 0", ("all", "above_mean"))
+    entropy_bonus: float = arg(0.0, "EG-GRPO: + bonus x entropy on the less certain tokens")
     mu: int | None = arg(None, "updates per batch; > 1 lets the clip act (default 2 tiny, 1 real)")
     lr: float | None = arg(None, "AdamW lr (default 1e-4 tiny, 1e-5 real)")
     steps: int = arg(100, "optimizer steps")
@@ -82,11 +81,12 @@ class Config:  # a field per flag (--group-size ...); None: MODEL_DEFAULTS fills
     top_k: int = arg(0, "sample from the k most likely codes only (0: off)")
     policy_dist: str = arg("full", "trained: the full softmax or the sampler's truncated one "
                                    "(docs/real_model.md)", ("full", "truncated"))
-    sampler_correction: str = arg("token_truncate", "mismatch weights pi_old / pi_sampler, both on "
-                                  "the trained distribution (TRL's TIS / MIS)", CORRECTIONS)
+    sampler_correction: str = arg("token_truncate", "mismatch weights pi_old / pi_sampler on the "
+                                  "trained distribution (TRL's TIS / MIS)", ("token_truncate",
+                                  "token_mask", "sequence_truncate", "sequence_mask", "none"))
     sampler_cap: float = arg(2.0, "weights above it are cut to it (truncate) or to 0 (mask)")
     truncation_weight: str = arg("none", "--policy-dist full, top-k / top-p: tokens weighed by "
-                                         "their nucleus' mass (p / q) or not", TRUNCATION_WEIGHTS)
+                                         "their nucleus' mass (p / q) or not", ("mass", "none"))
     seed: int = arg(0, "seed of the AR sampling")
     # the model, the images, the data
     prompts: str = arg("prompts.txt", "'prompt | target.png' lines, or .jsonl (docs/editing.md)")
@@ -129,8 +129,7 @@ def parse_config(argv: list[str] | None = None) -> Config:
 def with_defaults(cfg: Config) -> Config:
     """`cfg` with its None fields from MODEL_DEFAULTS: the tiny model's or the real one's."""
     defaults = dict(MODEL_DEFAULTS["tiny" if cfg.model in TINY_MODELS else "real"])
-    # the tiny model trains a whole group in one pass (its default or --group-size)
-    defaults.setdefault("micro_batch_size", cfg.group_size or defaults["group_size"])
+    defaults.setdefault("micro_batch_size", cfg.group_size or defaults["group_size"])  # tiny: G
     return dataclasses.replace(cfg, **{k: v for k, v in defaults.items() if getattr(cfg, k) is None})
 
 
@@ -164,10 +163,8 @@ def disable_dropout(model) -> None:
 
 def reference_model(policy, kl_beta: float):
     """The KL reference: None when beta = 0; with LoRA the policy (adapter off), else a copy."""
-    if kl_beta == 0:
-        return None
-    if hasattr(policy, "disable_adapter"):
-        return policy
+    if kl_beta == 0 or hasattr(policy, "disable_adapter"):
+        return None if kl_beta == 0 else policy
     return copy.deepcopy(policy).requires_grad_(False).eval()
 
 
@@ -369,14 +366,10 @@ def token_logits(model, inputs: dict, tokens: torch.Tensor) -> torch.Tensor:
 
 
 # ---- 5. Decoding tokens to images ---------------------------------------------------------------
-def large_grid(tokens: torch.Tensor, large_hw: tuple[int, int]) -> torch.Tensor:
-    """(G, N) tokens -> (G, hw) the large grid: the last h*w tokens, the only ones the DiT sees."""
-    return tokens[:, -large_hw[0] * large_hw[1]:]
-
 def prior_ids(tokens: torch.Tensor, large_hw: tuple[int, int]) -> torch.Tensor:
     """(G, N) tokens -> (G, 4hw) the DiT's prior ids: the large grid upsampled 2x (nearest)."""
     G, (h, w) = tokens.shape[0], large_hw
-    large = large_grid(tokens, large_hw).reshape(G, 1, h, w).float()  # (G, 1, H/32, W/32)
+    large = tokens[:, -h * w:].reshape(G, 1, h, w).float()  # the large grid: (G, 1, H/32, W/32)
     return F.interpolate(large, scale_factor=2, mode="nearest").long().reshape(G, -1)
 
 @torch.no_grad()
@@ -461,11 +454,13 @@ def repeats(grids: list[torch.Tensor]) -> torch.Tensor:
     return torch.stack([(g[:, None] == g[None]).all(-1).sum(-1) for g in grids])
 
 def score(images: list[torch.Tensor], batch: list[dict], rewards: dict, scale: str = "group",
-          grids: list[torch.Tensor] | None = None, diversity: float = 0.0) -> tuple:
+          grids: list | None = None, diversity: float = 0.0, diversity_to: str = "all") -> tuple:
     """Steps 3-4: P groups of images -> (P, G) rewards, each reward's, and the advantages of the
-    rewards plus the diversity bonus (`grids`: each group's large grids)."""
+    rewards plus the diversity bonus (`grids`: each group's large grids), to every sample or to each
+    group's "best" only (GARDO's diversity-aware shaping, arXiv 2512.24138: mistakes earn none)."""
     reward, each = group_rewards(images, batch, rewards)  # 3. score them: (P, G)
-    shaped = reward + diversity / repeats(grids).to(reward) if diversity > 0 else reward
+    best = reward == reward.amax(dim=-1, keepdim=True) if diversity_to == "best" else 1.0
+    shaped = reward + diversity / repeats(grids).to(reward) * best if diversity > 0 else reward
     everyone = gather_rows(shaped) if scale == "batch" else None
     advantages = group_advantages(shaped, scale=scale, batch=everyone)  # 4. advantages
     return reward, each, advantages
@@ -474,12 +469,13 @@ def score(images: list[torch.Tensor], batch: list[dict], rewards: dict, scale: s
 # ---- 8. Loss ------------------------------------------------------------------------------------
 def grpo_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, ref_logprobs: torch.Tensor | None,
               advantages: torch.Tensor, clip_eps: float | tuple[float, float], kl_beta: float,
-              weights: torch.Tensor | None = None, mass: torch.Tensor | None = None
-              ) -> tuple[torch.Tensor, dict]:
+              weights: torch.Tensor | None = None, mass: torch.Tensor | None = None,
+              kl_on: str = "all") -> tuple[torch.Tensor, dict]:
     """(S, T) log-probs, (S,) advantages -> the loss -(min(r A, clip(r) A) * weights - beta k3 KL)
     * mass, averaged over a sequence's tokens, then over sequences (1/|o_i|); and metrics.
     `weights` (sampler_correction) scale the surrogate only, as TRL's; `mass` (truncation_weights)
-    the whole token's term. policy_loss and kl are logged unweighted."""
+    the whole token's term; kl_on "above_mean" gates the KL to A >= 0 (GARDO gates it to some
+    samples: here the mistakes go free). policy_loss and kl are logged unweighted."""
     # a token the old policy could not draw (-inf: outside its truncation): ratio 1, no gradient
     ratio = torch.exp(torch.where(old_logprobs.isneginf(), 0.0, logprobs - old_logprobs))  # (S, T)
     adv = advantages[:, None].to(ratio)  # (S, 1), on the log-probs' device
@@ -487,7 +483,8 @@ def grpo_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, ref_logprobs: 
     unclipped, clipped = ratio * adv, ratio.clamp(1 - low, 1 + high) * adv
     surrogate = torch.min(unclipped, clipped) * (1.0 if weights is None else weights)
     kl = torch.zeros_like(ratio) if ref_logprobs is None else k3_kl(logprobs, ref_logprobs)
-    per_token = (surrogate - kl_beta * kl) * (1.0 if mass is None else mass)
+    gate = (adv >= 0).to(kl) if kl_on == "above_mean" else 1.0  # (S, 1): the KL's samples
+    per_token = (surrogate - kl_beta * kl * gate) * (1.0 if mass is None else mass)
     loss = -per_token.mean(dim=1).mean()
     with torch.no_grad():  # the clip stops the gradient: r > 1+eps with A > 0, r < 1-eps with A < 0
         clipped_out = ((ratio > 1 + high) & (adv > 0)) | ((ratio < 1 - low) & (adv < 0))
@@ -513,9 +510,8 @@ def sampler_correction(old_logprobs: torch.Tensor, sampled_logprobs: torch.Tenso
     log_ratio = torch.where(both, old_logprobs - sampled_logprobs, 0.0)  # (S, T)
     level = log_ratio.sum(dim=1, keepdim=True) if mode.startswith("sequence") else log_ratio
     ratio = torch.exp(level.clamp(max=20.0))  # a sequence's sum can be large: exp stays finite
-    weights = (ratio.clamp(max=cap) if mode.endswith("truncate") else
-               ratio.masked_fill(ratio > cap, 0.0) if mode.endswith("mask") else torch.ones_like(ratio))
-    return weights.detach()
+    return (ratio.clamp(max=cap) if mode.endswith("truncate") else ratio.masked_fill(ratio > cap, 0)
+            if mode.endswith("mask") else torch.ones_like(ratio)).detach()
 
 def truncation_weights(sampled: torch.Tensor, sampled_full: torch.Tensor, mode: str = "none"
                        ) -> torch.Tensor:
@@ -539,7 +535,8 @@ def logits_loss(logits: torch.Tensor, codebook_size: int, mb: MicroBatch, old: t
                 ref: tuple | None, *, temperature: float, clip_eps: float | tuple[float, float],
                 kl_beta: float, train_tokens: str = "large", top_k: int = 0, top_p: float = 1.0,
                 correction: str = "token_truncate", cap: float = 2.0, policy_dist: str = "full",
-                truncation_weight: str = "none") -> tuple[torch.Tensor, dict]:
+                truncation_weight: str = "none", kl_on: str = "all", entropy_bonus: float = 0.0
+                ) -> tuple[torch.Tensor, dict]:
     """(mb, N, V) logits -> the loss: the trained distribution's log-probs (the whole softmax p, or
     the sampler's truncation q), its mismatch weights, the truncation weight (p only), grpo_loss.
     `old`, `ref`: frozen_logprobs' (`old` None: mu 1). Defaults: the command line's."""
@@ -556,7 +553,10 @@ def logits_loss(logits: torch.Tensor, codebook_size: int, mb: MicroBatch, old: t
     cols = slice(mb.n_preview, None) if train_tokens == "large" else slice(None)  # in the loss
     weights = weights if correction.startswith("sequence") else weights[:, cols]
     loss, m = grpo_loss(logp[:, cols], old[:, cols], None if ref is None else ref[0][:, cols],
-                        mb.advantages, clip_eps, kl_beta, weights, mass[:, cols])
+                        mb.advantages, clip_eps, kl_beta, weights, mass[:, cols], kl_on)
+    if entropy_bonus > 0:  # EG-GRPO (arXiv 2604.02355): + bonus x H on the less certain tokens
+        H = -(pi.exp() * pi.nan_to_num(neginf=0.0)).sum(-1)[:, cols]  # (mb, n) entropy, nats
+        loss = loss - entropy_bonus * (H * (H > H.mean()).to(H)).mean()
     return loss, {"loss": loss.item(), **m}
 
 
@@ -618,16 +618,15 @@ def train_step(policy, optimizer, rollouts: list[Rollout], advantages: torch.Ten
     for _ in range(mu):
         optimizer.zero_grad(set_to_none=True)
         updates.append([])
-        finite = True
         for k, mb in enumerate(batches):
             loss, m = micro_batch_loss(policy, mb, olds[k], refs[k], **objective)
             share = len(mb.tokens) / advantages.numel()  # losses are means: weigh each to the batch
-            finite = finite and bool(torch.isfinite(loss))
             sync_gradients(policy, k == len(batches) - 1)  # FSDP + LoRA: reduce after the last
             (loss * share).backward()  # even when not finite: with FSDP every process joins
             updates[-1].append((m, share))
         params = [p for group in optimizer.param_groups for p in group["params"]]
         grad_norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm).item()
+        finite = all(math.isfinite(m["loss"]) for m, _ in updates[-1])
         if all_agree(finite) and math.isfinite(grad_norm):  # every process steps, or none
             optimizer.step()
         else:  # a NaN / inf loss or gradient never reaches the weights: this update is skipped
@@ -662,10 +661,10 @@ def main(argv: list[str] | None = None) -> dict:
                                         cfg.width, cfg.num_inference_steps, cfg.decode_seed,
                                         cfg.guidance_scale, ro.source)
                           for ex, ro in zip(batch, rollouts)]  # 2. decode the tokens
-            grids = [large_grid(ro.tokens, ro.large_hw) for ro in rollouts]  # what the DiT saw
+            grids = [ro.tokens[:, -math.prod(ro.large_hw):] for ro in rollouts]  # what the DiT saw
             with run.timed(seconds, "reward", cfg):  # 3.-4. rewards, z-scored within each group
                 reward, each, advantages = score(images, batch, rewards, cfg.scale_rewards, grids,
-                                                 cfg.diversity)
+                                                 cfg.diversity, cfg.diversity_to)
             with interrupts_held():  # an update and its log line land together (or not at all)
                 with run.timed(seconds, "train", cfg), r.autocast:  # 5. the clipped update
                     metrics = train_step(
@@ -675,7 +674,8 @@ def main(argv: list[str] | None = None) -> dict:
                         clip_eps=(cfg.clip_eps, cfg.clip_eps_high or cfg.clip_eps),
                         train_tokens=cfg.train_tokens, top_k=cfg.top_k, top_p=cfg.top_p,
                         correction=cfg.sampler_correction, cap=cfg.sampler_cap,
-                        policy_dist=cfg.policy_dist, truncation_weight=cfg.truncation_weight)
+                        policy_dist=cfg.policy_dist, truncation_weight=cfg.truncation_weight,
+                        kl_on=cfg.kl_on, entropy_bonus=cfg.entropy_bonus)
                 run.log_step(r, step, groups, reward, each, advantages, grids, metrics, seconds)
             run.after_step(r, step, batch, images, reward)  # image grids, checkpoints, evaluations
     return run.finish(r)  # the last checkpoint, final/, curves.png, the after grid, the summary

@@ -26,10 +26,10 @@ from helpers import rewards
 from helpers import run
 from helpers import setup
 from helpers.offline_model import tiny_glm_image
-from tests.conftest import (ALGORITHM, DEVICE, ROOT, PARITY, T, TINY, TINY_CPU, as_line, assert_same_metrics,
+from tests.conftest import (ALGORITHM, CORRECTIONS, DEVICE, ROOT, PARITY, T, TINY, TINY_CPU, as_line, assert_same_metrics,
                             assert_same_weights, codebook, eval_lines, expect_exit, fresh_pipe, kept_codes,
                             lora_policy, run_record, sample_group, sampled_rows, smooth_source, tiny_run, torchrun,
-                            write_evals, write_example)  # shared helpers and settings
+                            TRUNCATION_WEIGHTS, write_evals, write_example)  # shared helpers and settings
 from tests.conftest import pipe, random_pipe, sharp_pipe  # noqa: F401  the tiny pipelines (fixtures)
 from tools import rejection_sampling  # the baseline GRPO has to beat, from grpo.py's own pieces
 from tools.generate_reference import generate_group  # grpo.py's sampler before its decode loop
@@ -265,7 +265,7 @@ def test_sampler_correction():
             "sequence_truncate": d.sum(1, keepdim=True).exp().clamp(max=cap),
             "sequence_mask": torch.where(d.sum(1, keepdim=True).exp() > cap, 0.0, d.sum(1, keepdim=True).exp()),
             "none": torch.ones(2, 3)}
-    for mode in grpo.CORRECTIONS:
+    for mode in CORRECTIONS:
         assert torch.allclose(grpo.sampler_correction(old, sampled, mode, cap), want[mode]), mode
     assert grpo.sampler_correction(old, old, "token_truncate", cap).eq(1).all()  # an exact sampler: weight 1
 
@@ -781,6 +781,18 @@ def test_score():
     assert torch.allclose(spread[0] / spread[1], raw[0] / raw[1], rtol=1e-4) and spread[0] > 5 * spread[1]
 
 
+def test_score_diversity_to_best():
+    """--diversity-to best: the bonus reaches each group's best samples only; a wrong sample's new layout earns none."""
+    grids = [torch.tensor([[1], [2], [3], [3]])]  # samples 0, 1 and the wrong sample 2 drew layouts of their own
+    reward = torch.tensor([[1.0, 1.0, 0.0, 1.0]])
+    images, rewards = [torch.zeros(4, 3, 8, 8)], {"given": (lambda im, ex: ex["r"], 1.0)}
+    _, _, adv = grpo.score(images, [{"r": reward[0]}], rewards, grids=grids, diversity=0.3, diversity_to="best")
+    assert torch.allclose(adv, grpo.group_advantages(reward + torch.tensor([[0.3, 0.3, 0.0, 0.15]])))
+    _, _, every = grpo.score(images, [{"r": reward[0]}], rewards, grids=grids, diversity=0.3)  # "all": as before
+    assert torch.allclose(every, grpo.group_advantages(reward + torch.tensor([[0.3, 0.3, 0.15, 0.15]])))
+    assert adv[0, 2] < every[0, 2]  # the mistake's bonus is gone
+
+
 def test_diversity_bonus():
     """--diversity by hand: bonus / c added to each reward before the z-scores, c the samples of the group with
     the same large grid: in a group where every sample is right, repeats of one layout fall below the layouts drawn
@@ -859,6 +871,20 @@ def test_grpo_loss_clip_gradient():
     assert torch.allclose(logp1.grad[:, 0], -adv / 4)  # d(-r A)/dlogp = -A at r = 1, mean over 4 sequences
 
 
+def test_grpo_loss_kl_on():
+    """--kl-on above_mean: the KL acts on the samples with A >= 0 only; a sample below its group's mean goes free."""
+    logp = torch.tensor([[-1.0, -2.0], [-1.5, -0.5], [-1.0, -1.0]], requires_grad=True)
+    ref = torch.tensor([[-1.2, -1.0], [-0.5, -1.5], [-2.0, -1.0]])
+    adv = torch.tensor([1.0, -1.0, 0.0])
+    kl = grpo.k3_kl(logp.detach(), ref)  # (3, 2), > 0 where they differ
+    every, m = grpo.grpo_loss(logp, logp.detach(), ref, adv, 0.2, 0.5)
+    gated, g = grpo.grpo_loss(logp, logp.detach(), ref, adv, 0.2, 0.5, kl_on="above_mean")
+    assert torch.allclose(every - gated, 0.5 * kl[1].mean() / 3)  # row 1 (A < 0) lost its KL, rows 0, 2 kept it
+    assert m["kl"] == g["kl"] == pytest.approx(kl.mean().item())  # logged: the KL itself, gated or not
+    (grad,) = torch.autograd.grad(gated, logp)
+    assert torch.allclose(grad[1], -adv[1] * torch.ones(2) / 6)  # row 1: the surrogate's gradient alone
+
+
 def test_grpo_loss_clip_higher():
     """--clip-eps-high by hand: the ratio is clipped to [1 - 0.2, 1 + 0.28]: 1.25 with A > 0 keeps its gradient
     (clipped with the symmetric 0.2), 1.3 is clipped at 1.28, 0.75 with A < 0 is clipped at 0.8."""
@@ -886,6 +912,21 @@ def grads_after_step(pipe, rollouts, advantages, micro_batch_size, kl_beta=0.0, 
     m = grpo.train_step(policy, opt, rollouts, advantages, ref, temperature=T, clip_eps=0.2, kl_beta=kl_beta,
                         micro_batch_size=micro_batch_size, max_grad_norm=math.inf, **kw)
     return {n: p.grad.clone() for n, p in policy.named_parameters() if p.grad is not None}, m
+
+
+def test_logits_loss_entropy_bonus():
+    """--entropy-bonus: minus bonus x the mean of H_t over the loss's tokens, H_t counted where above its mean only."""
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(2, 6, 12, generator=g) * torch.tensor([0.1, 3.0] * 3)[:, None]  # flat and peaked rows
+    mb = sampled_rows(logits, 1.0, g)
+    mb = mb._replace(n_preview=2)  # 2 preview tokens, 4 in the loss
+    settings = dict(temperature=T, clip_eps=0.2, kl_beta=0.0)
+    plain, _ = grpo.logits_loss(logits, 12, mb, None, None, **settings)
+    bonus, _ = grpo.logits_loss(logits, 12, mb, None, None, entropy_bonus=0.1, **settings)
+    p = torch.log_softmax(logits / T, dim=-1)
+    H = -(p.exp() * p).sum(-1)[:, 2:]  # (2, 4)
+    assert (H > H.mean()).any() and not (H > H.mean()).all()  # the selection keeps some tokens, not all
+    assert torch.allclose(bonus, plain - 0.1 * (H * (H > H.mean())).mean())
 
 
 def test_micro_batch_loss(random_pipe):
@@ -1028,9 +1069,9 @@ def test_logits_loss_real_size():
     logits = torch.randn(S, N, K, generator=g) * 3
     grads = {}
     # without a truncation p = q (one distribution, a mass of 1); the truncated policy has no mass to weigh
-    combos = [(1.0, "full", w, mode) for w in ("none",) for mode in grpo.CORRECTIONS]
-    combos += [(0.75, "full", w, mode) for w in grpo.TRUNCATION_WEIGHTS for mode in grpo.CORRECTIONS]
-    combos += [(0.75, "truncated", "none", mode) for mode in grpo.CORRECTIONS]
+    combos = [(1.0, "full", w, mode) for w in ("none",) for mode in CORRECTIONS]
+    combos += [(0.75, "full", w, mode) for w in TRUNCATION_WEIGHTS for mode in CORRECTIONS]
+    combos += [(0.75, "truncated", "none", mode) for mode in CORRECTIONS]
     rows = {top_p: sampled_rows(logits, top_p, g) for top_p in (1.0, 0.75)}
     for top_p, dist, weight, mode in combos:
         x = logits.clone().requires_grad_()
@@ -1062,7 +1103,7 @@ def test_train_step_float32_corrections(random_pipe):
     kw = dict(top_p=0.75, policy_dist="full", truncation_weight="mass")
     plain, _ = grads_after_step(random_pipe, [r], adv, 4, correction="none", **kw)
     norm = torch.sqrt(sum((g ** 2).sum() for g in plain.values()))
-    for mode in grpo.CORRECTIONS:
+    for mode in CORRECTIONS:
         grads, m = grads_after_step(random_pipe, [r], adv, 4, correction=mode, **kw)
         assert m["sampling/sampling_logp_difference/max"] <= PARITY, mode
         assert m["sampling/importance_sampling_ratio/min"] >= 1 - 1e-4, mode
@@ -1270,7 +1311,7 @@ prompts = ["a red circle", "two blue squares"]
 rollouts = grpo.sample_groups(pipe, prompts, 4, 64, 64, cfg.temperature, [1, 2])
 images = [grpo.decode_images(pipe, p, r.tokens, r.large_hw, 64, 64, 1, 0, 1.0) for p, r in zip(prompts, rollouts)]
 target = torch.zeros(3, 64, 64)
-grids = [grpo.large_grid(r.tokens, r.large_hw) for r in rollouts]
+grids = [r.tokens[:, -math.prod(r.large_hw):] for r in rollouts]  # the large grids, as main cuts them
 reward, each, adv = grpo.score(images, [dict(target=target)] * 2, {{"ssim": (grpo.ssim_reward, 1.0)}}, "group", grids,
                                cfg.diversity)
 m = grpo.train_step(policy, opt, rollouts, adv, ref, temperature=cfg.temperature, clip_eps=0.2, kl_beta=cfg.kl_beta,
@@ -1722,12 +1763,6 @@ def test_token_logits(sharp_pipe):
     got = grpo.logprob_of(grpo.code_logprobs(logits, T, K), r.tokens)
     assert (got - r.logprobs).abs().max() <= PARITY
     assert (grpo.logprob_of(grpo.code_logprobs(ramp, T, K), r.tokens) - r.logprobs).abs().max() > 1e-2
-
-
-def test_large_grid():
-    """The last h*w tokens of each sample: the large grid, after the preview."""
-    tokens = torch.arange(2 * 13).view(2, 13)  # a 2x2 preview, then a 3x3 large grid
-    assert torch.equal(grpo.large_grid(tokens, (3, 3)), tokens[:, 4:])
 
 
 def test_repeats():

@@ -1,6 +1,7 @@
 """What the tests share: the tiny pipelines (fixtures), the settings that keep them fast, and helpers that run grpo.py
 and read what it wrote. pytest loads this file first; the test files import its helpers by name."""
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -32,6 +33,12 @@ TINY = ["--model", "tiny", "--device", DEVICE, "--group-size", "4", "--prompts-p
 TINY_CPU = [*TINY[:2], "--device", "cpu", *TINY[4:]]  # torchrun tests: gloo on the CPU (one GPU cannot host 2 ranks)
 
 
+def choices(name: str) -> tuple:
+    """The values grpo.Config's field `name` accepts (its --help and validation)."""
+    return next(f for f in dataclasses.fields(grpo.Config) if f.name == name).metadata["choices"]
+
+
+CORRECTIONS, TRUNCATION_WEIGHTS = choices("sampler_correction"), choices("truncation_weight")
 ALGORITHM = (grpo.code_logprobs, grpo.grpo_loss, grpo.k3_kl, grpo.sampler_correction, grpo.truncation_weights)  # as
 # grpo.micro_batch_loss passes them to helpers/diagnostics.readings
 

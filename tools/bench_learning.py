@@ -60,6 +60,14 @@ ROWS = {
     # the row above) or not at all (TRL's and verl's practice, the default since: it kept the layouts)
     "top_p_full_none": ("top-p 0.75, --policy-dist full, --truncation-weight none",
                         ["--top-p", "0.75", "--policy-dist", "full", "--truncation-weight", "none"]),
+    # issue 48: accuracy without the collapse. The bonus to each group's best samples only (GARDO's rule: novelty
+    # pays where it is right), the KL gated to the samples at or above their group's mean (mistakes go free), an
+    # entropy bonus on the less certain tokens (EG-GRPO), and the first two together
+    "best_bonus": ("the diversity bonus to each group's best only", ["--diversity", "0.2", "--diversity-to", "best"]),
+    "kl_gate": ("the KL gated to A >= 0", ["--kl-on", "above_mean"]),
+    "entropy": ("an entropy bonus on the less certain tokens", ["--entropy-bonus", "0.02"]),
+    "gate_best": ("the gated KL and the best-only bonus", ["--kl-on", "above_mean", "--diversity", "0.2",
+                                                           "--diversity-to", "best"]),
 }  # every GRPO row has the tiny defaults' mu 2 (the clip acts); rows of other flags come from `-- flags`
 HELD_OUT = ["--eval-prompts", str(ROOT / "examples" / "shapes_heldout.jsonl"), "--eval-every", "0",
             "--eval-samples", "8", "--eval-reward", "shapes_exact"]
@@ -123,7 +131,8 @@ def run_shapes(row: str, seed: int, steps: int, extra: list[str], runs: Path) ->
     lines = run.read_metrics(out)
     cfg = grpo.parse_config(argv)
     settings = {k: getattr(cfg, k) for k in ("kl_beta", "mu", "diversity", "lr", "top_p", "policy_dist",
-                                             "scale_rewards", "truncation_weight")}
+                                             "scale_rewards", "truncation_weight", "diversity_to", "kl_on",
+                                             "entropy_bonus")}
     evals, training = [x for x in lines if x.get("eval")], [x for x in lines if not x.get("eval")]
 
     def held_out(x):
@@ -134,7 +143,10 @@ def run_shapes(row: str, seed: int, steps: int, extra: list[str], runs: Path) ->
             "after": held_out(evals[-1]), "minutes": (seconds - sum(x["sec_eval"] for x in evals)) / 60,
             "no_gradient": float(np.mean([x.get("no_gradient_frac", 0.0) for x in training])),
             "kl": float(np.mean([x["kl"] for x in training[-50:]])),
-            "clip_frac_max": max(x["clip_frac"] for x in training), "threads": torch.get_num_threads()}
+            "clip_frac_max": max(x["clip_frac"] for x in training), "threads": torch.get_num_threads(),
+            "curves": {k: [round(float(np.mean([x.get(k, np.nan) for x in training[i:i + 50]])), 4)
+                           for i in range(0, len(training), 50)]
+                       for k in ("entropy", "kl", "zero_std_groups", "reward_mean", "distinct_in_group")}}  # 50-step means
 
 
 def describe(r: dict) -> tuple:
@@ -147,7 +159,10 @@ def describe(r: dict) -> tuple:
     if r["row"] == "rs":
         return ("rejection sampling: fine-tuning on each group's best sample (mu 1, no KL)",)
     parts = [f"beta {cfg.kl_beta:g}", f"mu {cfg.mu}"]
-    parts += [f"diversity bonus {cfg.diversity:g}"] if cfg.diversity else []
+    parts += [f"diversity bonus {cfg.diversity:g}" + (" to each group's best" if cfg.diversity_to == "best" else "")
+              ] if cfg.diversity else []
+    parts += ["the KL gated to A >= 0 (--kl-on above_mean)"] if cfg.kl_on != "all" else []
+    parts += [f"entropy bonus {cfg.entropy_bonus:g}"] if cfg.entropy_bonus else []
     parts += [f"positive advantages / c^{share:g} (a variant, not kept)"] if share else []
     parts += [f"--scale-rewards {cfg.scale_rewards}"] if cfg.scale_rewards != "group" else []
     parts += [f"top-p {cfg.top_p:g}, --policy-dist {cfg.policy_dist}"] if cfg.top_p < 1 else []
@@ -257,7 +272,10 @@ def run_edit(seed: int, steps: int, extra: list[str], runs: Path) -> dict:
     return {"demo": "edit", "seed": seed, "steps": steps, "flags": extra, "before": held_out(evals[0]),
             "after": held_out(evals[-1]), "minutes": (seconds - sum(x["sec_eval"] for x in evals)) / 60,
             "kl": float(np.mean([x["kl"] for x in training[-50:]])),
-            "clip_frac_max": max(x["clip_frac"] for x in training), "threads": torch.get_num_threads()}
+            "clip_frac_max": max(x["clip_frac"] for x in training), "threads": torch.get_num_threads(),
+            "curves": {k: [round(float(np.mean([x.get(k, np.nan) for x in training[i:i + 50]])), 4)
+                           for i in range(0, len(training), 50)]
+                       for k in ("entropy", "kl", "zero_std_groups", "reward_mean", "distinct_in_group")}}  # 50-step means
 
 
 def edit_table(results: list[dict]) -> str:
