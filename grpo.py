@@ -554,10 +554,10 @@ def logits_loss(logits: torch.Tensor, codebook_size: int, mb: MicroBatch, old: t
     weights = weights if correction.startswith("sequence") else weights[:, cols]
     loss, m = grpo_loss(logp[:, cols], old[:, cols], None if ref is None else ref[0][:, cols],
                         mb.advantages, clip_eps, kl_beta, weights, mass[:, cols], kl_on)
+    H = -(pi.exp() * pi.nan_to_num(neginf=0.0)).sum(-1)[:, cols]  # (mb, n) entropy, nats
     if entropy_bonus > 0:  # EG-GRPO (arXiv 2604.02355): + bonus x H on the less certain tokens
-        H = -(pi.exp() * pi.nan_to_num(neginf=0.0)).sum(-1)[:, cols]  # (mb, n) entropy, nats
         loss = loss - entropy_bonus * (H * (H > H.mean()).to(H)).mean()
-    return loss, {"loss": loss.item(), **m}
+    return loss, {"loss": loss.item(), "entropy": H.mean().item(), **m}
 
 
 # ---- 9. Update ---------------------------------------------------------------------------------

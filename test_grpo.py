@@ -915,16 +915,17 @@ def grads_after_step(pipe, rollouts, advantages, micro_batch_size, kl_beta=0.0, 
 
 
 def test_logits_loss_entropy_bonus():
-    """--entropy-bonus: minus bonus x the mean of H_t over the loss's tokens, H_t counted where above its mean only."""
+    """--entropy-bonus: minus bonus x the mean of the above-mean H_t over the loss tokens; H logged as entropy."""
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(2, 6, 12, generator=g) * torch.tensor([0.1, 3.0] * 3)[:, None]  # flat and peaked rows
     mb = sampled_rows(logits, 1.0, g)
     mb = mb._replace(n_preview=2)  # 2 preview tokens, 4 in the loss
     settings = dict(temperature=T, clip_eps=0.2, kl_beta=0.0)
-    plain, _ = grpo.logits_loss(logits, 12, mb, None, None, **settings)
+    plain, m = grpo.logits_loss(logits, 12, mb, None, None, **settings)
     bonus, _ = grpo.logits_loss(logits, 12, mb, None, None, entropy_bonus=0.1, **settings)
     p = torch.log_softmax(logits / T, dim=-1)
     H = -(p.exp() * p).sum(-1)[:, 2:]  # (2, 4)
+    assert m["entropy"] == pytest.approx(H.mean().item(), rel=1e-5)  # logged, bonus or not
     assert (H > H.mean()).any() and not (H > H.mean()).all()  # the selection keeps some tokens, not all
     assert torch.allclose(bonus, plain - 0.1 * (H * (H > H.mean())).mean())
 

@@ -21,7 +21,6 @@ def readings(logits: torch.Tensor, codebook_size: int, mb, old: torch.Tensor | N
       correct);
     - outside_truncation: sampled tokens the trainer's own top-k / top-p drops;
     - no_gradient_frac: rows whose trained distribution keeps one code (log-prob 0: no gradient);
-    - entropy: the trained distribution's mean entropy over the loss's tokens (nats; collapse reads low);
     - kl_untruncated: k3 on the whole softmax p (kl_beta > 0);
     - TRL's mismatch metrics of logits_loss' correction (`mismatch`) and the nucleus' mass Z_t = p / q.
     `algorithm`: grpo.py's (code_logprobs, grpo_loss, k3_kl, sampler_correction, truncation_weights).
@@ -43,8 +42,7 @@ def readings(logits: torch.Tensor, codebook_size: int, mb, old: torch.Tensor | N
     both = trainer.isfinite() & mb.sampled.isfinite()
     m = {"sampler_gap": (trainer - mb.sampled).where(both, 0.0).abs().max().item(),
          "outside_truncation": int((~own.isfinite()).sum()),
-         "no_gradient_frac": (pi[:, cols].isfinite().sum(-1) == 1).float().mean().item(),
-         "entropy": -(pi.exp() * pi.nan_to_num(neginf=0.0)).sum(-1)[:, cols].mean().item()}
+         "no_gradient_frac": (pi[:, cols].isfinite().sum(-1) == 1).float().mean().item()}
     for name, cut in {"preview": slice(0, mb.n_preview), "large": slice(mb.n_preview, None)}.items():
         if logp[:, cut].numel():  # editing has no preview
             _, r = grpo_loss(logp[:, cut], old[:, cut], None if ref is None else ref[0][:, cut], mb.advantages,
