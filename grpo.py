@@ -16,8 +16,7 @@ after a preview grid) reaches the DiT, so only its tokens are in the loss; one d
 sampled distribution (`code_logprobs`), so pi / pi_old is exactly 1 at the first update; with top-p
 the sampler draws from the nucleus q and the trained policy is the whole softmax p, with TRL's
 mismatch weights for sampler drift; the AR's 3D rotary positions are replayed (`rope_positions`).
-Copied alone this file runs a step; helpers/ holds main's plumbing, the fast decode (the same
-tokens), the diagnostics, torchrun + FSDP2 and more rewards. `python dit_grpo.py` trains the DiT.
+Copied alone it runs a step; helpers/ holds the plumbing, fast decode, FSDP2; dit_grpo.py the DiT.
 
   python grpo.py --prompts prompts.txt                          # the tiny GLM-Image, on a CPU
   python grpo.py --prompts examples/shapes.txt --reward shapes  # draw what the caption asks
@@ -63,8 +62,8 @@ class Config:  # a field per flag (--group-size ...); None: MODEL_DEFAULTS fills
     reward: str = arg("ssim=1,mse=0", "rewards and weights, e.g. ssim=1,ocr=0.5 (docs/rewards.md)")
     scale_rewards: str = arg("group", "advantages / std of the group, batch or none (Dr. GRPO)",
                              ("group", "batch", "none"))
-    diversity: float | None = arg(None, "bonus / c on each reward, c its group's same-grid samples")
-    diversity_to: str = arg("all", "the bonus to all samples or each group's best", ("all", "best"))
+    diversity: float = arg(0.0, "bonus / c on each reward, c its group's same-grid samples")
+    unlikeliness: float = arg(0.0, "He et al.: each group's best credit moved to the least likely")
     clip_eps: float = arg(0.2, "PPO clip: the ratio is clipped to [1 - eps, 1 + eps_high]")
     clip_eps_high: float | None = arg(None, "upper clip (DAPO's clip-higher; default: --clip-eps)")
     kl_beta: float | None = arg(None, "weight of the KL to the reference (0.1 tiny, 0.04 real)")
@@ -109,11 +108,11 @@ TINY = Path(__file__).resolve().parent / "tiny_glm_image"  # pre-trained by tool
 TINY_MODELS = {"tiny": TINY, "tiny-edit": TINY.with_name("tiny_glm_image_edit")}
 
 MODEL_DEFAULTS = {  # where the command line left a field at None; the tiny demo runs the whole loss
-    "tiny": dict(lr=1e-4, kl_beta=0.1, mu=2, diversity=0.0, height=96, width=96, top_p=1.0,
+    "tiny": dict(lr=1e-4, kl_beta=0.1, mu=2, height=96, width=96, top_p=1.0,
                  num_inference_steps=2, guidance_scale=1.0, group_size=8, prompts_per_step=2,
                  lora_rank=0, before_after=4, gradient_checkpointing=False),
     # LoRA r=16 with micro-batches of 1 fits one 80 GB GPU (docs/real_model.md: the memory plan)
-    "real": dict(lr=1e-5, kl_beta=0.04, mu=1, diversity=0.0, height=1024, width=1024, top_p=0.75,
+    "real": dict(lr=1e-5, kl_beta=0.04, mu=1, height=1024, width=1024, top_p=0.75,
                  num_inference_steps=50, guidance_scale=1.5, group_size=4, prompts_per_step=1,
                  micro_batch_size=1, lora_rank=16, before_after=0, gradient_checkpointing=False),
 }
@@ -449,20 +448,25 @@ def group_advantages(rewards: torch.Tensor, eps: float = 1e-6, scale: str = "gro
     return torch.where(spread, z, torch.zeros_like(rewards))
 
 def repeats(grids: list[torch.Tensor]) -> torch.Tensor:
-    """Each group's (G, n) large grids -> (P, G): how many of its group drew the same grid. The
-    diversity bonus adds diversity / c to a reward: a layout drawn once earns it all."""
+    """Each group's (G, n) large grids -> (P, G) c: how many of its group drew the same grid."""
     return torch.stack([(g[:, None] == g[None]).all(-1).sum(-1) for g in grids])
 
 def score(images: list[torch.Tensor], batch: list[dict], rewards: dict, scale: str = "group",
-          grids: list | None = None, diversity: float = 0.0, diversity_to: str = "all") -> tuple:
-    """Steps 3-4: P groups of images -> (P, G) rewards, each reward's, and the advantages of the
-    rewards plus the diversity bonus (`grids`: each group's large grids), to every sample or to each
-    group's "best" only (GARDO's diversity-aware shaping, arXiv 2512.24138: mistakes earn none)."""
+          grids: list | None = None, diversity: float = 0.0, unlikeliness: float = 0.0,
+          logprobs: list | None = None) -> tuple:
+    """Steps 3-4: P groups of images -> (P, G) rewards, each reward's, and the advantages: z-scores
+    of the rewards plus the diversity bonus (`grids`: each group's large grids), then each group's
+    best samples' credit moved to the least likely (`logprobs`: a group's (G, N), the grid last)."""
     reward, each = group_rewards(images, batch, rewards)  # 3. score them: (P, G)
-    best = reward == reward.amax(dim=-1, keepdim=True) if diversity_to == "best" else 1.0
-    shaped = reward + diversity / repeats(grids).to(reward) * best if diversity > 0 else reward
+    shaped = reward + diversity / repeats(grids).to(reward) if diversity > 0 else reward
     everyone = gather_rows(shaped) if scale == "batch" else None
     advantages = group_advantages(shaped, scale=scale, batch=everyone)  # 4. advantages
+    if unlikeliness > 0:  # He et al. (arXiv 2506.02355), after the z-score (the std would scale it)
+        best = reward == reward.amax(dim=-1, keepdim=True)  # (P, G) each group's best samples
+        loglik = torch.stack([lp[:, -g.shape[1]:].sum(-1) for lp, g in zip(logprobs, grids)])
+        k = best.sum(-1, keepdim=True)  # the best ranked by likelihood, 0 the least likely: +u/2
+        rank = torch.where(best, loglik, math.inf).argsort(-1).argsort(-1) / (k - 1).clamp_min(1)
+        advantages = advantages - unlikeliness * (rank - 0.5) * best * (k > 1)  # their sum: as was
     return reward, each, advantages
 
 
@@ -472,10 +476,9 @@ def grpo_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, ref_logprobs: 
               weights: torch.Tensor | None = None, mass: torch.Tensor | None = None,
               kl_on: str = "all") -> tuple[torch.Tensor, dict]:
     """(S, T) log-probs, (S,) advantages -> the loss -(min(r A, clip(r) A) * weights - beta k3 KL)
-    * mass, averaged over a sequence's tokens, then over sequences (1/|o_i|); and metrics.
-    `weights` (sampler_correction) scale the surrogate only, as TRL's; `mass` (truncation_weights)
-    the whole token's term; kl_on "above_mean" gates the KL to A >= 0 (GARDO gates it to some
-    samples: here the mistakes go free). policy_loss and kl are logged unweighted."""
+    * mass, averaged over a sequence's tokens, then over sequences (1/|o_i|); metrics (policy_loss,
+    kl: unweighted). `weights` (sampler_correction) scale the surrogate only, as TRL's; `mass`
+    (truncation_weights) the whole term; kl_on "above_mean": the KL on A >= 0 (GARDO's gate)."""
     # a token the old policy could not draw (-inf: outside its truncation): ratio 1, no gradient
     ratio = torch.exp(torch.where(old_logprobs.isneginf(), 0.0, logprobs - old_logprobs))  # (S, T)
     adv = advantages[:, None].to(ratio)  # (S, 1), on the log-probs' device
@@ -502,10 +505,9 @@ def k3_kl(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
 
 def sampler_correction(old_logprobs: torch.Tensor, sampled_logprobs: torch.Tensor,
                        mode: str = "token_truncate", cap: float = 2.0) -> torch.Tensor:
-    """TRL's mismatch correction: (S, T) log-probs of ONE distribution (the trained one) by the
-    trainer (pi_old) and by the sampler (its kernels, bf16, batch shape) -> weights pi_old /
-    pi_sampler per token (token_*) or sequence (sequence_*), capped at `cap` (*_truncate) or zeroed
-    above it (*_mask). An exact sampler gets 1 (float32: 1 +- 1e-4)."""
+    """TRL's mismatch weights pi_old / pi_sampler: (S, T) log-probs of the trained distribution by
+    the trainer and by the sampler (kernels, bf16, batch shape) -> per token or sequence (token_* /
+    sequence_*), capped at `cap` (*_truncate) or 0 above it (*_mask); exact: 1 (float32 +- 1e-4)."""
     both = old_logprobs.isfinite() & sampled_logprobs.isfinite()  # outside a truncation: no ratio
     log_ratio = torch.where(both, old_logprobs - sampled_logprobs, 0.0)  # (S, T)
     level = log_ratio.sum(dim=1, keepdim=True) if mode.startswith("sequence") else log_ratio
@@ -516,9 +518,8 @@ def sampler_correction(old_logprobs: torch.Tensor, sampled_logprobs: torch.Tenso
 def truncation_weights(sampled: torch.Tensor, sampled_full: torch.Tensor, mode: str = "none"
                        ) -> torch.Tensor:
     """(S, T) log-probs of the drawn tokens under the sampler's nucleus q and its whole softmax p ->
-    per-token weights p / q = Z_t, the mass p puts on the nucleus ("mass": the importance weight
-    from q's samples to p's per-token objective, over the nucleus), or 1 ("none": top-k / top-p
-    ignored, as TRL and verl do). Without truncation Z_t = 1."""
+    per-token weights p / q = Z_t, the mass p puts on the nucleus ("mass": q's samples weighed to
+    p's objective over the nucleus), or 1 ("none": as TRL and verl do). No truncation: Z_t = 1."""
     mass = torch.exp(torch.where(sampled.isfinite(), sampled_full - sampled, 0.0)).clamp(max=1.0)
     return mass if mode == "mass" else torch.ones_like(mass)
 
@@ -585,13 +586,12 @@ def frozen_logprobs(policy, ref_model, batches: list[MicroBatch], mu: int, *, te
         cut = (top_k, top_p, mb.support) if policy_dist == "truncated" else (0, 1.0, None)
         olds.append(token_logprobs(policy, mb.inputs, mb.tokens, temperature, *cut)
                     if mu > 1 else None)
-        ref = None
-        if kl_beta > 0:
+        refs.append(None)
+        if kl_beta > 0:  # the reference on the trained distribution and on p
             with adapter_off():
                 logits = token_logits(ref_model, mb.inputs, mb.tokens)  # (mb, N, V)
-            ref = tuple(logprob_of(code_logprobs(logits, temperature, K, *c), mb.tokens)
-                        for c in (cut, (0, 1.0, None)))
-        refs.append(ref)
+            refs[-1] = tuple(logprob_of(code_logprobs(logits, temperature, K, *c), mb.tokens)
+                             for c in (cut, (0, 1.0, None)))
     return olds, refs
 
 def micro_batch_loss(policy, mb: MicroBatch, old: torch.Tensor | None, ref: tuple | None,
@@ -664,18 +664,18 @@ def main(argv: list[str] | None = None) -> dict:
             grids = [ro.tokens[:, -math.prod(ro.large_hw):] for ro in rollouts]  # what the DiT saw
             with run.timed(seconds, "reward", cfg):  # 3.-4. rewards, z-scored within each group
                 reward, each, advantages = score(images, batch, rewards, cfg.scale_rewards, grids,
-                                                 cfg.diversity, cfg.diversity_to)
+                                                 cfg.diversity, cfg.unlikeliness,
+                                                 [ro.full_logprobs for ro in rollouts])
             with interrupts_held():  # an update and its log line land together (or not at all)
                 with run.timed(seconds, "train", cfg), r.autocast:  # 5. the clipped update
                     metrics = train_step(
                         policy, optimizer, rollouts, advantages, ref_model,
                         micro_batch_size=cfg.micro_batch_size, max_grad_norm=cfg.max_grad_norm,
-                        mu=cfg.mu, temperature=cfg.temperature, kl_beta=cfg.kl_beta,
-                        clip_eps=(cfg.clip_eps, cfg.clip_eps_high or cfg.clip_eps),
-                        train_tokens=cfg.train_tokens, top_k=cfg.top_k, top_p=cfg.top_p,
-                        correction=cfg.sampler_correction, cap=cfg.sampler_cap,
-                        policy_dist=cfg.policy_dist, truncation_weight=cfg.truncation_weight,
-                        kl_on=cfg.kl_on, entropy_bonus=cfg.entropy_bonus)
+                        mu=cfg.mu, kl_beta=cfg.kl_beta, train_tokens=cfg.train_tokens,
+                        clip_eps=(cfg.clip_eps, cfg.clip_eps_high or cfg.clip_eps), top_k=cfg.top_k,
+                        temperature=cfg.temperature, policy_dist=cfg.policy_dist, kl_on=cfg.kl_on,
+                        correction=cfg.sampler_correction, cap=cfg.sampler_cap, top_p=cfg.top_p,
+                        truncation_weight=cfg.truncation_weight, entropy_bonus=cfg.entropy_bonus)
                 run.log_step(r, step, groups, reward, each, advantages, grids, metrics, seconds)
             run.after_step(r, step, batch, images, reward)  # image grids, checkpoints, evaluations
     return run.finish(r)  # the last checkpoint, final/, curves.png, the after grid, the summary

@@ -781,16 +781,25 @@ def test_score():
     assert torch.allclose(spread[0] / spread[1], raw[0] / raw[1], rtol=1e-4) and spread[0] > 5 * spread[1]
 
 
-def test_score_diversity_to_best():
-    """--diversity-to best: the bonus reaches each group's best samples only; a wrong sample's new layout earns none."""
-    grids = [torch.tensor([[1], [2], [3], [3]])]  # samples 0, 1 and the wrong sample 2 drew layouts of their own
-    reward = torch.tensor([[1.0, 1.0, 0.0, 1.0]])
-    images, rewards = [torch.zeros(4, 3, 8, 8)], {"given": (lambda im, ex: ex["r"], 1.0)}
-    _, _, adv = grpo.score(images, [{"r": reward[0]}], rewards, grids=grids, diversity=0.3, diversity_to="best")
-    assert torch.allclose(adv, grpo.group_advantages(reward + torch.tensor([[0.3, 0.3, 0.0, 0.15]])))
-    _, _, every = grpo.score(images, [{"r": reward[0]}], rewards, grids=grids, diversity=0.3)  # "all": as before
-    assert torch.allclose(every, grpo.group_advantages(reward + torch.tensor([[0.3, 0.3, 0.15, 0.15]])))
-    assert adv[0, 2] < every[0, 2]  # the mistake's bonus is gone
+def test_score_unlikeliness():
+    """--unlikeliness: each group's best samples share their credit out toward the least likely of them (u / 2 more
+    for the least likely, u / 2 less for the likeliest), the others' advantages and the best's total are unchanged."""
+    likelihood = torch.tensor([[-1.0, -3.0, -9.0, -2.0], [-4.0, -3.0, -2.0, -1.0], [-1.0, -2.0, -3.0, -4.0]])
+    reward = torch.tensor([[1.0, 1.0, 0.0, 1.0], [1.0, 1.0, 1.0, 1.0], [0.9, 0.5, 0.2, 0.85]])
+    images, rewards = [torch.zeros(4, 3, 8, 8)] * 3, {"given": (lambda im, ex: ex["r"], 1.0)}
+    batch = [{"r": r} for r in reward]
+    # each group's (G, N) log-probs: a preview token that reverses the order of the whole sum, then a 1-code grid
+    logprobs, grids = [torch.stack([-2 * lik, lik], dim=1) for lik in likelihood], [torch.zeros(4, 1)] * 3
+    logged, _, adv = grpo.score(images, batch, rewards, grids=grids, unlikeliness=0.5, logprobs=logprobs)
+    plain = grpo.group_advantages(reward)
+    assert torch.equal(logged, reward)  # the logged reward is the reward's
+    # ranks among the best by likelihood, 0 the least likely, over k - 1, less their mean
+    moved = torch.tensor([[1.0, 0.0, 0.0, 0.5], [0.0, 1 / 3, 2 / 3, 1.0]]) - torch.tensor([[0.5], [0.5]])
+    moved[0, 2] = 0.0  # the wrong sample keeps its advantage
+    assert torch.allclose(adv[:2], plain[:2] - 0.5 * moved)
+    assert adv[0, 1] > adv[0, 3] > adv[0, 0] > 0 > adv[0, 2] and adv[1].argsort().tolist() == [3, 2, 1, 0]
+    assert torch.allclose(adv.sum(-1), plain.sum(-1), atol=1e-6)  # moved, not added
+    assert torch.equal(adv[2], plain[2])  # one best sample: nothing to share
 
 
 def test_diversity_bonus():
@@ -1357,6 +1366,24 @@ def test_grpo_layout():
     assert len(lines) <= 700 and sum(len(line) > 100 for line in lines) <= 5
     longest = max(functions, key=lambda f: f.end_lineno - f.lineno)
     assert longest.end_lineno - longest.lineno + 1 <= 45, longest.name
+
+
+def test_main_unlikeliness(tmp_path, monkeypatch):
+    """--unlikeliness in a run: score gets the sampled tokens' log-probs (the trainer's, the grid last), and in a group
+    whose samples all tie the least likely gains u / 2, the likeliest loses u / 2."""
+    monkeypatch.setitem(grpo.REWARDS, "flat", lambda images, example: torch.zeros(len(images)))  # all tie: all best
+    calls, score = [], grpo.score
+    monkeypatch.setattr(grpo, "score", lambda *args: calls.append((args, score(*args))) or calls[-1][1])
+    prompts = write_example(tmp_path, ["a red circle"])
+    grpo.main([*TINY, "--prompts", str(prompts), "--out", str(tmp_path / "run"), "--steps", "1", "--reward", "flat",
+               "--unlikeliness", "0.5", "--image-every", "0"])
+    (args, (_, _, adv)), = calls
+    grids, logprobs = args[4], args[7]
+    loglik = logprobs[0][:, -grids[0].shape[1]:].sum(-1)  # (G,) each sample's grid
+    rank = loglik.argsort().argsort().float() / (len(loglik) - 1)  # 0: the least likely
+    assert torch.allclose(adv[0], -0.5 * (rank - 0.5)) and adv[0].sum().abs() < 1e-6
+    record, = run_record(tmp_path / "run")  # the trainer's mean log-prob of the grid tokens: the same numbers
+    assert abs(loglik.sum().item() / grids[0].numel() - record["large/logprob"]) < 1e-5
 
 
 def test_main_defaults(tmp_path):

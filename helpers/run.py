@@ -246,15 +246,16 @@ def validate(cfg) -> None:
                            ("max-grad-norm", cfg.max_grad_norm > 0, "> 0"), ("lora-rank", cfg.lora_rank >= 0, ">= 0"),
                            ("top-p", 0 < cfg.top_p <= 1, "in (0, 1]"), ("top-k", cfg.top_k >= 0, ">= 0"),
                            ("diversity", cfg.diversity >= 0, ">= 0"),
-                           ("entropy-bonus", cfg.entropy_bonus >= 0, ">= 0")]:
+                           ("entropy-bonus", cfg.entropy_bonus >= 0, ">= 0"),
+                           ("unlikeliness", cfg.unlikeliness >= 0, ">= 0")]:
         if not ok:
             raise ValueError(f"--{name} {getattr(cfg, name.replace('-', '_'))} is out of range; it must be {rule}")
     for name in ("steps", "mu", "prompts_per_step", "num_inference_steps", "eval_samples"):
         if getattr(cfg, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
-    if cfg.train == "dit" and (cfg.kl_on != "all" or cfg.entropy_bonus > 0):
-        raise ValueError("--kl-on and --entropy-bonus shape the AR's token loss; dit_grpo.py does not use them: "
-                         "leave them out")
+    if cfg.train == "dit" and (cfg.kl_on != "all" or cfg.entropy_bonus > 0 or cfg.unlikeliness > 0):
+        raise ValueError("--kl-on, --entropy-bonus and --unlikeliness shape the AR's tokens' loss or ranks; "
+                         "dit_grpo.py does not use them: leave them out")
     if cfg.train == "dit" and not (cfg.sde_noise > 0 and cfg.sde_window >= 0 and cfg.sde_steps >= 0):
         raise ValueError(f"--sde-noise {cfg.sde_noise} / --sde-window {cfg.sde_window} / --sde-steps "
                          f"{cfg.sde_steps}: the noise must be > 0 (the log-probs of a deterministic step do not "

@@ -71,6 +71,7 @@ def test_validate():
                            (dict(scale_rewards="mean"), "--scale-rewards mean: use group, batch or none"),
                            (dict(policy_dist="nucleus"), "--policy-dist nucleus: use full or truncated"),
                            (dict(diversity=-1.0), "--diversity -1.0 is out of range"),
+                           (dict(unlikeliness=-0.5), "--unlikeliness -0.5 is out of range"),
                            (dict(steps=0), "--steps must be at least 1")]:
         with pytest.raises(ValueError, match=re.escape(needle)):
             run.validate(dataclasses.replace(good, **change))

@@ -60,14 +60,14 @@ ROWS = {
     # the row above) or not at all (TRL's and verl's practice, the default since: it kept the layouts)
     "top_p_full_none": ("top-p 0.75, --policy-dist full, --truncation-weight none",
                         ["--top-p", "0.75", "--policy-dist", "full", "--truncation-weight", "none"]),
-    # issue 48: accuracy without the collapse. The bonus to each group's best samples only (GARDO's rule: novelty
-    # pays where it is right), the KL gated to the samples at or above their group's mean (mistakes go free), an
-    # entropy bonus on the less certain tokens (EG-GRPO), and the first two together
-    "best_bonus": ("the diversity bonus to each group's best only", ["--diversity", "0.2", "--diversity-to", "best"]),
+    # issue 48: accuracy without the collapse. The KL gated to the samples at or above their group's mean (mistakes
+    # go free), an entropy bonus on the less certain tokens (EG-GRPO), and the unlikeliness (He et al.): each group's
+    # best samples' credit moved toward the least likely of them, on the defaults and in place of the KL. (The bonus
+    # to each group's best only, --diversity-to best, was measured too and removed: its records say so.)
     "kl_gate": ("the KL gated to A >= 0", ["--kl-on", "above_mean"]),
     "entropy": ("an entropy bonus on the less certain tokens", ["--entropy-bonus", "0.02"]),
-    "gate_best": ("the gated KL and the best-only bonus", ["--kl-on", "above_mean", "--diversity", "0.2",
-                                                           "--diversity-to", "best"]),
+    "unlikely": ("the unlikeliness in place of the KL", ["--kl-beta", "0", "--unlikeliness", "1"]),
+    "unlikely_kl": ("the unlikeliness on the defaults", ["--unlikeliness", "1"]),
 }  # every GRPO row has the tiny defaults' mu 2 (the clip acts); rows of other flags come from `-- flags`
 HELD_OUT = ["--eval-prompts", str(ROOT / "examples" / "shapes_heldout.jsonl"), "--eval-every", "0",
             "--eval-samples", "8", "--eval-reward", "shapes_exact"]
@@ -121,7 +121,7 @@ def run_shapes(row: str, seed: int, steps: int, extra: list[str], runs: Path) ->
     """One training run of `row` with `seed` (kept in runs/<row>-seed<seed>: metrics, curves, final weights, the
     before/after grid); its held-out numbers before and after, read from its eval lines."""
     train = rejection_sampling.main if row == "rs" else grpo.main
-    out = runs / "_".join([row, *(x.lstrip("-") for x in extra), f"seed{seed}"])
+    out = runs / "_".join([row, *(x.lstrip("-") for x in extra), f"seed{seed}", *([f"{steps}steps"] * (steps != 400))])
     argv = ["--prompts", str(ROOT / "examples" / "shapes.txt"), "--reward", "shapes=1", "--steps", str(steps),
             "--seed", str(seed), "--out", str(out), "--overwrite", "--image-every", "0", "--save-every", "0",
             *HELD_OUT, *ROWS[row][1], *extra]
@@ -131,8 +131,8 @@ def run_shapes(row: str, seed: int, steps: int, extra: list[str], runs: Path) ->
     lines = run.read_metrics(out)
     cfg = grpo.parse_config(argv)
     settings = {k: getattr(cfg, k) for k in ("kl_beta", "mu", "diversity", "lr", "top_p", "policy_dist",
-                                             "scale_rewards", "truncation_weight", "diversity_to", "kl_on",
-                                             "entropy_bonus")}
+                                             "scale_rewards", "truncation_weight", "kl_on", "entropy_bonus",
+                                             "unlikeliness")}
     evals, training = [x for x in lines if x.get("eval")], [x for x in lines if not x.get("eval")]
 
     def held_out(x):
@@ -151,18 +151,23 @@ def run_shapes(row: str, seed: int, steps: int, extra: list[str], runs: Path) ->
 
 def describe(r: dict) -> tuple:
     """A run's setting: the settings it recorded, else its flags over today's defaults (a later flag wins)."""
-    if "settings" in r:
-        cfg = dataclasses.replace(grpo.parse_config(["--prompts", "x"]), **r["settings"])
+    fields = {f.name for f in dataclasses.fields(grpo.Config)}
+    if "settings" in r:  # a setting since removed (diversity_to) is named below, not looked up
+        cfg = dataclasses.replace(grpo.parse_config(["--prompts", "x"]),
+                                  **{k: v for k, v in r["settings"].items() if k in fields})
     else:  # an older record: its flags over today's defaults (a later flag wins, as on the command line)
         cfg = grpo.parse_config(["--prompts", "x", *r["flags"]])
     share = r.get("share")  # an earlier variant, tried and not kept: positive advantages divided by c^share
     if r["row"] == "rs":
         return ("rejection sampling: fine-tuning on each group's best sample (mu 1, no KL)",)
     parts = [f"beta {cfg.kl_beta:g}", f"mu {cfg.mu}"]
-    parts += [f"diversity bonus {cfg.diversity:g}" + (" to each group's best" if cfg.diversity_to == "best" else "")
+    best = r.get("settings", {}).get("diversity_to") == "best"  # issue 48's --diversity-to best, since removed
+    parts += [f"diversity bonus {cfg.diversity:g}" + (" to each group's best (removed)" if best else "")
               ] if cfg.diversity else []
     parts += ["the KL gated to A >= 0 (--kl-on above_mean)"] if cfg.kl_on != "all" else []
     parts += [f"entropy bonus {cfg.entropy_bonus:g}"] if cfg.entropy_bonus else []
+    parts += [f"unlikeliness {cfg.unlikeliness:g}" + (f" {r['variant']}" if r.get("variant") else "")
+              ] if cfg.unlikeliness else []
     parts += [f"positive advantages / c^{share:g} (a variant, not kept)"] if share else []
     parts += [f"--scale-rewards {cfg.scale_rewards}"] if cfg.scale_rewards != "group" else []
     parts += [f"top-p {cfg.top_p:g}, --policy-dist {cfg.policy_dist}"] if cfg.top_p < 1 else []
@@ -173,7 +178,8 @@ def describe(r: dict) -> tuple:
 
 
 def table(results: list[dict]) -> str:
-    """One row per setting (the mean over its seeds, each seed's value in brackets), the pre-trained model first."""
+    """One row per setting (the mean over its seeds, each seed's value in brackets), the pre-trained model first. A
+    row marked * is transcribed from the docs' earlier table (its runs' records were not kept: no minutes)."""
     groups = {}
     for r in results:
         groups.setdefault((*describe(r), r["steps"]), []).append(r)
@@ -189,12 +195,18 @@ def table(results: list[dict]) -> str:
         def cell(f, fmt):
             values = [f(r) for r in rs]
             return f"{fmt(np.mean(values))} ({', '.join(fmt(v) for v in values)})" if len(rs) > 1 else fmt(values[0])
-        lines.append(f"| {name}, {steps} steps | {', '.join(str(r['seed']) for r in rs)} | "
+        lines.append(f"| {name}, {steps} steps{' *' * any('transcribed' in r for r in rs)} | {', '.join(str(r['seed']) for r in rs)} | "
                      f"{cell(lambda r: r['after']['right'], '{:.3f}'.format)} | "
                      f"{cell(lambda r: r['after']['layouts'], '{:.2f}'.format)} | "
                      f"{cell(lambda r: r['after']['one'], '{:.1%}'.format)} | "
-                     f"{np.mean([r['no_gradient'] for r in rs]):.1%} | {np.mean([r['minutes'] for r in rs]):.1f} |")
+                     f"{np.mean([r['no_gradient'] for r in rs]):.1%} | {minutes(rs)} |")
     return "\n".join(lines)
+
+
+def minutes(rs: list[dict]) -> str:
+    """The mean training minutes of runs, "-" where a record has none (transcribed)."""
+    known = [r["minutes"] for r in rs if r.get("minutes") is not None]
+    return f"{np.mean(known):.1f}" if known else "-"
 
 
 def frontier(results: list[dict], path: Path) -> None:
@@ -237,6 +249,40 @@ def frontier(results: list[dict], path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     print(f"frontier: {path}")
+
+
+def layout_reading(out: Path | None, chunk: int = 2) -> dict:
+    """Where a run's distinct layouts come from: its final/ weights (None: the pre-trained model) draw the held-out
+    captions exactly as grpo.py's last evaluation did (examples/shapes_heldout.jsonl, K = 8, seed EVAL_SEED + i), and
+    each free-place caption's distinct large grids are split into those of right pictures and those of wrong ones (a
+    wrong picture is usually a layout of its own, so mistakes raise the count). Returns the means over the free-place
+    captions: "layouts" (the eval's number), "right_layouts", "wrong_layouts", "right" (the share fully right), and the
+    relation captions' ("relation/...")."""
+    pipe = grpo.load_glm_image("tiny") if out is None else trained_pipe(out)
+    cfg = grpo.parse_config(["--model", "tiny"])
+    examples = run.read_prompts(str(ROOT / "examples" / "shapes_heldout.jsonl"))
+    rows = {}
+    for c in range(0, len(examples), chunk):
+        some = examples[c:c + chunk]
+        with torch.no_grad():
+            rollouts = grpo.sample_groups(pipe, [ex["prompt"] for ex in some], 8, cfg.height, cfg.width,
+                                          cfg.temperature, [run.EVAL_SEED + c + i for i in range(len(some))])
+        for ex, ro in zip(some, rollouts):
+            images = grpo.decode_images(pipe, ex["prompt"], ro.tokens, ro.large_hw, cfg.height, cfg.width,
+                                        cfg.num_inference_steps, cfg.decode_seed, cfg.guidance_scale)
+            right = shapes_reward(images, ex) == 1.0
+            grids = [tuple(g) for g in ro.tokens[:, -9:].tolist()]
+            rows[ex["prompt"]] = (ex, right, grids)
+    free = [(ex, right, grids) for ex, right, grids in rows.values() if ex.get("free_layout", True) is not False]
+
+    def means(chosen):
+        return {"layouts": float(np.mean([len(set(g)) for _, _, g in chosen])),
+                "right_layouts": float(np.mean([len({x for x, ok in zip(g, r) if ok}) for _, r, g in chosen])),
+                "wrong_layouts": float(np.mean([len({x for x, ok in zip(g, r) if not ok}) for _, r, g in chosen])),
+                "right": float(np.mean([r.float().mean().item() for _, r, _ in chosen]))}
+    relation = [x for x in free if x[0].get("category") == "relation"]
+    return {**means(free), **{f"relation/{k}": v for k, v in means(relation).items()},
+            "all_right": float(np.mean([r.float().mean().item() for _, r, _ in rows.values()]))}
 
 
 def run_ssim(seed: int, steps: int, extra: list[str]) -> dict:
@@ -310,8 +356,17 @@ def main() -> None:
     parser.add_argument("--results", type=Path, default=ROOT / "runs" / "bench_learning.jsonl")
     parser.add_argument("--table", action="store_true", help="only print the table of --results")
     parser.add_argument("--frontier", type=Path, help="also draw accuracy against layouts to this PNG")
+    parser.add_argument("--layouts", nargs="+", metavar="RUN", help="split the distinct layouts of runs' final/ (or "
+                        "'base') into right and wrong pictures' (layout_reading), into runs/bench_layouts.jsonl")
     args = parser.parse_args(argv[: argv.index("--")] if "--" in argv else argv)
     run.quiet_libraries()
+    if args.layouts:
+        for name in args.layouts:
+            reading = layout_reading(None if name == "base" else Path(name))
+            with open(args.results.with_name("bench_layouts.jsonl"), "a") as f:
+                f.write(json.dumps({"run": name, **reading}) + "\n")
+            print(name, {k: round(v, 3) for k, v in reading.items()}, flush=True)
+        return
     if "shapes" in args.demos and not args.table:
         args.results.parent.mkdir(parents=True, exist_ok=True)
         for row in args.rows:
@@ -339,7 +394,11 @@ def main() -> None:
                   f"{result['after']['right']:.3f}, {result['minutes']:.1f} min", flush=True)
     if "edit" in args.demos and edits.exists():
         print(f"\ngrpo.py --model tiny-edit --reward edit --prompts examples/edits_train.jsonl ({edits})")
-        print(edit_table([json.loads(x) for x in edits.read_text().splitlines()]))
+        settings = {}  # a table per set of extra flags (the demo's own: none)
+        for r in map(json.loads, edits.read_text().splitlines()):
+            settings.setdefault(" ".join(r["flags"]) or "the tiny defaults", []).append(r)
+        for flags, rs in settings.items():
+            print(f"\n{flags}:\n{edit_table(rs)}")
     if "ssim" in args.demos and not args.table:
         rows = [run_ssim(seed, args.ssim_steps, extra) for seed in args.seeds]
         print(f"\ngrpo.py --prompts prompts.txt --steps {args.ssim_steps} {' '.join(extra)}")

@@ -26,7 +26,8 @@ def best_of_group(reward: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.one_hot(reward.argmax(dim=-1), reward.shape[-1]).to(reward)
 
 
-def rejection_score(images, batch, rewards, scale="group", grids=None, diversity=0.0, diversity_to="all") -> tuple:
+def rejection_score(images, batch, rewards, scale="group", grids=None, diversity=0.0, unlikeliness=0.0,
+                    logprobs=None) -> tuple:
     """grpo.score with the advantages of rejection sampling (best_of_group) in place of GRPO's."""
     reward, each, _ = GRPO_SCORE(images, batch, rewards, scale)
     return reward, each, best_of_group(reward)
