@@ -16,7 +16,7 @@ after a preview grid) reaches the DiT, so only its tokens are in the loss; one d
 sampled distribution (`code_logprobs`), so pi / pi_old is exactly 1 at the first update; with top-p
 the sampler draws from the nucleus q and the trained policy is the whole softmax p, with TRL's
 mismatch weights for sampler drift; the AR's 3D rotary positions are replayed (`rope_positions`).
-Copied alone it runs a step; helpers/ holds the plumbing, fast decode, FSDP2; dit_grpo.py the DiT.
+Copied alone it runs a step (helpers/: plumbing, fast decode, FSDP2); dit_grpo.py trains the DiT.
 
   python grpo.py --prompts prompts.txt                          # the tiny GLM-Image, on a CPU
   python grpo.py --prompts examples/shapes.txt --reward shapes  # draw what the caption asks
@@ -63,7 +63,7 @@ class Config:  # a field per flag (--group-size ...); None: MODEL_DEFAULTS fills
     scale_rewards: str = arg("group", "advantages / std of the group, batch or none (Dr. GRPO)",
                              ("group", "batch", "none"))
     diversity: float = arg(0.0, "bonus / c on each reward, c its group's same-grid samples")
-    unlikeliness: float = arg(0.0, "He et al.: each group's best credit moved to the least likely")
+    unlikeliness: float = arg(0.0, "He et al.: +-U/2 among a group's best, to the least likely")
     clip_eps: float = arg(0.2, "PPO clip: the ratio is clipped to [1 - eps, 1 + eps_high]")
     clip_eps_high: float | None = arg(None, "upper clip (DAPO's clip-higher; default: --clip-eps)")
     kl_beta: float | None = arg(None, "weight of the KL to the reference (0.1 tiny, 0.04 real)")
@@ -448,7 +448,7 @@ def group_advantages(rewards: torch.Tensor, eps: float = 1e-6, scale: str = "gro
     return torch.where(spread, z, torch.zeros_like(rewards))
 
 def repeats(grids: list[torch.Tensor]) -> torch.Tensor:
-    """Each group's (G, n) large grids -> (P, G) c: how many of its group drew the same grid."""
+    """Each group's (G, n) large grids -> (P, G) c, how many drew that grid (bonus: diversity/c)."""
     return torch.stack([(g[:, None] == g[None]).all(-1).sum(-1) for g in grids])
 
 def score(images: list[torch.Tensor], batch: list[dict], rewards: dict, scale: str = "group",
@@ -461,12 +461,12 @@ def score(images: list[torch.Tensor], batch: list[dict], rewards: dict, scale: s
     shaped = reward + diversity / repeats(grids).to(reward) if diversity > 0 else reward
     everyone = gather_rows(shaped) if scale == "batch" else None
     advantages = group_advantages(shaped, scale=scale, batch=everyone)  # 4. advantages
-    if unlikeliness > 0:  # He et al. (arXiv 2506.02355), after the z-score (the std would scale it)
-        best = reward == reward.amax(dim=-1, keepdim=True)  # (P, G) each group's best samples
+    if unlikeliness > 0:  # He et al. (arXiv 2506.02355), after the z-score: inside, an all-right
+        best = reward == reward.amax(dim=-1, keepdim=True)  # group's move is a whole advantage
         loglik = torch.stack([lp[:, -g.shape[1]:].sum(-1) for lp, g in zip(logprobs, grids)])
-        k = best.sum(-1, keepdim=True)  # the best ranked by likelihood, 0 the least likely: +u/2
-        rank = torch.where(best, loglik, math.inf).argsort(-1).argsort(-1) / (k - 1).clamp_min(1)
-        advantages = advantages - unlikeliness * (rank - 0.5) * best * (k > 1)  # their sum: as was
+        rank = torch.where(best, loglik, math.inf).argsort(dim=-1, stable=True).argsort(-1)
+        k = best.sum(-1, keepdim=True)  # ranks 0 .. k - 1 over the best -> +U/2 .. -U/2; sum kept
+        advantages -= unlikeliness * (rank / (k - 1).clamp_min(1) - 0.5) * best * (k > 1)
     return reward, each, advantages
 
 
@@ -478,7 +478,7 @@ def grpo_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, ref_logprobs: 
     """(S, T) log-probs, (S,) advantages -> the loss -(min(r A, clip(r) A) * weights - beta k3 KL)
     * mass, averaged over a sequence's tokens, then over sequences (1/|o_i|); metrics (policy_loss,
     kl: unweighted). `weights` (sampler_correction) scale the surrogate only, as TRL's; `mass`
-    (truncation_weights) the whole term; kl_on "above_mean": the KL on A >= 0 (GARDO's gate)."""
+    (truncation_weights) the whole term; kl_on "above_mean": the mistakes go free (A < 0, no KL)."""
     # a token the old policy could not draw (-inf: outside its truncation): ratio 1, no gradient
     ratio = torch.exp(torch.where(old_logprobs.isneginf(), 0.0, logprobs - old_logprobs))  # (S, T)
     adv = advantages[:, None].to(ratio)  # (S, 1), on the log-probs' device
@@ -505,9 +505,9 @@ def k3_kl(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
 
 def sampler_correction(old_logprobs: torch.Tensor, sampled_logprobs: torch.Tensor,
                        mode: str = "token_truncate", cap: float = 2.0) -> torch.Tensor:
-    """TRL's mismatch weights pi_old / pi_sampler: (S, T) log-probs of the trained distribution by
-    the trainer and by the sampler (kernels, bf16, batch shape) -> per token or sequence (token_* /
-    sequence_*), capped at `cap` (*_truncate) or 0 above it (*_mask); exact: 1 (float32 +- 1e-4)."""
+    """TRL's mismatch weights: (S, T) log-probs of ONE distribution (the trained one) by the trainer
+    (pi_old) and the sampler (kernels, bf16) -> pi_old / pi_sampler per token or sequence, capped at
+    `cap` (*_truncate) or 0 above it (*_mask); an exact sampler gets 1 (float32: 1 +- 1e-4)."""
     both = old_logprobs.isfinite() & sampled_logprobs.isfinite()  # outside a truncation: no ratio
     log_ratio = torch.where(both, old_logprobs - sampled_logprobs, 0.0)  # (S, T)
     level = log_ratio.sum(dim=1, keepdim=True) if mode.startswith("sequence") else log_ratio
@@ -519,7 +519,7 @@ def truncation_weights(sampled: torch.Tensor, sampled_full: torch.Tensor, mode: 
                        ) -> torch.Tensor:
     """(S, T) log-probs of the drawn tokens under the sampler's nucleus q and its whole softmax p ->
     per-token weights p / q = Z_t, the mass p puts on the nucleus ("mass": q's samples weighed to
-    p's objective over the nucleus), or 1 ("none": as TRL and verl do). No truncation: Z_t = 1."""
+    p's objective), or 1 ("none": top-k / top-p ignored, as in TRL and verl). No truncation: 1."""
     mass = torch.exp(torch.where(sampled.isfinite(), sampled_full - sampled, 0.0)).clamp(max=1.0)
     return mass if mode == "mass" else torch.ones_like(mass)
 
@@ -665,7 +665,7 @@ def main(argv: list[str] | None = None) -> dict:
             with run.timed(seconds, "reward", cfg):  # 3.-4. rewards, z-scored within each group
                 reward, each, advantages = score(images, batch, rewards, cfg.scale_rewards, grids,
                                                  cfg.diversity, cfg.unlikeliness,
-                                                 [ro.full_logprobs for ro in rollouts])
+                                                 [ro.logprobs for ro in rollouts])  # as drawn
             with interrupts_held():  # an update and its log line land together (or not at all)
                 with run.timed(seconds, "train", cfg), r.autocast:  # 5. the clipped update
                     metrics = train_step(

@@ -1369,8 +1369,8 @@ def test_grpo_layout():
 
 
 def test_main_unlikeliness(tmp_path, monkeypatch):
-    """--unlikeliness in a run: score gets the sampled tokens' log-probs (the trainer's, the grid last), and in a group
-    whose samples all tie the least likely gains u / 2, the likeliest loses u / 2."""
+    """--unlikeliness in a run: score gets the log-probs the sampler drew the tokens with (the grid last; the trainer's
+    in float32), and in a group whose samples all tie the least likely gains u / 2, the likeliest loses u / 2."""
     monkeypatch.setitem(grpo.REWARDS, "flat", lambda images, example: torch.zeros(len(images)))  # all tie: all best
     calls, score = [], grpo.score
     monkeypatch.setattr(grpo, "score", lambda *args: calls.append((args, score(*args))) or calls[-1][1])
@@ -1380,8 +1380,10 @@ def test_main_unlikeliness(tmp_path, monkeypatch):
     (args, (_, _, adv)), = calls
     grids, logprobs = args[4], args[7]
     loglik = logprobs[0][:, -grids[0].shape[1]:].sum(-1)  # (G,) each sample's grid
-    rank = loglik.argsort().argsort().float() / (len(loglik) - 1)  # 0: the least likely
-    assert torch.allclose(adv[0], -0.5 * (rank - 0.5)) and adv[0].sum().abs() < 1e-6
+    G = len(loglik)
+    order = sorted(range(G), key=lambda i: (loglik[i].item(), i))  # the least likely first; ties (a grid drawn
+    assert torch.allclose(adv[0][order], -0.5 * (torch.arange(G) / (G - 1) - 0.5))  # twice) in order of drawing
+    assert adv[0].sum().abs() < 1e-6
     record, = run_record(tmp_path / "run")  # the trainer's mean log-prob of the grid tokens: the same numbers
     assert abs(loglik.sum().item() / grids[0].numel() - record["large/logprob"]) < 1e-5
 

@@ -34,11 +34,12 @@ def rejection_score(images, batch, rewards, scale="group", grids=None, diversity
 
 
 def main(argv: list[str] | None = None) -> dict:
-    """grpo.main with rejection sampling's advantages and the plain supervised update (--mu 1, --kl-beta 0)."""
+    """grpo.main with rejection sampling's advantages and the plain supervised update (--mu 1, --kl-beta 0; no
+    diversity bonus, no unlikeliness: rejection_score ignores them)."""
     argv = sys.argv[1:] if argv is None else argv
     grpo.score = rejection_score  # main looks the step up by name, so it takes this one
     try:
-        return grpo.main([*argv, "--mu", "1", "--kl-beta", "0", "--diversity", "0"])
+        return grpo.main([*argv, "--mu", "1", "--kl-beta", "0", "--diversity", "0", "--unlikeliness", "0"])
     finally:
         grpo.score = GRPO_SCORE
 
