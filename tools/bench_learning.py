@@ -252,7 +252,7 @@ def frontier(results: list[dict], path: Path) -> None:
     ax.set_ylim(0.45, 1.0)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=6.5, loc="upper left", bbox_to_anchor=(1.01, 1.0))
-    ax.set_title("GRPO on the tiny model, 400 steps of --reward shapes")
+    ax.set_title("GRPO on the tiny model, 400 steps of --reward shapes (other lengths: in the label)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     print(f"frontier: {path}")
