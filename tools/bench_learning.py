@@ -258,29 +258,27 @@ def frontier(results: list[dict], path: Path) -> None:
     print(f"frontier: {path}")
 
 
-def layout_reading(out: Path | None, chunk: int = 2) -> dict:
+def layout_reading(out: Path | None) -> dict:
     """Where a run's distinct layouts come from: its final/ weights (None: the pre-trained model) draw the held-out
-    captions exactly as grpo.py's last evaluation did (examples/shapes_heldout.jsonl, K = 8, seed EVAL_SEED + i), and
-    each free-place caption's distinct large grids are split into those of right pictures and those of wrong ones (a
-    wrong picture is usually a layout of its own, so mistakes raise the count). Returns the means over the free-place
-    captions: "layouts" (the eval's number), "right_layouts", "wrong_layouts", "right" (the share fully right), and the
-    relation captions' ("relation/...")."""
+    captions through grpo.py's own evaluation (run.evaluate: examples/shapes_heldout.jsonl, K = 8, seed EVAL_SEED + i,
+    so the samples of its last evaluation), and each free-place caption's distinct large grids are split into those
+    of right pictures and those of wrong ones (a wrong picture is usually a layout of its own, so mistakes raise the
+    count). Returns the means over the free-place captions: "layouts" (the eval's number), "right_layouts",
+    "wrong_layouts", "right" (the share fully right), and the relation captions' ("relation/...")."""
     pipe = grpo.load_glm_image("tiny") if out is None else trained_pipe(out)
     cfg = grpo.parse_config(["--model", "tiny"])
     examples = run.read_prompts(str(ROOT / "examples" / "shapes_heldout.jsonl"))
-    rows = {}
-    for c in range(0, len(examples), chunk):
-        some = examples[c:c + chunk]
-        with torch.no_grad():
-            rollouts = grpo.sample_groups(pipe, [ex["prompt"] for ex in some], 8, cfg.height, cfg.width,
-                                          cfg.temperature, [run.EVAL_SEED + c + i for i in range(len(some))])
-        for ex, ro in zip(some, rollouts):
-            images = grpo.decode_images(pipe, ex["prompt"], ro.tokens, ro.large_hw, cfg.height, cfg.width,
-                                        cfg.num_inference_steps, cfg.decode_seed, cfg.guidance_scale)
-            right = shapes_reward(images, ex) == 1.0
-            grids = [tuple(g) for g in ro.tokens[:, -math.prod(ro.large_hw):].tolist()]
-            rows[ex["prompt"]] = (ex, right, grids)
-    free = [(ex, right, grids) for ex, right, grids in rows.values() if ex.get("free_layout", True) is not False]
+    rollouts = []  # the evaluation's draws, kept for their grids
+
+    def sample_groups(*args, **kwargs):
+        rollouts.extend(drawn := grpo.sample_groups(*args, **kwargs))
+        return drawn
+    seeds = [run.EVAL_SEED + i for i in range(len(examples))]
+    _, right, _, _ = run.evaluate(pipe, examples, seeds, run.parse_rewards("shapes_exact", grpo.REWARDS), 8, cfg,
+                                  (sample_groups, grpo.decode_images, grpo.group_rewards))
+    rows = [(ex, ok == 1.0, [tuple(g) for g in ro.tokens[:, -math.prod(ro.large_hw):].tolist()])
+            for ex, ok, ro in zip(examples, right, rollouts)]
+    free = [row for row in rows if row[0].get("free_layout", True) is not False]
 
     def means(chosen):
         return {"layouts": float(np.mean([len(set(g)) for _, _, g in chosen])),
@@ -289,7 +287,7 @@ def layout_reading(out: Path | None, chunk: int = 2) -> dict:
                 "right": float(np.mean([r.float().mean().item() for _, r, _ in chosen]))}
     relation = [x for x in free if x[0].get("category") == "relation"]
     return {**means(free), **{f"relation/{k}": v for k, v in means(relation).items()},
-            "all_right": float(np.mean([r.float().mean().item() for _, r, _ in rows.values()]))}
+            "all_right": float(np.mean([r.float().mean().item() for _, r, _ in rows]))}
 
 
 def run_ssim(seed: int, steps: int, extra: list[str]) -> dict:
