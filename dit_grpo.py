@@ -43,7 +43,7 @@ from diffusers import FlowMatchEulerDiscreteScheduler
 from diffusers.schedulers.scheduling_flow_match_euler_discrete import FlowMatchEulerDiscreteSchedulerOutput
 
 import grpo  # the AR's sampler, the decoder, rewards, the loss and the set-up: shared with the AR's GRPO
-from helpers import run, setup  # the run's plumbing and the trained model's set-up, as grpo.py's
+from helpers import run, setup, variants  # the run's plumbing, the set-up and the variants, as grpo.py's
 from helpers.parallel import all_agree, interrupts_held, sync_gradients, unsharded
 
 
@@ -180,8 +180,8 @@ def chain_logprobs(transformer, chain: Chain, steps: list[int], noise_level: flo
 
 
 def train_step(policy, optimizer, chains: list[Chain], advantages: torch.Tensor, ref_model, *, noise_level: float,
-               steps: list[int], clip_eps: float | tuple[float, float], kl_beta: float, micro_batch_size: int,
-               max_grad_norm: float) -> dict:
+               steps: list[int], clip_eps: float, kl_beta: float, micro_batch_size: int, max_grad_norm: float,
+               clip_eps_high: float | None = None) -> dict:
     """One optimizer step of the DiT on P groups of chains with (P, G) advantages; returns metrics.
 
     Each denoising step in `steps` (all of them, or a window: fewer steps, less compute) is one "token" of
@@ -193,6 +193,8 @@ def train_step(policy, optimizer, chains: list[Chain], advantages: torch.Tensor,
     one step's graph for `micro_batch_size` samples, whatever the window.
     """
     policy.eval()  # no dropout: the trainer's Gaussian must be the sampler's
+    if not chains:  # every group left the step (a non-finite reward): nothing to learn from
+        return {"skipped": 1}
     optimizer.zero_grad(set_to_none=True)
     n, S = advantages.numel(), len(steps)
     totals, gap, ratio_min, ratio_max, finite = {}, 0.0, math.inf, -math.inf, True
@@ -201,7 +203,8 @@ def train_step(policy, optimizer, chains: list[Chain], advantages: torch.Tensor,
               for i in steps]
     for k, (chain, adv, rows, i) in enumerate(pieces):
         logp, means, stds = chain_logprobs(policy, chain, [i], noise_level, rows)  # (mb, 1), with grad
-        loss, m = grpo.grpo_loss(logp, logp.detach(), None, adv[rows], clip_eps, 0.0)  # a step = a token
+        eps = variants.clip_range(adv[rows], clip_eps, clip_eps_high)  # --clip-eps-high: per sample
+        loss, m = grpo.grpo_loss(logp, logp.detach(), None, adv[rows], eps, 0.0)  # a step = a token
         kl = torch.zeros_like(logp)
         if kl_beta > 0:
             with torch.no_grad(), (ref_model.disable_adapter() if hasattr(ref_model, "disable_adapter")
@@ -266,12 +269,12 @@ class DitConfig(grpo.Config):  # grpo.py's flags, and the SDE sampler's
 
 
 def parse_config(argv: list[str]) -> DitConfig:
-    """Command line -> DitConfig: grpo.py's defaults, but one update per batch of chains (--mu 1), no diversity bonus
-    (a group shares its tokens), no KL on the tiny model, gradient checkpointing on the real DiT."""
+    """Command line -> DitConfig: grpo.py's defaults, but one update per batch of chains (--mu 1), no KL on the tiny
+    model, gradient checkpointing on the real DiT."""
     config = run.with_run_settings(DitConfig)
     cfg = config(**vars(run.config_parser(config).parse_args(["--train", "dit", *argv])))
     tiny = cfg.model in grpo.TINY_MODELS
-    dit = dict(mu=1, diversity=0.0, kl_beta=0.0 if tiny else None, gradient_checkpointing=not tiny)
+    dit = dict(mu=1, kl_beta=0.0 if tiny else None, gradient_checkpointing=not tiny)
     return grpo.with_defaults(dataclasses.replace(cfg, **{k: v for k, v in dit.items() if getattr(cfg, k) is None}))
 
 
@@ -302,16 +305,20 @@ def main(argv: list[str] | None = None) -> dict:
                                        cfg.sde_noise, cfg.sde_window)  # 2. G pictures by the SDE sampler
                           for ex, t, s in zip(batch, tokens, seeds)]
             with run.timed(seconds, "reward", cfg):  # 3.-4. as for the AR
-                reward, each, advantages = grpo.score([c.images for c in chains], batch, rewards, cfg.scale_rewards)
+                reward, each = grpo.group_rewards([c.images for c in chains], batch, rewards)
+                kept = run.finite_groups(r, step, reward, each, batch)  # NaN / inf: out, warned
+                advantages = grpo.group_advantages(reward[kept])
+                advantages = variants.advantages(advantages, reward[kept], [], cfg)  # --scale-rewards
+                trained = [chain for chain, keep in zip(chains, kept) if keep]
             with interrupts_held():
                 with run.timed(seconds, "train", cfg), r.autocast:  # 5. the update, each trained step a token
-                    metrics = train_step(policy, optimizer, chains, advantages, ref_model, noise_level=cfg.sde_noise,
+                    metrics = train_step(policy, optimizer, trained, advantages, ref_model, noise_level=cfg.sde_noise,
                                          steps=window(len(chains[0].timesteps), cfg.sde_window),
-                                         clip_eps=(cfg.clip_eps, cfg.clip_eps_high or cfg.clip_eps),
+                                         clip_eps=cfg.clip_eps, clip_eps_high=cfg.clip_eps_high,
                                          kl_beta=cfg.kl_beta, micro_batch_size=cfg.micro_batch_size,
                                          max_grad_norm=cfg.max_grad_norm)
-                run.log_step(r, step, groups, reward, each, advantages, [c.latents[:, -1] for c in chains], metrics,
-                             seconds)
+                run.log_step(r, step, groups, reward, each, advantages, kept, [c.latents[:, -1] for c in chains],
+                             metrics, seconds)
             run.after_step(r, step, batch, [c.images for c in chains], reward)
     return run.finish(r)
 

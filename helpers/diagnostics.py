@@ -1,71 +1,85 @@
 """docs/healthy_training.md's readings of a micro-batch, computed beside its loss: grpo.py's
-`micro_batch_loss` calls `readings` on the logits it trained on (detached) when this folder sits
-beside grpo.py. Nothing here changes what is trained: the loss and its own metrics (ratio, clip,
-KL) are grpo.py's `logits_loss`.
+`train_step` calls the function `reader` returns on the logits it trained on (detached). Nothing here
+changes what is trained: the loss and its own metrics (ratio, clip, KL) are grpo.py's.
 
-Like the rest of helpers/ it never imports grpo.py: grpo.py's `code_logprobs`, `grpo_loss`, `k3_kl`
-`sampler_correction` and `truncation_weights` arrive as arguments.
+It builds on grpo.py's functions (`code_logprobs`, `grpo_loss`, `sampler_correction`): it imports grpo,
+which imports this file.
 """
+
+import functools
 
 import torch
 
+from .variants import clip_range, entropy, loss_tokens, nucleus_mass
+
+
+def reader(cfg, codebook_size: int):
+    """`readings` with the run's settings and the AR's codebook size K: fn(logits, mb, old_logprobs, ref_logprobs)
+    -> dict."""
+    return functools.partial(readings, codebook_size=codebook_size, temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p,
+                             clip_eps=cfg.clip_eps, kl_beta=cfg.kl_beta, correction=cfg.sampler_correction,
+                             cap=cfg.sampler_cap, train_tokens=cfg.train_tokens, clip_eps_high=cfg.clip_eps_high)
+
 
 @torch.no_grad()
-def readings(logits: torch.Tensor, codebook_size: int, mb, old: torch.Tensor | None, ref: tuple | None,
-             algorithm: tuple, *, temperature: float, clip_eps: float | tuple[float, float], kl_beta: float,
-             train_tokens: str = "large", top_k: int = 0, top_p: float = 1.0, policy_dist: str = "full",
-             correction: str = "token_truncate", cap: float = 2.0, **loss_only) -> dict:
-    """(mb, N, V) logits of a grpo.MicroBatch `mb` (`old`, `ref`: grpo.frozen_logprobs') -> its readings:
-    - each region's (preview, large) mean log-prob, KL and clip fraction;
-    - sampler_gap: the sampler's log-probs of q against the trainer's (the drift the mismatch weights
-      correct);
+def readings(logits: torch.Tensor, mb, old_logprobs: torch.Tensor, ref_logprobs: torch.Tensor | None, *,
+             codebook_size: int, temperature: float, top_k: int, top_p: float, clip_eps: float, kl_beta: float, correction: str,
+             cap: float, train_tokens: str = "large", clip_eps_high: float | None = None) -> dict:
+    """(mb, N, V) logits of a grpo.MicroBatch `mb` (pi_old's and the reference's log-probs beside them) ->
+    - entropy: the trained distribution's, over the loss tokens (nats);
+    - each region's (preview, large) mean log-prob, k3 KL and clip fraction;
+    - sampler_gap: the sampler's log-probs of q against the trainer's, on the codes the sampler kept (the drift
+      the mismatch weights correct);
     - outside_truncation: sampled tokens the trainer's own top-k / top-p drops;
-    - no_gradient_frac: rows whose trained distribution keeps one code (log-prob 0: no gradient);
-    - kl_untruncated: k3 on the whole softmax p (kl_beta > 0);
-    - TRL's mismatch metrics of logits_loss' correction (`mismatch`) and the nucleus' mass Z_t = p / q.
-    `algorithm`: grpo.py's (code_logprobs, grpo_loss, k3_kl, sampler_correction, truncation_weights).
-    `loss_only`: logits_loss' other settings."""
-    code_logprobs, grpo_loss, k3_kl, sampler_correction, truncation_weights = algorithm
-    K, tokens = codebook_size, mb.tokens[..., None]
-
-    def of(distribution):  # (mb, N, K) -> (mb, N): the sampled tokens' log-probs
-        return distribution.gather(-1, tokens).squeeze(-1)
-
-    cols = slice(mb.n_preview, None) if train_tokens == "large" else slice(None)  # in the loss
-    full = code_logprobs(logits, temperature, K)  # p
-    replayed = code_logprobs(logits, temperature, K, top_k, top_p, mb.support)  # q, on the sampler's cut
-    pi = full if policy_dist == "full" else replayed
-    logp = of(pi)
-    old = logp if old is None else old
-    own = replayed if mb.support is None else code_logprobs(logits, temperature, K, top_k, top_p)  # its cut
-    trainer, own = of(replayed), of(own)
-    both = trainer.isfinite() & mb.sampled.isfinite()
-    m = {"sampler_gap": (trainer - mb.sampled).where(both, 0.0).abs().max().item(),
+    - no_gradient_frac: loss tokens whose trained distribution keeps one code (log-prob 0: no gradient);
+    - TRL's mismatch metrics of the loss' correction (`mismatch`) and the nucleus' mass Z_t = p / q."""
+    import grpo
+    K, rollout = codebook_size, mb.rollout
+    q_sampler = rollout.q_logprobs[mb.rows]
+    trained = grpo.code_logprobs(logits, temperature, K, support=mb.support)  # pi_theta
+    logprobs = grpo.logprob_of(trained, mb.tokens)
+    cols = loss_tokens(mb, train_tokens)
+    replayed = grpo.code_logprobs(logits, temperature, K, top_k, top_p, kept_codes(mb, K))  # q, the sampler's cut
+    own = grpo.logprob_of(grpo.code_logprobs(logits, temperature, K, top_k, top_p), mb.tokens)  # the trainer's cut
+    q_trainer = grpo.logprob_of(replayed, mb.tokens)
+    both = q_trainer.isfinite() & q_sampler.isfinite()
+    m = {"entropy": entropy(trained)[:, cols].mean().item(),
+         "sampler_gap": (q_trainer - q_sampler).where(both, 0.0).abs().max().item(),
          "outside_truncation": int((~own.isfinite()).sum()),
-         "no_gradient_frac": (pi[:, cols].isfinite().sum(-1) == 1).float().mean().item()}
+         "no_gradient_frac": (trained[:, cols].isfinite().sum(-1) == 1).float().mean().item()}
     for name, cut in {"preview": slice(0, mb.n_preview), "large": slice(mb.n_preview, None)}.items():
-        if logp[:, cut].numel():  # editing has no preview
-            _, r = grpo_loss(logp[:, cut], old[:, cut], None if ref is None else ref[0][:, cut], mb.advantages,
-                             clip_eps, kl_beta)
-            m |= {f"{name}/logprob": logp[:, cut][logp[:, cut].isfinite()].mean().item(),
-                  f"{name}/kl": r["kl"], f"{name}/clip_frac": r["clip_frac"]}
-    if ref is not None:
-        m["kl_untruncated"] = k3_kl(of(full)[:, cols], ref[1][:, cols]).mean().item()
-    behaviour = mb.sampled_full if policy_dist == "full" else mb.sampled  # on the trained distribution
-    m |= mismatch(old, behaviour, correction, cap, sampler_correction)
-    mass = truncation_weights(mb.sampled, mb.sampled_full, "mass")  # Z_t, whether the loss weighs by it or not
+        if logprobs[:, cut].numel():  # editing has no preview
+            ref = None if ref_logprobs is None else ref_logprobs[:, cut]
+            eps = clip_range(mb.advantages, clip_eps, clip_eps_high)  # the loss' clip
+            _, region = grpo.grpo_loss(logprobs[:, cut], old_logprobs[:, cut], ref, mb.advantages, eps, kl_beta)
+            m |= {f"{name}/logprob": logprobs[:, cut].mean().item(), f"{name}/kl": region["kl"],
+                  f"{name}/clip_frac": region["clip_frac"]}
+    m |= mismatch(old_logprobs, mb.sampler_logprobs, correction, cap)
+    mass = nucleus_mass(q_sampler, rollout.p_logprobs[mb.rows])  # Z_t, whether the loss weighs by it or not
     return m | {"truncation/nucleus_mass/mean": mass.mean().item(), "truncation/nucleus_mass/min": mass.min().item()}
 
 
-def mismatch(old: torch.Tensor, sampled: torch.Tensor, mode: str, cap: float, sampler_correction) -> dict:
+def kept_codes(mb, codebook_size: int) -> torch.Tensor | None:
+    """The codes each of the micro-batch's draws kept, (mb, N, K) bool, or None (no top-k / top-p)."""
+    from .fast_decode import code_support
+    if mb.support is not None:
+        return mb.support
+    if mb.rollout.support is None:
+        return None
+    return code_support(mb.rollout.support[mb.rows], codebook_size)
+
+
+def mismatch(old: torch.Tensor, sampled: torch.Tensor, mode: str, cap: float) -> dict:
     """TRL's mismatch metrics of (S, T) log-probs of one distribution by the trainer (`old`) and by the sampler, under
     grpo's `sampler_correction` (`mode`, `cap`): the log-prob gap, its weights after the cap and the ratios before it
     (per token, or per sequence in the sequence modes), the k3 KL of the sampler from pi_old, the share of ratios above
     the cap. Tokens outside a truncation (-inf on either side) count as a gap of 0."""
-    log_ratio = torch.where(old.isfinite() & sampled.isfinite(), old - sampled, 0.0)  # (S, T)
-    weights = sampler_correction(old, sampled, mode, cap)
+    import grpo
+    sampled = torch.where(old.isfinite() & sampled.isfinite(), sampled, old)  # outside a truncation: no gap
+    log_ratio = old - sampled  # (S, T)
+    weights = grpo.sampler_correction(old, sampled, mode, cap)
     level = "sequence" if mode.startswith("sequence") else "token"
-    ratio = sampler_correction(old, sampled, f"{level}_truncate", float("inf"))  # before the cap
+    ratio = grpo.sampler_correction(old, sampled, f"{level}_truncate", float("inf"))  # before the cap
     return {"sampling/sampling_logp_difference/mean": log_ratio.abs().mean().item(),
             "sampling/sampling_logp_difference/max": log_ratio.abs().max().item(),
             "sampling/importance_sampling_ratio/min": weights.min().item(),  # after the cap

@@ -14,18 +14,27 @@ Like the rest of helpers/ it never imports grpo.py: grpo.py's `code_logprobs` an
 arrive as arguments.
 """
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 
 from .parallel import distributed
 
 
+class Draws(NamedTuple):  # one group's draws: grpo.Rollout's first fields, and the kept codes
+    tokens: torch.Tensor  # (G, N) codes
+    q_logprobs: torch.Tensor  # (G, N) their log-probs under q, what each draw used (top-k / top-p)
+    p_logprobs: torch.Tensor  # (G, N) under p, the whole softmax
+    support: torch.Tensor | None  # (G, N, K/8) bits of the codes each draw kept; None: all of them
+
+
 @torch.no_grad()
 def sample_groups(model, groups: list, temperature: float, seeds: list[int], top_k: int, top_p: float,
-                  prompts: list[str], code_logprobs, rope_positions) -> list[tuple]:
+                  prompts: list[str], code_logprobs, rope_positions) -> list[Draws]:
     """grpo.sample_groups' groups (grpo.Prompt: inputs, preview_hw, large_hw, source) -> for each,
-    (G, N) tokens, their log-probs under q and under p, and the kept codes' bits (None without
-    top-k / top-p): ONE decode of all P*G rows of each length N, left-padded, each at its own
+    its Draws: (G, N) tokens, their log-probs under q and under p, and the kept codes' bits (None
+    without top-k / top-p): ONE decode of all P*G rows of each length N, left-padded, each at its own
     positions. Group p draws from a generator seeded with seeds[p]: the tokens it gets alone."""
     lengths = [a[0] * a[1] + b[0] * b[1] for _, a, b, _ in groups]  # N of each group
     drawn, config = [None] * len(groups), model.config
@@ -45,7 +54,7 @@ def sample_groups(model, groups: list, temperature: float, seeds: list[int], top
                              dim).repeat_interleave(G, dim)
 
         valid = [torch.ones_like(ids[None], dtype=torch.bool) for ids in prompt_ids]
-        tokens, logprobs, full_logprobs, support = decode(
+        tokens, q_logprobs, p_logprobs, support = decode(
             model, left_pad([ids[None] for ids in prompt_ids], 0),  # (P*G, width), pad id 0
             left_pad(valid, 0),  # False on the padding
             left_pad(positions, 1),  # (3, P*G, width + N)
@@ -54,8 +63,8 @@ def sample_groups(model, groups: list, temperature: float, seeds: list[int], top
         for j, i in enumerate(mine):
             rows = slice(j * G, (j + 1) * G)
             check_tokens(tokens[rows], n, config.vq_config.num_embeddings, prompts[i])
-            drawn[i] = (tokens[rows], logprobs[rows], full_logprobs[rows],
-                        None if support is None else support[rows])
+            kept = None if support is None else support[rows]
+            drawn[i] = Draws(tokens[rows], q_logprobs[rows], p_logprobs[rows], kept)
     return drawn
 
 
@@ -102,7 +111,7 @@ def decode(model, input_ids: torch.Tensor, valid: torch.Tensor, positions: torch
                      cache=cache, logits_to_keep=1).logits[:, -1]  # the trainer's forward, a token
 
     tokens = torch.zeros(B, N, dtype=torch.long, device=device)
-    logprobs, full_logprobs = torch.zeros(B, N, device=device), torch.zeros(B, N, device=device)
+    q_logprobs, p_logprobs = torch.zeros(B, N, device=device), torch.zeros(B, N, device=device)
     truncated = 0 < top_k < K or top_p < 1
     support = (torch.zeros(B, N, (K + 7) // 8, dtype=torch.uint8, device=device) if truncated
                else None)
@@ -119,16 +128,16 @@ def decode(model, input_ids: torch.Tensor, valid: torch.Tensor, positions: torch
         logp = code_logprobs(logits, temperature, K, top_k, top_p)  # (B, K)
         token = (logp.exp() / noise[:, :K]).argmax(dim=-1, keepdim=True)  # torch.multinomial(p, 1)
         tokens.index_copy_(1, t, token)
-        logprobs.index_copy_(1, t, logp.gather(-1, token))
+        q_logprobs.index_copy_(1, t, logp.gather(-1, token))
         full = code_logprobs(logits, temperature, K) if truncated else logp  # the whole softmax
-        full_logprobs.index_copy_(1, t, full.gather(-1, token))
+        p_logprobs.index_copy_(1, t, full.gather(-1, token))
         if truncated:  # the sampling mask, kept for the trainer
             support.index_copy_(1, t, support_bits(logp.isfinite())[:, None])
         logits.copy_(forward(token, P + t))
         t.add_(1)
 
     repeat_step(step, N, draw, capture=static and device.type == "cuda")
-    return tokens, logprobs, full_logprobs, support
+    return tokens, q_logprobs, p_logprobs, support
 
 
 def decode_mask(seen: torch.Tensor, slots: torch.Tensor, kv: int, dtype: torch.dtype

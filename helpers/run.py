@@ -24,9 +24,11 @@ import torch
 from PIL import Image
 from tqdm.auto import tqdm
 
-from .parallel import (INTERRUPT, final_weights, gather_list, gather_rows, interrupts_caught, load_trainable_state,
+from .parallel import (INTERRUPT, all_agree, final_weights, gather_list, gather_rows, interrupts_caught, load_trainable_state,
                       reduce_metrics, start_processes, stop_processes, stop_requested, trainable_state, unsharded)
 from .rewards import CheckpointError, import_reward, with_checkpoint
+from .variants import VariantSettings
+from . import variants
 from .run_io import (RUN_FILES, Reporter, append_metrics, atomic_write, check_out_dir, check_reporter, image_grid,
                     open_run_dir, plot_curves, read_checkpoint, read_metrics, read_resume, save_checkpoint, save_image,
                     save_pretrained_atomic, side_by_side)
@@ -191,11 +193,11 @@ _WITH_RUN = {}  # one combined class per config class: configs of one run compar
 
 
 def with_run_settings(config: type) -> type:
-    """The dataclass `config` (grpo.Config, DitConfig) with RunSettings' fields after its own, under its name: what
-    the command line sets and config.json holds."""
+    """The dataclass `config` (grpo.Config, DitConfig) with the variants' fields (helpers/variants.py) and RunSettings'
+    after its own, under its name: what the command line sets and config.json holds."""
     if config not in _WITH_RUN:
         fields = [(f.name, f.type, dataclasses.field(default=f.default, metadata=f.metadata))
-                  for f in dataclasses.fields(RunSettings)]
+                  for settings in (VariantSettings, RunSettings) for f in dataclasses.fields(settings)]
         _WITH_RUN[config] = dataclasses.make_dataclass(config.__name__, fields, bases=(config,))
         _WITH_RUN[config].__module__ = config.__module__
     return _WITH_RUN[config]
@@ -237,25 +239,23 @@ def validate(cfg) -> None:
         if choices and value not in choices:
             flag, listed = "--" + field.name.replace("_", "-"), ", ".join(choices[:-1])
             raise ValueError(f"{flag} {value}: use {listed} or {choices[-1]}")
+    variants.validate(cfg)
     if not cfg.sampler_cap >= 1:
         raise ValueError(f"--sampler-cap {cfg.sampler_cap}: use a cap >= 1 (below 1 it cuts even an exact sampler's "
                          "weight)")
     for name, ok, rule in [("clip-eps", 0 < cfg.clip_eps < 1, "in (0, 1)"), ("kl-beta", cfg.kl_beta >= 0, ">= 0"),
-                           ("clip-eps-high", cfg.clip_eps_high is None or cfg.clip_eps_high > 0, "> 0"),
                            ("lr", 0 < cfg.lr < 1, "in (0, 1)"), ("temperature", cfg.temperature > 0, "> 0"),
                            ("max-grad-norm", cfg.max_grad_norm > 0, "> 0"), ("lora-rank", cfg.lora_rank >= 0, ">= 0"),
-                           ("top-p", 0 < cfg.top_p <= 1, "in (0, 1]"), ("top-k", cfg.top_k >= 0, ">= 0"),
-                           ("diversity", cfg.diversity >= 0, ">= 0"),
-                           ("entropy-bonus", cfg.entropy_bonus >= 0, ">= 0"),
-                           ("unlikeliness", cfg.unlikeliness >= 0, ">= 0")]:
+                           ("top-p", 0 < cfg.top_p <= 1, "in (0, 1]"), ("top-k", cfg.top_k >= 0, ">= 0")]:
         if not ok:
             raise ValueError(f"--{name} {getattr(cfg, name.replace('-', '_'))} is out of range; it must be {rule}")
     for name in ("steps", "mu", "prompts_per_step", "num_inference_steps", "eval_samples"):
         if getattr(cfg, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
-    if cfg.train == "dit" and (cfg.kl_on != "all" or cfg.entropy_bonus > 0 or cfg.unlikeliness > 0):
-        raise ValueError("--kl-on, --entropy-bonus and --unlikeliness shape the AR's tokens' loss or ranks; "
-                         "dit_grpo.py does not use them: leave them out")
+    ar_only = [flag for flag in variants.given(cfg) if flag not in ("--scale-rewards", "--clip-eps-high")]
+    if cfg.train == "dit" and ar_only:  # --diversity included: its layouts are the AR's large grids
+        raise ValueError(f"{', '.join(ar_only)}: the options of the AR's tokens' loss or ranks; dit_grpo.py does not "
+                         "use them: leave them out")
     if cfg.train == "dit" and not (cfg.sde_noise > 0 and cfg.sde_window >= 0 and cfg.sde_steps >= 0):
         raise ValueError(f"--sde-noise {cfg.sde_noise} / --sde-window {cfg.sde_window} / --sde-steps "
                          f"{cfg.sde_steps}: the noise must be > 0 (the log-probs of a deterministic step do not "
@@ -625,12 +625,30 @@ def steps(r: Run):
         yield step, groups, [r.examples[g % len(r.examples)] for g in groups], {}
 
 
+def finite_groups(r: Run, step: int, reward: torch.Tensor, each: dict, batch: list[dict]) -> torch.Tensor:
+    """(P,) bool: the groups whose rewards are all finite. A group with a NaN or inf reward leaves the step, with a
+    warning line naming the reward and the prompt. Under torchrun every process then leaves its groups out: a
+    process cannot train on fewer micro-batches than the others (FSDP gathers the weights at each), so the step is
+    skipped everywhere (and counted)."""
+    kept = reward.isfinite().all(dim=-1)
+    for p in (~kept).nonzero().flatten().tolist():
+        bad = [name for name, value in each.items() if not value[p].isfinite().all()]
+        tqdm.write(f"warning: step {step}: reward {', '.join(repr(name) for name in bad) or 'sum'} is not finite for "
+                   f"'{batch[p]['prompt']}' ({batch[p]['where']}); its group is left out of this step", file=sys.stderr)
+    if r.world > 1 and not all_agree(bool(kept.all())):
+        kept = torch.zeros_like(kept)
+    return kept
+
+
 def log_step(r: Run, step: int, groups: list[int], reward: torch.Tensor, each: dict, advantages: torch.Tensor,
-             samples: list[torch.Tensor], metrics: dict, seconds: dict) -> None:
+             kept: torch.Tensor, samples: list, metrics: dict, seconds: dict) -> None:
     """The step's metrics line (step_record, every process) into metrics.jsonl and --report-to, the progress bar,
-    and a warning for a skipped update (rank 0). The bar shows the step's reward, its mean over the last 20 steps
-    (steps differ by prompt) and, when there is a KL term, the KL."""
-    record = step_record(step, groups, len(r.examples), reward, each, advantages, samples,
+    and a warning for a skipped update (rank 0). `advantages`: the kept groups' (finite_groups); `samples`: each
+    group's rollout (grpo.Rollout: its large grids are logged) or a tensor (dit_grpo.py's final latents). The bar shows
+    the step's reward, its mean over the last 20 steps (steps differ by prompt) and, when there is a KL term, the
+    KL."""
+    samples = [s.tokens[:, -math.prod(s.large_hw):] if hasattr(s, "large_hw") else s for s in samples]
+    record = step_record(step, groups, len(r.examples), reward, each, advantages, kept, samples,
                          reduce_metrics(metrics), seconds)
     r.skipped, r.done = r.skipped + record["skipped"], step + 1
     r.history.append(record)
@@ -638,12 +656,12 @@ def log_step(r: Run, step: int, groups: list[int], reward: torch.Tensor, each: d
         return
     append_metrics(r.out, {**record, "skipped_total": r.skipped})
     r.reporter.log(record)
-    recent = np.mean([h["reward_mean"] for h in r.history[-20:]])
+    recent = np.nanmean([h["reward_mean"] for h in r.history[-20:]])  # a step with no group left: NaN
     r.progress.set_postfix(reward=f"{record['reward_mean']:.3f}", reward_avg20=f"{recent:.3f}",
                            **({"kl": f"{record['kl']:.4f}"} if r.cfg.kl_beta > 0 else {}))
     if record["skipped"]:
-        r.progress.write(f"warning: step {step}: non-finite loss or gradient, update skipped ({r.skipped} so far)",
-                         file=sys.stderr)
+        why = "no group left (non-finite rewards)" if not kept.any() else "non-finite loss or gradient"
+        r.progress.write(f"warning: step {step}: {why}, update skipped ({r.skipped} so far)", file=sys.stderr)
     if record.get("rollout/collapsed_groups"):
         r.progress.write(f"warning: step {step}: {record['rollout/collapsed_groups']} group(s) collapsed to a few codes "
                          f"(the fewest: {record['rollout/group_codes_min']} distinct codes in all its images): a bypassed "
@@ -652,12 +670,17 @@ def log_step(r: Run, step: int, groups: list[int], reward: torch.Tensor, each: d
 
 
 def step_record(step: int, groups: list[int], n_examples: int, reward: torch.Tensor, each: dict,
-                advantages: torch.Tensor, samples: list[torch.Tensor], metrics: dict, seconds: dict) -> dict:
-    """The metrics line of one step: reward and advantage statistics over the groups of every process,
-    `distinct_in_group` (how many of a group's G samples differ, on average: grpo.py passes the large grids, the
-    layouts in the tiny world; dit_grpo.py the final latents), the update's metrics, and the seconds of each phase
-    (this process)."""
+                advantages: torch.Tensor, kept: torch.Tensor, samples: list[torch.Tensor], metrics: dict,
+                seconds: dict) -> dict:
+    """The metrics line of one step: reward statistics over the kept groups of every process (`dropped_groups`: those
+    left out for a non-finite reward), advantage statistics, `distinct_in_group` (how many of a group's G samples
+    differ, on average: grpo.py passes the large grids, the layouts in the tiny world; dit_grpo.py the final latents),
+    the update's metrics, and the seconds of each phase (this process)."""
+    dropped = int(gather_rows((~kept)[:, None]).sum())
+    reward, each = reward[kept], {name: value[kept] for name, value in each.items()}
     reward, advantages, groups = gather_rows(reward), gather_rows(advantages), gather_list(groups)
+    if not advantages.numel():  # no group left: the statistics of nothing are NaN
+        advantages = torch.full((1, 1), math.nan)
     distinct = gather_rows(torch.tensor([[len({tuple(t) for t in s.flatten(1).tolist()})] for s in samples]))
     codes = code_health(samples) if samples and not samples[0].is_floating_point() else {}
     return {"step": step, "prompts": [g % n_examples for g in groups], "reward_mean": reward.mean().item(),
@@ -666,6 +689,7 @@ def step_record(step: int, groups: list[int], n_examples: int, reward: torch.Ten
             "advantage/max": advantages.max().item(), "advantage/min": advantages.min().item(),
             "advantage/abs_mean": advantages.abs().mean().item(),
             "zero_std_groups": int((advantages == 0).all(dim=-1).sum()),  # groups that carry no signal
+            "dropped_groups": dropped,
             "distinct_in_group": distinct.float().mean().item(), **codes, **metrics,
             **{f"sec_{phase}": value for phase, value in seconds.items()}}
 
@@ -899,8 +923,8 @@ def summarize(out: Path, history: list[dict], n_examples: int, skipped: int, ran
     cycle = math.ceil(n_examples / max(1, len(history[0]["prompts"]))) if history else 1  # steps per pass
     window = quarter // cycle * cycle if cycle <= quarter else quarter
     first, last = history[:window], history[-window:]
-    summary = {"reward_first": float(np.mean([h["reward_mean"] for h in first])),
-               "reward_last": float(np.mean([h["reward_mean"] for h in last])), "skipped": skipped}
+    summary = {"reward_first": float(np.nanmean([h["reward_mean"] for h in first])),  # a step with no group: NaN
+               "reward_last": float(np.nanmean([h["reward_mean"] for h in last])), "skipped": skipped}
     before = out / "images" / "before.json"
     if after is not None and before.exists():
         summary.update(shown_before=json.loads(before.read_text())["reward"], shown_after=after)

@@ -196,14 +196,9 @@ def plot_curves(out: Path) -> Path:
         for key in sorted(shown):
             axes[panel].plot([r["step"] for r in evals if key in r], [r[key] for r in evals if key in r], marker="o",
                              label=key[5:])
-    # the KL panel: the loss's (over the trained distribution) and, where logged, the full softmaxes' (which a one-code
-    # nucleus does not hide)
-    for panel, key, scale, name in ((4, "kl", 1, "the loss's"), (4, "kl_untruncated", 1, "untruncated"),
-                                    (5, "clip_frac", 1, ""), (6, "zero_std_groups", None, ""),
+    for panel, key, scale, name in ((4, "kl", 1, ""), (5, "clip_frac", 1, ""), (6, "zero_std_groups", None, ""),
                                     (7, "distinct_in_group", 1, "")):
         values = np.array([r.get(key, np.nan) / (scale or len(r["prompts"])) for r in train], dtype=float)
-        if key == "kl_untruncated" and np.isnan(values).all():
-            continue
         if len(values) and np.nanmax(np.abs(values), initial=0.0) == 0:  # e.g. KL with --kl-beta 0, the clip with mu 1
             axes[panel].text(0.5, 0.6, "0 at every step", ha="center", transform=axes[panel].transAxes, color="gray")
         axes[panel].plot(x, values, lw=0.8, alpha=0.6, label=f"{name}, each step".lstrip(", "))

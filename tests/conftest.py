@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parent.parent  # the repository: grpo.py, tools/
 sys.path.insert(0, str(ROOT))  # grpo.py, helpers/ and tools/, however pytest was started
 
 import grpo  # noqa: E402
-from helpers import fast_decode  # noqa: E402
+from helpers import fast_decode, run  # noqa: E402
 from helpers.offline_model import sharpen, tiny_glm_image  # noqa: E402
 
 DEVICE = os.environ.get("GRPO_TEST_DEVICE", "cpu")  # where the models run: cpu (CI), or cuda on a machine with a GPU
@@ -34,13 +34,12 @@ TINY_CPU = [*TINY[:2], "--device", "cpu", *TINY[4:]]  # torchrun tests: gloo on 
 
 
 def choices(name: str) -> tuple:
-    """The values grpo.Config's field `name` accepts (its --help and validation)."""
-    return next(f for f in dataclasses.fields(grpo.Config) if f.name == name).metadata["choices"]
+    """The values the command line's field `name` accepts (grpo.Config's, the variants' or the run's)."""
+    config = run.with_run_settings(grpo.Config)
+    return next(f for f in dataclasses.fields(config) if f.name == name).metadata["choices"]
 
 
-CORRECTIONS, TRUNCATION_WEIGHTS = choices("sampler_correction"), choices("truncation_weight")
-ALGORITHM = (grpo.code_logprobs, grpo.grpo_loss, grpo.k3_kl, grpo.sampler_correction, grpo.truncation_weights)  # as
-# grpo.micro_batch_loss passes them to helpers/diagnostics.readings
+CORRECTIONS = choices("sampler_correction")
 
 
 def codebook(model) -> int:
@@ -72,16 +71,16 @@ def kept_codes(rollout, model):
     return None if rollout.support is None else fast_decode.code_support(rollout.support, codebook(model))
 
 
-def sampled_rows(logits, top_p, generator):
-    """A sampler on given (S, N, K) logits: tokens drawn from code_logprobs at `top_p`, as a MicroBatch with its q
-    and p log-probs and its support (the preview: none)."""
-    K = logits.shape[-1]
+def sampled_rows(logits, top_p, generator, advantages=(1.0, -1.0)):
+    """A sampler on given (S, N, K) logits: tokens drawn from code_logprobs at `top_p`, as a MicroBatch of a Rollout
+    with its q and p log-probs and the kept codes' bits (no preview)."""
+    S, N, K = logits.shape
     q = grpo.code_logprobs(logits, T, K, top_p=top_p)
-    tokens = torch.multinomial(q.exp().flatten(0, 1), 1, generator=generator).view(logits.shape[:2])
-    full = grpo.code_logprobs(logits, T, K)
-    support = q.isfinite() if top_p < 1 else None  # (S, N, K) bool, as micro_batches unpacks it
-    return grpo.MicroBatch({}, tokens, grpo.logprob_of(q, tokens), grpo.logprob_of(full, tokens), support,
-                           torch.tensor([1.0, -1.0]), 0)
+    tokens = torch.multinomial(q.exp().flatten(0, 1), 1, generator=generator).view(S, N)
+    p_logprobs = grpo.logprob_of(grpo.code_logprobs(logits, T, K), tokens)
+    support = fast_decode.support_bits(q.isfinite()) if top_p < 1 else None
+    rollout = grpo.Rollout(tokens, grpo.logprob_of(q, tokens), p_logprobs, {}, (0, 0), (1, N), None, support)
+    return grpo.micro_batches([rollout], torch.tensor([advantages]), S)[0]
 
 
 def smooth_source(height=64, width=64, seed=0) -> torch.Tensor:

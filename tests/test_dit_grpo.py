@@ -284,14 +284,15 @@ def test_main_train_dit(tmp_path, capsys):
 def test_main_train_dit_bad_input(tmp_path, capsys):
     """dit_grpo.py refuses, with one line and nothing written: a zero or negative noise level, a negative window or
     number of steps, --mu > 1 (one update per batch for now), prompts with source images (editing is the AR's for
-    now), an unknown --train and the AR-only --kl-on / --entropy-bonus / --unlikeliness; grpo.py refuses --train dit and names dit_grpo.py, and dit_grpo.py --train ar
+    now), an unknown --train and the variants of the AR's tokens (--kl-on, --diversity, --policy-dist ...); grpo.py refuses --train dit and names dit_grpo.py, and dit_grpo.py --train ar
     names grpo.py."""
     here = ROOT
     for args, needle in [(["--sde-noise", "0"], "--sde-noise 0.0"), (["--sde-window", "-1"], "--sde-window -1"),
                          (["--sde-steps", "-2"], "--sde-steps -2"), (["--mu", "2"], "--mu 2"),
                          (["--prompts", str(here / "examples" / "edits.jsonl")], "text-to-image only"),
-                         (["--train", "vae"], "--train vae"), (["--unlikeliness", "1"], "--unlikeliness shape"),
-                         (["--kl-on", "above_mean"], "dit_grpo.py does not use them"),
+                         (["--train", "vae"], "--train vae"), (["--unlikeliness", "1"], "--unlikeliness: the options of the AR"),
+                         (["--kl-on", "above_mean", "--diversity", "0.2"], "--diversity, --kl-on: the options"),
+                         (["--policy-dist", "truncated"], "dit_grpo.py does not use them"),
                          (["--train", "ar"], "dit_grpo.py: error: --train ar is grpo.py's to run: python grpo.py")]:
         with pytest.raises(SystemExit) as stop:
             dit_grpo.main(["--prompts", str(here / "prompts.txt"), "--out", str(tmp_path / "x"), *args])

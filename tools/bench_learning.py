@@ -174,7 +174,7 @@ def describe(r: dict) -> tuple:
     parts += [f"top-p {cfg.top_p:g}, --policy-dist {cfg.policy_dist}"] if cfg.top_p < 1 else []
     if cfg.top_p < 1 and cfg.policy_dist == "full":  # before issue 46 the mass weighed the surrogate only
         parts += [f"--truncation-weight {r['settings'].get('truncation_weight', 'mass (surrogate only)')}"]
-    parts += [f"lr {cfg.lr:g}"] if cfg.lr != grpo.MODEL_DEFAULTS["tiny"]["lr"] else []
+    parts += [f"lr {cfg.lr:g}"] if cfg.lr != grpo.with_defaults(grpo.Config(model="tiny")).lr else []
     return ("GRPO, " + ", ".join(parts),)
 
 

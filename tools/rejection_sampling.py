@@ -18,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # grpo.py and i
 
 import grpo  # noqa: E402
 
-GRPO_SCORE = grpo.score
+GRPO_ADVANTAGES = grpo.group_advantages
 
 
 def best_of_group(reward: torch.Tensor) -> torch.Tensor:
@@ -26,22 +26,16 @@ def best_of_group(reward: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.one_hot(reward.argmax(dim=-1), reward.shape[-1]).to(reward)
 
 
-def rejection_score(images, batch, rewards, scale="group", grids=None, diversity=0.0, unlikeliness=0.0,
-                    logprobs=None) -> tuple:
-    """grpo.score with the advantages of rejection sampling (best_of_group) in place of GRPO's."""
-    reward, each, _ = GRPO_SCORE(images, batch, rewards, scale)
-    return reward, each, best_of_group(reward)
-
-
 def main(argv: list[str] | None = None) -> dict:
-    """grpo.main with rejection sampling's advantages and the plain supervised update (--mu 1, --kl-beta 0; no
-    diversity bonus, no unlikeliness: rejection_score ignores them)."""
+    """grpo.main with rejection sampling's advantages (best_of_group in place of grpo.group_advantages) and the plain
+    supervised update (--mu 1, --kl-beta 0, no variant of the advantages)."""
     argv = sys.argv[1:] if argv is None else argv
-    grpo.score = rejection_score  # main looks the step up by name, so it takes this one
+    grpo.group_advantages = best_of_group  # main looks the step up by name, so it takes this one
     try:
-        return grpo.main([*argv, "--mu", "1", "--kl-beta", "0", "--diversity", "0", "--unlikeliness", "0"])
+        return grpo.main([*argv, "--mu", "1", "--kl-beta", "0", "--diversity", "0", "--unlikeliness", "0",
+                          "--scale-rewards", "group"])
     finally:
-        grpo.score = GRPO_SCORE
+        grpo.group_advantages = GRPO_ADVANTAGES
 
 
 if __name__ == "__main__":

@@ -1,0 +1,238 @@
+"""The options that are off in both presets, beside grpo.py's lesson (as cleanrl keeps its variants
+beside ppo.py): each was measured (docs/evaluation.md) and none beat the defaults, but each is a
+method people reach for. They reach grpo.py through two seams in its `main`, each one call:
+
+  - `advantages` (step 4): --diversity, --unlikeliness, --scale-rewards batch | none;
+  - `update` (step 5): the micro-batches and the micro-batch loss, for --policy-dist truncated,
+    --train-tokens all, --clip-eps-high, --kl-on above_mean, --truncation-weight mass and
+    --entropy-bonus.
+
+With none of them on, both return what they were given: the lesson runs as written. Each builds
+on grpo.py's functions (it imports grpo, which imports this file inside `main`), never a copy.
+The flags: `VariantSettings`, which helpers/run.py adds to grpo.py's command line.
+"""
+
+import dataclasses
+import functools
+import math
+
+import torch
+
+from .parallel import gather_rows
+
+
+def _setting(default, help: str, choices: tuple = ()):
+    """A variant's field whose doc becomes its --help, as grpo.arg."""
+    return dataclasses.field(default=default, metadata={"help": help, "choices": choices})
+
+
+@dataclasses.dataclass
+class VariantSettings:  # grpo.py's flags for the options beside the lesson: all off in both presets
+    # step 4, the advantages
+    scale_rewards: str = _setting("group", "advantages / the std of the group, of the step (batch) "
+                                           "or none (Dr. GRPO)", ("group", "batch", "none"))
+    diversity: float = _setting(0.0, "a bonus diversity / c on each reward, c its group's "
+                                      "samples of the same large grid")
+    unlikeliness: float = _setting(0.0, "He et al.: +-U/2 among a group's best samples, "
+                                        "toward the least likely")
+    # step 5, the loss
+    clip_eps_high: float | None = _setting(None, "DAPO's clip-higher: the upper clip 1 + this "
+                                                 "(default: --clip-eps)")
+    kl_on: str = _setting("all", "the KL on every sample, or on those with A >= 0 (GARDO)",
+                          ("all", "above_mean"))
+    entropy_bonus: float = _setting(0.0, "EG-GRPO: + bonus x entropy on the tokens less certain "
+                                         "than the step's mean")
+    train_tokens: str = _setting("large", "tokens in the loss: the large grid, or all (the "
+                                          "preview too)", ("large", "all"))
+    policy_dist: str = _setting("full", "trained: the whole softmax p, or the sampler's truncated "
+                                        "q (docs/real_model.md)", ("full", "truncated"))
+    truncation_weight: str = _setting("none", "--policy-dist full with top-k / top-p: each loss "
+                                              "token's term times its nucleus' mass p / q",
+                                      ("mass", "none"))
+
+
+DEFAULTS = VariantSettings()
+
+
+def given(cfg) -> list[str]:
+    """The variant flags `cfg` turns on (those not at their default), as --flag names."""
+    return ["--" + field.name.replace("_", "-") for field in dataclasses.fields(VariantSettings)
+            if getattr(cfg, field.name) != getattr(DEFAULTS, field.name)]
+
+
+def validate(cfg) -> None:
+    """Raise ValueError with a one-line fix for a variant setting that cannot run."""
+    for name in ("diversity", "unlikeliness", "entropy_bonus"):
+        if not getattr(cfg, name) >= 0:
+            flag = "--" + name.replace("_", "-")
+            raise ValueError(f"{flag} {getattr(cfg, name)} is out of range; it must be >= 0")
+    if cfg.clip_eps_high is not None and not cfg.clip_eps_high > 0:
+        raise ValueError(f"--clip-eps-high {cfg.clip_eps_high} is out of range; it must be > 0")
+
+
+# ---- Step 4: the advantages ---------------------------------------------------------------------
+
+def advantages(advantages: torch.Tensor, reward: torch.Tensor, rollouts: list, cfg) -> torch.Tensor:
+    """The seam of step 4: grpo.group_advantages' (P, G) z-scores of the (P, G) rewards of
+    `rollouts` -> the advantages with the options on: the z-scores of the rewards plus the
+    --diversity bonus, scaled by the step's std or by none (--scale-rewards), then each group's best
+    samples' credit moved toward the least likely (--unlikeliness). None on: `advantages`."""
+    import grpo
+    shaped = reward
+    if cfg.diversity > 0:
+        shaped = reward + cfg.diversity / repeats(large_grids(rollouts)).to(reward)
+        advantages = grpo.group_advantages(shaped)
+    if cfg.scale_rewards != "group":
+        advantages = rescaled(advantages, shaped, cfg.scale_rewards)
+    if cfg.unlikeliness > 0:
+        loglik = torch.stack([grid_logprob(rollout) for rollout in rollouts])  # (P, G)
+        advantages = advantages + credit_to_unlikely(reward, loglik, cfg.unlikeliness)
+    return advantages
+
+
+def large_grids(rollouts: list) -> list[torch.Tensor]:
+    """Each rollout's (G, h*w) large grids: the tokens the DiT sees."""
+    return [rollout.tokens[:, -math.prod(rollout.large_hw):] for rollout in rollouts]
+
+
+def repeats(grids: list[torch.Tensor]) -> torch.Tensor:
+    """Each group's (G, n) large grids -> (P, G) c: how many of its group drew the same grid."""
+    return torch.stack([(grid[:, None] == grid[None]).all(-1).sum(-1) for grid in grids])
+
+
+def rescaled(advantages: torch.Tensor, rewards: torch.Tensor, scale: str) -> torch.Tensor:
+    """z-scores (R - mean) / std_group -> (R - mean) / std of every group of the step, on every
+    process ("batch"), or R - mean ("none": Dr. GRPO, in reward units). A group without spread
+    stays 0."""
+    group_std = rewards.std(dim=-1, unbiased=False, keepdim=True)
+    if scale == "none":
+        return advantages * group_std
+    step_std = gather_rows(rewards).std(unbiased=False)  # the step's, over all processes
+    return advantages * group_std / step_std.clamp_min(torch.finfo(step_std.dtype).tiny)
+
+
+def grid_logprob(rollout) -> torch.Tensor:
+    """(G,) the log-probability of each sample's large grid, as the sampler drew it (under q)."""
+    return rollout.q_logprobs[:, -math.prod(rollout.large_hw):].sum(dim=-1)
+
+
+def credit_to_unlikely(reward: torch.Tensor, loglik: torch.Tensor, unlikeliness: float
+                       ) -> torch.Tensor:
+    """He et al. (arXiv 2506.02355), added after the z-score: (P, G) rewards and each sample's
+    log-likelihood -> (P, G) shifts among each group's best samples (those tied at its top reward):
+    ranked from the least likely to the likeliest (ties in the order drawn), they get +U/2 down to
+    -U/2, linear in rank; the shifts sum to 0. A group with one best sample is left as it is.
+    Inside the z-score an all-right group's tiny reward gaps would become whole advantages."""
+    best = reward == reward.amax(dim=-1, keepdim=True)
+    rank = torch.where(best, loglik, math.inf).argsort(dim=-1, stable=True).argsort(dim=-1)
+    k = best.sum(dim=-1, keepdim=True)  # each group's best samples: ranks 0 .. k - 1
+    share = rank / (k - 1).clamp_min(1) - 0.5  # -0.5 for the least likely .. +0.5 the likeliest
+    return -unlikeliness * share * best * (k > 1)
+
+
+# ---- Step 5: the micro-batches and their loss ---------------------------------------------------
+
+def update(batches: list, loss, policy, cfg) -> tuple[list, object]:
+    """The seam of step 5: grpo.micro_batches' MicroBatches and `loss` (grpo.micro_batch_loss with
+    the run's settings) -> those train_step uses: the micro-batches on the sampler's truncation
+    (--policy-dist truncated) and the loss with the options on (`variant_loss`). None on: both as
+    given."""
+    if cfg.policy_dist == "truncated":
+        batches = [on_truncation(mb, policy.config.vq_config.num_embeddings) for mb in batches]
+    loss_options = (cfg.train_tokens != "large", cfg.clip_eps_high is not None,
+                    cfg.kl_on != "all", cfg.truncation_weight == "mass", cfg.entropy_bonus > 0)
+    if not any(loss_options):
+        return batches, loss
+    threshold = None
+    if cfg.entropy_bonus > 0:
+        threshold = mean_entropy(policy, batches, cfg.temperature, cfg.train_tokens)
+    return batches, functools.partial(variant_loss, lesson_loss=loss, cfg=cfg, threshold=threshold)
+
+
+def on_truncation(mb, codebook_size: int):
+    """A MicroBatch trained on the sampler's truncation q (--policy-dist truncated): its kept codes
+    at each token (the bits the fast decode recorded) and its log-probs under q. Without top-k /
+    top-p q is p, and the micro-batch stays as it is."""
+    from helpers import fast_decode
+    rollout = mb.rollout
+    if rollout.support is None:
+        return mb
+    support = fast_decode.code_support(rollout.support[mb.rows], codebook_size)  # (mb, N, K) bool
+    return mb._replace(support=support, sampler_logprobs=rollout.q_logprobs[mb.rows])
+
+
+@torch.no_grad()
+def mean_entropy(policy, batches: list, temperature: float, train_tokens: str) -> float:
+    """--entropy-bonus' threshold: the mean entropy (nats) of the trained distribution over the
+    step's loss tokens, on every process, before any update (one no-grad forward per
+    micro-batch): the same whatever the micro-batches."""
+    import grpo
+    K = policy.config.vq_config.num_embeddings
+    total, count = 0.0, 0
+    for mb in batches:
+        logits = grpo.token_logits(policy, mb.inputs, mb.tokens)
+        H = entropy(grpo.code_logprobs(logits, temperature, K, support=mb.support))
+        H = H[:, loss_tokens(mb, train_tokens)]
+        total, count = total + H.sum().item(), count + H.numel()
+    both = gather_rows(torch.tensor([[total, count]], dtype=torch.float64)).sum(dim=0)
+    return (both[0] / both[1]).item()
+
+
+def entropy(distribution: torch.Tensor) -> torch.Tensor:
+    """(..., K) log-probs -> (...) entropy in nats; codes outside a truncation (-inf) add 0."""
+    return -(distribution.exp() * distribution.nan_to_num(neginf=0.0)).sum(dim=-1)
+
+
+def loss_tokens(mb, train_tokens: str) -> slice:
+    """The tokens in the loss: the large grid (the lesson), or every token (--train-tokens all)."""
+    if train_tokens == "all":
+        return slice(None)
+    return slice(mb.n_preview, None)
+
+
+def variant_loss(distribution: torch.Tensor, mb, old_logprobs: torch.Tensor,
+                 ref_logprobs: torch.Tensor | None, *, lesson_loss, cfg, threshold: float | None
+                 ) -> tuple[torch.Tensor, dict]:
+    """grpo.micro_batch_loss (`lesson_loss`) with the options on, through grpo_loss' symbols:
+      --train-tokens all: the preview's tokens in the loss too;
+      --clip-eps-high H: eps per sample, H where A > 0 (the upper clip acts only there), else eps;
+      --kl-on above_mean: beta per sample, 0 where A < 0 (GARDO: the mistakes go free of the KL);
+      --truncation-weight mass: each loss token's whole term times Z_t, the mass p puts on the
+        sampler's nucleus (A_it = A_i Z_t and beta_t = beta Z_t, Z_t > 0);
+    then --entropy-bonus B: - B mean(H_t [H_t > threshold]) over the loss tokens, H_t the trained
+    distribution's entropy, `threshold` the step's mean (mean_entropy)."""
+    A = mb.advantages[:, None]  # (mb, 1)
+    clip_eps = lesson_loss.keywords["clip_eps"]
+    kl_beta = lesson_loss.keywords["kl_beta"]
+    advantages = mb.advantages
+    cols = loss_tokens(mb, cfg.train_tokens)
+    clip_eps = clip_range(mb.advantages, clip_eps, cfg.clip_eps_high)
+    if cfg.kl_on == "above_mean":
+        kl_beta = kl_beta * (A >= 0).to(A)
+    if cfg.truncation_weight == "mass" and cfg.policy_dist == "full":
+        mass = nucleus_mass(mb.rollout.q_logprobs[mb.rows], mb.rollout.p_logprobs[mb.rows])
+        advantages = A * mass[:, cols]  # (mb, n): per token
+        kl_beta = kl_beta * mass[:, cols]
+    as_lesson = mb._replace(advantages=advantages, n_preview=cols.start or 0)
+    loss, metrics = lesson_loss(distribution, as_lesson, old_logprobs, ref_logprobs,
+                                clip_eps=clip_eps, kl_beta=kl_beta)
+    if cfg.entropy_bonus > 0:
+        H = entropy(distribution)[:, cols]  # (mb, n)
+        loss = loss - cfg.entropy_bonus * (H * (H.detach() > threshold)).mean()
+        metrics["loss"] = loss.item()
+    return loss, metrics
+
+
+def clip_range(advantages: torch.Tensor, clip_eps: float, clip_eps_high: float | None):
+    """grpo_loss' eps for DAPO's clip-higher: (S,) advantages -> (S, 1) eps per sample, `clip_eps_high`
+    where A > 0 (only there does the upper clip act: min(r A, clip(r) A) = A min(r, 1 + eps) for
+    A > 0) and `clip_eps` elsewhere (the lower clip acts only where A < 0). None: `clip_eps`."""
+    if clip_eps_high is None:
+        return clip_eps
+    return torch.where(advantages[:, None] > 0, clip_eps_high, clip_eps)
+
+
+def nucleus_mass(q_logprobs: torch.Tensor, p_logprobs: torch.Tensor) -> torch.Tensor:
+    """(S, T) log-probs of the drawn tokens under the sampler's nucleus q and its whole softmax p ->
+    Z_t = p / q, the mass p puts on the nucleus, in (0, 1] (1 without top-k / top-p)."""
+    return torch.exp(p_logprobs - q_logprobs).clamp(max=1.0)

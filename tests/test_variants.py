@@ -1,0 +1,385 @@
+"""helpers/variants.py: the options that are off in both presets, beside grpo.py's lesson.
+
+Each option reproduces, on the tiny model, the metrics it gave inside grpo.py before it moved
+(tests/data/variants_before.json, recorded at 47e9037 by tools/record_variants.py), and each has a test by hand that
+fails when its term is dropped or planted wrong.
+"""
+
+import copy
+import dataclasses
+import functools
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+import grpo
+from helpers import diagnostics, fast_decode, variants
+from tests.conftest import CORRECTIONS, PARITY, T, TINY, run_record, sample_group, sampled_rows, write_example
+from tests.conftest import pipe, random_pipe  # noqa: F401  the tiny pipelines (fixtures)
+from tools.record_variants import ROWS, record
+
+BEFORE = json.loads((Path(__file__).parent / "data" / "variants_before.json").read_text())
+# --truncation-weight mass now reaches grpo_loss as A_it = A_i Z_t and beta_t = beta Z_t instead of a factor on each
+# token's whole term: the same loss, summed in another order (the gradient's norm moved by 2e-6), and its logged
+# policy_loss now includes the mass, as the loss does. kl_untruncated is no longer logged.
+TOLERANCE = {"truncation_weight": 2e-5}
+CHANGED = {"truncation_weight": {"policy_loss"}}
+
+
+def cfg_with(**options):
+    """The tiny config with the variants' flags given (the command line's defaults otherwise)."""
+    argv = [arg for name, value in options.items() for arg in ("--" + name.replace("_", "-"), str(value))]
+    return grpo.parse_config(argv)
+
+
+def rollout(tokens, q_logprobs=None, preview=0):
+    """A Rollout of given (G, N) tokens (the last N - preview form a 1 x n large grid)."""
+    G, N = tokens.shape
+    q = torch.zeros(G, N) if q_logprobs is None else q_logprobs
+    return grpo.Rollout(tokens, q, q, {}, (1, preview), (1, N - preview), None)
+
+
+# ---- the same metrics as before the move --------------------------------------------------------
+
+@pytest.mark.parametrize("name", list(ROWS))
+def test_variant_as_before(name):
+    """Each option's 3-step tiny run gives the metrics it gave inside grpo.py, within 1e-6 (relative above 1)."""
+    now, = record(Path(grpo.__file__).parent, {name: ROWS[name]}).values()
+    before = BEFORE[name]
+    tolerance, changed = TOLERANCE.get(name, 1e-6), CHANGED.get(name, set())
+    assert len(now) == len(before)
+    for step, (a, b) in enumerate(zip(before, now)):
+        assert set(a) - {"kl_untruncated"} == set(b) - {"dropped_groups"}, (step, set(a) ^ set(b))
+        for key in set(a) & set(b) - changed:
+            if isinstance(a[key], float):
+                assert abs(a[key] - b[key]) <= tolerance * max(1.0, abs(a[key])), (step, key, a[key], b[key])
+            else:
+                assert a[key] == b[key], (step, key)
+
+
+# ---- step 4: the advantages ---------------------------------------------------------------------
+
+def test_given_and_validate():
+    """The flags a config turns on, by name; a negative bonus or a non-positive upper clip is refused in one line."""
+    assert variants.given(cfg_with()) == [] and variants.given(cfg_with(diversity=0.2, kl_on="above_mean")) == [
+        "--diversity", "--kl-on"]
+    for options, message in [(dict(diversity=-1), "--diversity -1.0 is out of range"),
+                             (dict(clip_eps_high=0), "--clip-eps-high 0.0 is out of range")]:
+        with pytest.raises(ValueError, match=message):
+            variants.validate(cfg_with(**options))
+
+
+def test_advantages_none_on():
+    """With no option on, the seam returns the advantages it was given, the very tensor."""
+    adv = torch.randn(2, 4)
+    assert variants.advantages(adv, torch.randn(2, 4), [], cfg_with()) is adv
+
+
+def test_repeats():
+    """For each sample, how many of its group drew the same large grid (itself included)."""
+    grids = [torch.tensor([[1, 2], [1, 2], [3, 4], [1, 2]]), torch.tensor([[5, 5], [6, 5], [5, 6], [5, 7]])]
+    assert variants.repeats(grids).tolist() == [[3, 3, 1, 3], [1, 1, 1, 1]]
+
+
+def test_advantages_diversity():
+    """--diversity by hand: bonus / c added to each reward before the z-score, c the group's samples of the same
+    large grid: in a group where every sample is right, repeats of one layout fall below a layout drawn once."""
+    grids = [torch.tensor([[1, 2], [1, 2], [1, 2], [3, 4]]), torch.tensor([[1, 0], [0, 1], [1, 0], [2, 2]])]
+    reward = torch.tensor([[1.0, 1.0, 1.0, 1.0], [1.0, 1.0, 1.0, 0.4]])
+    rollouts = [rollout(g) for g in grids]
+    plain = grpo.group_advantages(reward)
+    assert plain[0].eq(0).all()  # all right: no signal without the bonus
+    adv = variants.advantages(plain, reward, rollouts, cfg_with(diversity=0.3))
+    assert torch.allclose(adv, grpo.group_advantages(reward + 0.3 / variants.repeats(grids).float()))
+    assert (adv[0, :3] < 0).all() and adv[0, 3] > 0  # three repeats below the one drawn once
+    assert adv[1, 1] > adv[1, 0] == adv[1, 2] > adv[1, 3]  # the unique right one first, the wrong one last
+
+
+def test_rescaled():
+    """--scale-rewards by hand: batch (the std of every reward of the step), none (Dr. GRPO: centred only); a group
+    without spread stays zero."""
+    r = torch.tensor([[1.0, 3.0], [0.0, 4.0], [5.0, 5.0]])
+    z = grpo.group_advantages(r)
+    assert torch.allclose(variants.rescaled(z, r, "none"), torch.tensor([[-1.0, 1.0], [-2.0, 2.0], [0, 0]]))
+    batch_std = math.sqrt(((1 - 3) ** 2 + 0 + (0 - 3) ** 2 + 1 + 4 + 4) / 6)  # the population std of all 6, mean 3
+    want = torch.tensor([[-1.0, 1.0], [-2.0, 2.0], [0, 0]]) / batch_std
+    assert torch.allclose(variants.rescaled(z, r, "batch"), want)
+    assert torch.allclose(variants.advantages(z, r, [], cfg_with(scale_rewards="batch")), want)
+
+
+def test_credit_to_unlikely():
+    """--unlikeliness: each group's best samples share their credit out toward the least likely of them (+U/2 for the
+    least likely, -U/2 for the likeliest, linear in rank, ties in the order drawn); the others and the sum unchanged."""
+    loglik = torch.tensor([[-1.0, -3.0, -9.0, -2.0], [-4.0, -3.0, -2.0, -1.0], [-1.0, -2.0, -3.0, -4.0]])
+    reward = torch.tensor([[1.0, 1.0, 0.0, 1.0], [1.0, 1.0, 1.0, 1.0], [0.9, 0.5, 0.2, 0.85]])
+    shift = variants.credit_to_unlikely(reward, loglik, 0.5)
+    rank = torch.tensor([[1.0, 0.0, 0.0, 0.5], [0.0, 1 / 3, 2 / 3, 1.0]]) - 0.5  # 0 the least likely, over k - 1
+    rank[0, 2] = 0.0  # the wrong sample keeps its advantage
+    assert torch.allclose(shift[:2], -0.5 * rank) and torch.equal(shift[2], torch.zeros(4))  # one best: nothing
+    assert torch.allclose(shift.sum(-1), torch.zeros(3), atol=1e-6)  # moved, not added
+    # through the seam: each sample's likelihood is its large grid's, as drawn (a preview that reverses the order)
+    rollouts = [rollout(torch.zeros(4, 2, dtype=torch.long), torch.stack([-2 * lik, lik], 1), preview=1)
+                for lik in loglik]
+    plain = grpo.group_advantages(reward)
+    assert torch.allclose(variants.advantages(plain, reward, rollouts, cfg_with(unlikeliness=0.5)), plain + shift)
+
+
+def test_main_unlikeliness(tmp_path, monkeypatch):
+    """--unlikeliness in a run: the least likely of a group whose samples all tie gains U/2, the likeliest loses U/2,
+    by the log-probs the sampler drew the large grid with (the trainer's agree)."""
+    monkeypatch.setitem(grpo.REWARDS, "flat", lambda images, example: torch.zeros(len(images)))  # all tie: all best
+    calls, seam = [], variants.advantages
+    monkeypatch.setattr(variants, "advantages", lambda *args: calls.append((args, seam(*args))) or calls[-1][1])
+    prompts = write_example(tmp_path, ["a red circle"])
+    grpo.main([*TINY, "--prompts", str(prompts), "--out", str(tmp_path / "run"), "--steps", "1", "--reward", "flat",
+               "--unlikeliness", "0.5", "--image-every", "0"])
+    ((_, _, rollouts, _), adv), = calls
+    loglik = variants.grid_logprob(rollouts[0])  # (G,)
+    order = sorted(range(len(loglik)), key=lambda i: (loglik[i].item(), i))  # the least likely first
+    assert torch.allclose(adv[0][order], -0.5 * (torch.arange(4) / 3 - 0.5)) and adv[0].sum().abs() < 1e-6
+    record, = run_record(tmp_path / "run")
+    assert abs(loglik.sum().item() / rollouts[0].tokens[:, -4:].numel() - record["large/logprob"]) < 1e-5
+
+
+# ---- step 5: the loss ---------------------------------------------------------------------------
+
+def loss_of(distribution, mb, old, ref, cfg, threshold=None):
+    """variants.update's loss for `cfg` on one micro-batch (its lesson loss built as main builds it)."""
+    lesson = functools.partial(grpo.micro_batch_loss, clip_eps=cfg.clip_eps, kl_beta=cfg.kl_beta,
+                               correction=cfg.sampler_correction, cap=cfg.sampler_cap)
+    return variants.variant_loss(distribution, mb, old, ref, lesson_loss=lesson, cfg=cfg, threshold=threshold)
+
+
+def test_update_none_on(pipe):
+    """With no option on, the seam returns the micro-batches and the loss it was given."""
+    batches, loss = [object()], object()
+    assert variants.update(batches, loss, pipe.vision_language_encoder, cfg_with()) == (batches, loss)
+
+
+def test_clip_range():
+    """--clip-eps-high by hand: the ratio clipped to [1 - 0.2, 1 + 0.28]: 1.25 with A > 0 keeps its gradient (the
+    symmetric 0.2 would clip it), 1.3 is clipped at 1.28, 0.75 with A < 0 at 0.8."""
+    logp = torch.log(torch.tensor([[1.25], [1.3], [0.75]])).requires_grad_()
+    adv = torch.tensor([1.0, 1.0, -1.0])
+    eps = variants.clip_range(adv, 0.2, 0.28)
+    loss, m = grpo.grpo_loss(logp, torch.zeros(3, 1), None, adv, eps, 0.0)
+    (grad,) = torch.autograd.grad(loss, logp)
+    assert abs(loss.item() - -(1.25 + 1.28 - 0.8) / 3) < 1e-6 and m["clip_frac"] == pytest.approx(2 / 3)
+    assert grad[0, 0] == pytest.approx(-1.25 / 3) and grad[1, 0] == 0 and grad[2, 0] == 0
+    symmetric, m_sym = grpo.grpo_loss(logp, torch.zeros(3, 1), None, adv, variants.clip_range(adv, 0.2, None), 0.0)
+    assert abs(symmetric.item() - -(1.2 + 1.2 - 0.8) / 3) < 1e-6 and m_sym["clip_frac"] == 1.0
+
+
+def test_variant_loss_kl_on():
+    """--kl-on above_mean: the KL acts on the samples with A >= 0 only, a sample below its group's mean goes free; the
+    KL logged is the KL itself, gated or not."""
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, 4, 6, generator=g)
+    mb = sampled_rows(logits, 1.0, g, advantages=(1.0, -1.0, 0.0))
+    distribution = grpo.code_logprobs(logits, T, 6).requires_grad_()
+    old = grpo.logprob_of(distribution, mb.tokens).detach()
+    ref = old + torch.randn(3, 4, generator=g) * 0.3
+    every, m = loss_of(distribution, mb, old, ref, cfg_with(kl_beta=0.5))
+    gated, gm = loss_of(distribution, mb, old, ref, cfg_with(kl_beta=0.5, kl_on="above_mean"))
+    d = ref - old
+    k3 = d.exp() - d - 1
+    assert torch.allclose(every - gated, 0.5 * k3[1].mean() / 3)  # row 1 (A < 0) lost its KL, rows 0, 2 kept it
+    assert m["kl"] == gm["kl"] == pytest.approx(k3.mean().item())
+
+
+def test_variant_loss_mass(random_pipe):
+    """--truncation-weight mass: each loss token's whole term (the surrogate and the KL) times Z_t = p / q, the mass p
+    puts on the sampler's nucleus; never under --policy-dist truncated (its samples are q's own)."""
+    g = torch.Generator().manual_seed(2)
+    logits = torch.randn(2, 5, 8, generator=g) * 2
+    mb = sampled_rows(logits, 0.75, g, advantages=(1.0, -2.0))
+    distribution = grpo.code_logprobs(logits, T, 8)
+    logp = grpo.logprob_of(distribution, mb.tokens)
+    old, ref = logp - 0.05, logp + 0.1
+    z = (mb.rollout.p_logprobs - mb.rollout.q_logprobs).exp()
+    assert 0 < z.min() < 1
+    loss, _ = loss_of(distribution, mb, old, ref, cfg_with(kl_beta=2.0, truncation_weight="mass"))
+    r, d = torch.exp(logp - old), ref - logp
+    A = mb.advantages[:, None]
+    w = grpo.sampler_correction(old, mb.sampler_logprobs)
+    surrogate = torch.min(r * A, r.clamp(0.8, 1.2) * A)
+    assert torch.allclose(loss, (-(w * surrogate - 2.0 * (d.exp() - d - 1)) * z).mean())
+    truncated = cfg_with(kl_beta=2.0, truncation_weight="mass", policy_dist="truncated")
+    assert torch.equal(loss_of(distribution, mb, old, ref, truncated)[0],
+                       loss_of(distribution, mb, old, ref, cfg_with(kl_beta=2.0))[0])
+
+
+def test_variant_loss_train_tokens():
+    """--train-tokens all: the preview's tokens join the loss (the lesson trains the large grid only)."""
+    g = torch.Generator().manual_seed(4)
+    logits = torch.randn(2, 6, 8, generator=g)
+    mb = sampled_rows(logits, 1.0, g)._replace(n_preview=2)
+    distribution = grpo.code_logprobs(logits, T, 8)
+    logp = grpo.logprob_of(distribution, mb.tokens)
+    old = logp + torch.randn(2, 6, generator=g) * 0.1
+    everything, _ = loss_of(distribution, mb, old, None, cfg_with(train_tokens="all"))
+    lesson, _ = loss_of(distribution, mb, old, None, cfg_with())
+    w = grpo.sampler_correction(old, mb.sampler_logprobs)
+    for cols, loss in ((slice(None), everything), (slice(2, None), lesson)):
+        want, _ = grpo.grpo_loss(logp[:, cols], old[:, cols], None, mb.advantages, 0.2, 0.0, w[:, cols])
+        assert torch.allclose(loss, want)
+
+
+def test_variant_loss_entropy_bonus():
+    """--entropy-bonus B by hand: minus B times the mean over the loss tokens of H_t [H_t > threshold], H the trained
+    distribution's entropy; the threshold is given (the step's mean), not the micro-batch's."""
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(2, 6, 12, generator=g) * torch.tensor([0.1, 3.0] * 3)[:, None]  # flat and peaked rows
+    mb = sampled_rows(logits, 1.0, g)._replace(n_preview=2)
+    distribution = grpo.code_logprobs(logits, T, 12)
+    old = grpo.logprob_of(distribution, mb.tokens)
+    plain, _ = loss_of(distribution, mb, old, None, cfg_with())
+    H = variants.entropy(distribution)[:, 2:]  # (2, 4)
+    for threshold in (H.mean().item(), 0.5 * H.mean().item()):
+        bonus, m = loss_of(distribution, mb, old, None, cfg_with(entropy_bonus=0.1), threshold)
+        assert torch.allclose(bonus, plain - 0.1 * (H * (H > threshold)).mean()) and m["loss"] == bonus.item()
+    assert (H > H.mean()).any() and not (H > H.mean()).all()  # the selection keeps some tokens, not all
+
+
+def test_mean_entropy_any_micro_batch(random_pipe):
+    """The entropy bonus's threshold is the step's, so its gradient is the same at any --micro-batch-size (with the
+    micro-batch's own mean, the selection and so the gradient would change with the micro-batches)."""
+    rollouts = [sample_group(random_pipe, p, 4, 64, 64, T, seed=s) for s, p in enumerate(["a cat", "a dog"])]
+    advantages = torch.tensor([[1.0, -1.0, 0.5, -0.5], [0.3, 0.3, -0.9, 0.3]])
+    cfg = cfg_with(entropy_bonus=1.0, kl_beta=0.0)
+    grads, thresholds = [], []
+    for size in (4, 1):
+        policy = copy.deepcopy(random_pipe.vision_language_encoder)
+        lesson = functools.partial(grpo.micro_batch_loss, clip_eps=0.2, kl_beta=0.0)
+        batches, loss = variants.update(grpo.micro_batches(rollouts, advantages, size), lesson, policy, cfg)
+        thresholds.append(loss.keywords["threshold"])
+        opt = torch.optim.SGD([p for p in policy.parameters() if p.requires_grad], lr=0.0)
+        grpo.train_step(policy, opt, batches, None, loss, temperature=T, mu=1, max_grad_norm=math.inf)
+        grads.append({n: p.grad.clone() for n, p in policy.named_parameters() if p.grad is not None})
+    assert thresholds[0] == pytest.approx(thresholds[1], rel=1e-6)
+    norm = torch.sqrt(sum((g ** 2).sum() for g in grads[0].values()))
+    assert torch.sqrt(sum(((grads[0][k] - grads[1][k]) ** 2).sum() for k in grads[0])) / norm < 1e-5
+
+
+def test_nucleus_mass():
+    """Z_t = p / q from the sampler's two log-probs, 1 where nothing was cut, at most 1."""
+    q, p = torch.tensor([[-0.1, -1.0, -0.2]]), torch.tensor([[-0.4, -1.0, -0.1]])
+    assert torch.allclose(variants.nucleus_mass(q, p), torch.tensor([[math.exp(-0.3), 1.0, 1.0]]))
+
+
+def test_on_truncation(random_pipe):
+    """--policy-dist truncated trains the sampler's nucleus: the micro-batch gets the codes each draw kept (unpacked)
+    and the sampler's log-probs under q; without top-k / top-p it stays as it was."""
+    K = random_pipe.vision_language_encoder.config.vq_config.num_embeddings
+    r = sample_group(random_pipe, "a red circle", 4, 64, 64, T, seed=2, top_p=0.75)
+    mb = grpo.micro_batches([r], torch.zeros(1, 4), 2)[1]
+    cut = variants.on_truncation(mb, K)
+    assert torch.equal(cut.support, fast_decode.code_support(r.support[2:], K))
+    assert torch.equal(cut.sampler_logprobs, r.q_logprobs[2:]) and mb.support is None
+    plain = grpo.micro_batches([r._replace(support=None)], torch.zeros(1, 4), 2)[0]
+    assert variants.on_truncation(plain, K) is plain
+
+
+def narrowed(r, K):
+    """Rollout `r` as if each draw had kept the sampled code alone (a one-code nucleus: log q = 0)."""
+    kept = torch.nn.functional.one_hot(r.tokens, K).bool()
+    return r._replace(support=fast_decode.support_bits(kept), q_logprobs=torch.zeros_like(r.q_logprobs))
+
+
+def widened(r, K):
+    """Rollout `r` as if each draw had kept every code (no truncation: q = p)."""
+    kept = torch.ones(*r.tokens.shape, K, dtype=torch.bool)
+    return r._replace(support=fast_decode.support_bits(kept), q_logprobs=r.p_logprobs)
+
+
+def step_gradients(pipe, rollouts, advantages, cfg, micro_batch_size=2, lr=1.0):
+    """grpo.train_step through the variants' seam, as main runs it -> the last update's gradients and the metrics."""
+    policy = copy.deepcopy(pipe.vision_language_encoder)
+    ref = grpo.reference_model(policy, cfg.kl_beta)
+    opt = torch.optim.SGD([p for p in policy.parameters() if p.requires_grad], lr=lr)
+    lesson = functools.partial(grpo.micro_batch_loss, clip_eps=cfg.clip_eps, kl_beta=cfg.kl_beta,
+                               correction=cfg.sampler_correction, cap=cfg.sampler_cap)
+    batches, loss = variants.update(grpo.micro_batches(rollouts, advantages, micro_batch_size), lesson, policy, cfg)
+    readings = diagnostics.reader(cfg, policy.config.vq_config.num_embeddings)
+    m = grpo.train_step(policy, opt, batches, ref, loss, temperature=T, mu=cfg.mu, max_grad_norm=math.inf,
+                        readings=readings)
+    return {n: p.grad.clone() for n, p in policy.named_parameters() if p.grad is not None}, m
+
+
+@pytest.mark.parametrize("kl_beta", [0.0, 0.1], ids=["no-kl", "kl"])
+def test_truncated_follows_support(random_pipe, kl_beta):
+    """Under --policy-dist truncated the policy, pi_old, the reference and the loss follow the kept codes the rollout
+    carries: widened to every code the step equals the lesson's (the whole softmax); narrowed to the sampled code
+    every log-prob is 0, so no gradient at all; the lesson ignores them."""
+    K = random_pipe.vision_language_encoder.config.vq_config.num_embeddings
+    r = sample_group(random_pipe, "a red circle", 4, 64, 64, T, seed=2, top_p=0.75)
+    adv = torch.tensor([[1.0, -1.0, 0.5, -0.5]])
+    cfg = cfg_with(kl_beta=kl_beta, mu=2, train_tokens="all", top_p=0.75, policy_dist="truncated")
+    plain, m_plain = step_gradients(random_pipe, [r], adv, dataclasses.replace(cfg, policy_dist="full"))
+    wide, m_wide = step_gradients(random_pipe, [widened(r, K)], adv, cfg)
+    assert all(torch.allclose(wide[k], plain[k], atol=1e-7) for k in plain)
+    for key in ("loss", "kl", "ratio_min", "ratio_max", "large/logprob", "no_gradient_frac"):
+        assert m_wide[key] == pytest.approx(m_plain[key], abs=1e-6), key
+    narrow, m_narrow = step_gradients(random_pipe, [narrowed(r, K)], adv, cfg)
+    assert all(g.abs().max() == 0 for g in narrow.values()) and m_narrow["no_gradient_frac"] == 1.0
+    assert m_narrow["ratio_min"] == m_narrow["ratio_max"] == 1.0 and m_narrow["kl"] == 0.0
+    lesson = dataclasses.replace(cfg, policy_dist="full")
+    full = [step_gradients(random_pipe, [rollout], adv, lesson)[0] for rollout in (widened(r, K), narrowed(r, K))]
+    assert all(torch.equal(full[0][k], full[1][k]) for k in full[0]) and any(g.abs().max() > 0 for g in full[1].values())
+
+
+@pytest.mark.parametrize("policy_dist", ["truncated", "full"])
+def test_corrections_on_the_trained_distribution(pipe, policy_dist):
+    """Every --sampler-correction mode against its formula, with a sampler that disagrees with the trainer on the
+    TRAINED distribution (the nucleus q's log-probs under truncated, the whole softmax p's under full): weights
+    exp(old - sampled) per token on the loss's tokens, or per sequence over ALL its tokens, truncated or masked at
+    the cap, times the nucleus' mass under full with --truncation-weight mass."""
+    r = sample_group(pipe, "two blue squares", 4, 64, 64, T, seed=3, top_p=0.9)
+    noise = 0.3 * torch.randn(r.q_logprobs.shape, generator=torch.Generator().manual_seed(0)).to(r.tokens.device)
+    full = policy_dist == "full"
+    r = r._replace(p_logprobs=r.p_logprobs + noise) if full else r._replace(q_logprobs=r.q_logprobs + noise)
+    ar, adv, n_preview = pipe.vision_language_encoder, torch.tensor([1.0, -1.0, 0.5, -0.5]), 256
+    mb = grpo.micro_batches([r], adv[None], 4)[0]
+    if not full:
+        mb = variants.on_truncation(mb, ar.config.vq_config.num_embeddings)
+    with torch.no_grad():
+        logits = grpo.token_logits(ar, r.inputs, r.tokens)
+    distribution = grpo.code_logprobs(logits, T, ar.config.vq_config.num_embeddings, support=mb.support)
+    logp = grpo.logprob_of(distribution, r.tokens)
+    mass = variants.nucleus_mass(r.q_logprobs, r.p_logprobs)[:, n_preview:] if full else 1.0
+    d_all = logp - mb.sampler_logprobs  # (G, N)
+    d, seq = d_all[:, n_preview:], d_all.sum(1, keepdim=True)
+    cap = 1.2
+    by_hand = {"none": torch.ones_like(d), "token_truncate": d.exp().clamp(max=cap),
+               "token_mask": d.exp() * (d.exp() <= cap), "sequence_truncate": seq.clamp(max=20).exp().clamp(max=cap),
+               "sequence_mask": seq.clamp(max=20).exp() * (seq.exp() <= cap)}
+    for mode, weights in by_hand.items():
+        cfg = cfg_with(sampler_correction=mode, sampler_cap=cap, policy_dist=policy_dist, truncation_weight="mass",
+                       top_p=0.9)
+        loss, _ = loss_of(distribution, mb, logp, None, cfg)
+        want = (-(weights * adv[:, None] * mass)).mean()  # ratio 1 at the first update: the surrogate is A
+        assert loss.item() == pytest.approx(want.item(), abs=1e-5), mode
+    assert 0 < by_hand["token_mask"].eq(0).float().mean() < 1  # the cap acted on some tokens, not all
+
+
+def test_float32_corrections(random_pipe):
+    """At the real model's top-p 0.75 in float32 with a real sampler (the KV-cached decode's float error against the
+    teacher-forced trainer): every --sampler-correction mode reads a gap <= 1e-5 and weights 1 +- 1e-4, and its
+    gradient is the uncorrected one within 1e-4; the nucleus' mass is below 1 and weighs the gradient down."""
+    r = sample_group(random_pipe, "a red circle", 4, 64, 64, T, seed=2, top_p=0.75)
+    adv = torch.tensor([[1.0, -1.0, 0.5, -0.5]])
+    options = dict(top_p=0.75, truncation_weight="mass", kl_beta=0.0, mu=1)
+    plain, _ = step_gradients(random_pipe, [r], adv, cfg_with(sampler_correction="none", **options), 4, lr=0.0)
+    norm = torch.sqrt(sum((g ** 2).sum() for g in plain.values()))
+    for mode in CORRECTIONS:
+        grads, m = step_gradients(random_pipe, [r], adv, cfg_with(sampler_correction=mode, **options), 4, lr=0.0)
+        assert m["sampling/sampling_logp_difference/max"] <= PARITY, mode
+        assert 1 - 1e-4 <= m["sampling/importance_sampling_ratio/min"] <= m["sampling/importance_sampling_ratio/max"] \
+            <= 1 + 1e-4, mode
+        assert torch.sqrt(sum(((grads[k] - g) ** 2).sum() for k, g in plain.items())) <= 1e-4 * norm, mode
+    assert m["truncation/nucleus_mass/mean"] < 0.95 and m["truncation/nucleus_mass/min"] >= 0.75 - 1e-6
+    unweighted, _ = step_gradients(random_pipe, [r], adv, cfg_with(**{**options, "truncation_weight": "none"}), 4, lr=0.0)
+    assert torch.sqrt(sum((g ** 2).sum() for g in unweighted.values())) > 1.05 * norm
