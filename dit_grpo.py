@@ -1,7 +1,8 @@
 """GRPO for GLM-Image's decoder: the DiT's denoising chain as a policy (Flow-GRPO), beside grpo.py's AR.
 
 `python dit_grpo.py --prompts prompts.txt ...` (grpo.py's flags and DitConfig's; `main` last): one AR sample per
-prompt, shared by the group, G pictures from the SDE sampler, the same rewards and advantages (grpo.score), and
+prompt, shared by the group, G pictures from the SDE sampler, the same rewards and advantages (grpo.group_rewards,
+grpo.group_advantages and helpers/variants.py's --scale-rewards), and
 `train_step` below (grpo_loss with each denoising step as a token). It imports grpo.py and helpers/run.py, neither
 imports it. Text-to-image, one process or torchrun (FSDP2 over the DiT's blocks: parallel.shard); not yet: editing,
 PPO epochs (--mu > 1). The demo of docs/dit.md: `--reward shapes,size=0.3` (the DiT alone decides how large objects

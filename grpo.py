@@ -2,23 +2,23 @@
 
 GLM-Image draws in two stages: an autoregressive model (the AR, a 9B GLM) writes a grid of visual
 tokens, and a diffusion transformer (the DiT, 7B) paints pixels conditioned on them. This file
-trains the AR with GRPO (Group Relative Policy Optimization, Shao et al. 2024): for each prompt q
+trains the AR with GRPO (Group Relative Policy Optimization, Shao et al. 2024): for each prompt x
 (and, to edit, a source image), sample a group of G token sequences o_1..o_G, decode them to images,
 score them (SSIM / -MSE to a target, or any function of the images) and maximise
 
     J = 1/G sum_i 1/|o_i| sum_t [ min(r_it A_i, clip(r_it, 1-eps, 1+eps) A_i) - beta KL_it ]
 
-with r_it = pi(o_it | q, o_i<t) / pi_old(o_it | q, o_i<t), A_i = (R_i - mean(R)) / std(R) over the
+with r_it = pi(o_it | x, o_i<t) / pi_old(o_it | x, o_i<t), A_i = (R_i - mean(R)) / std(R) over the
 group and KL_it the k3 estimator exp(ref - logp) - (ref - logp) - 1 against a frozen reference.
 
-The steps, one section each: 1 config, 2 loading, 3 group sampling, 4 log-probs of given tokens,
-5 decoding, 6 rewards, 7 advantages, 8 loss, 9 update, 10 main (which calls them in that order).
+The sections: 1 config, 2 loading, 3 group sampling, 4 log-probs of given tokens, 5 decoding,
+6 rewards, 7 advantages, 8 loss, 9 update, 10 main (calling them in that order), 11 copied alone.
 
 Where this departs from the paper (docs/ measures each):
   - only the large grid (H/32 x W/32, drawn after a preview grid) reaches the DiT, so only its
     tokens are in the loss;
-  - one definition of the sampled distribution (`code_logprobs`), so pi / pi_old is exactly 1 at
-    the first update;
+  - one definition of the sampled distribution (`code_logprobs`): sampler and trainer agree to
+    float precision (pi / pi_old is exactly 1 at the first update, whose pi_old is pi itself);
   - with top-p the sampler draws from the nucleus q while the trained policy is the whole softmax
     p; TRL's mismatch weights correct for the sampler's own drift (bf16, kernels);
   - the AR's 3D rotary positions are replayed (`rope_positions`), or the log-probs are wrong.
@@ -34,8 +34,8 @@ and helpers/variants.py: the options that are off in both presets), dit_grpo.py 
 """
 
 import contextlib
-import dataclasses
 import copy
+import dataclasses
 import functools
 import math
 import sys
@@ -85,6 +85,7 @@ class Config:  # a field per flag (--group-size ...); helpers/ adds the run's an
     mu: int | None = preset(2, 1, "updates per batch of samples; from the second the clip acts")
     lr: float | None = preset(1e-4, 1e-5, "AdamW learning rate")
     steps: int = arg(100, "optimizer steps")
+    # sequences per forward pass; "G": with_defaults puts the group size there
     micro_batch_size: int | None = preset("G", 1, "sequences per forward pass (G: a whole group)")
     # sampling, as GLM-Image is deployed, and the correction of the sampler's rounding
     temperature: float = arg(0.9, "sampling temperature (GLM-Image: 0.9)")
@@ -109,6 +110,7 @@ class Config:  # a field per flag (--group-size ...); helpers/ adds the run's an
     max_grad_norm: float = arg(1.0, "gradient-norm clip")
     before_after: int | None = preset(4, 0, "prompts drawn before and after training, side by side")
     gradient_checkpointing: bool | None = preset(False, False, "recompute activations in backward")
+    # (a preset: dit_grpo.py turns it on for the real DiT where the command line leaves it out)
     offload: bool = arg(False, "keep DiT, VAE, T5 on CPU except to decode")
     # and the run's (--out, --eval-prompts, --resume, --device ...: helpers/run.py) and the
     # variants' (--diversity, --clip-eps-high, --policy-dist ...: helpers/variants.py)
@@ -125,7 +127,8 @@ def parse_config(argv: list[str] | None = None) -> Config:
         raise SystemExit("grpo.py: parse_config needs helpers/ beside grpo.py; copied alone, build "
                          "the config in code: with_defaults(Config(model='tiny', ...))")
     config = run.with_run_settings(Config)  # + the run's and the variants' fields
-    return with_defaults(config(**vars(run.config_parser(config).parse_args(argv))))
+    flags = run.config_parser(config).parse_args(argv)
+    return with_defaults(config(**vars(flags)))
 
 
 def with_defaults(cfg: Config) -> Config:
@@ -519,7 +522,8 @@ def group_advantages(rewards: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
 # ---- 8. Loss ------------------------------------------------------------------------------------
 
 def grpo_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, ref_logprobs: torch.Tensor | None,
-              advantages: torch.Tensor, clip_eps: float, kl_beta: float, weights: float = 1.0
+              advantages: torch.Tensor, clip_eps: float | torch.Tensor,
+              kl_beta: float | torch.Tensor, weights: float | torch.Tensor = 1.0
               ) -> tuple[torch.Tensor, dict]:
     """The GRPO loss of S sampled sequences of T tokens each:
 
@@ -614,9 +618,7 @@ def reference_logprobs(ref_model, mb: MicroBatch, temperature: float) -> torch.T
         return None
     adapter_off = getattr(ref_model, "disable_adapter", contextlib.nullcontext)
     with adapter_off():
-        logits = token_logits(ref_model, mb.inputs, mb.tokens)  # (mb, N, V)
-    K = ref_model.config.vq_config.num_embeddings
-    return logprob_of(code_logprobs(logits, temperature, K, support=mb.support), mb.tokens)
+        return token_logprobs(ref_model, mb.inputs, mb.tokens, temperature, support=mb.support)
 
 
 def micro_batch_loss(distribution: torch.Tensor, mb: MicroBatch, old_logprobs: torch.Tensor,
@@ -636,9 +638,9 @@ def micro_batch_loss(distribution: torch.Tensor, mb: MicroBatch, old_logprobs: t
     return loss, {"loss": loss.item(), **metrics}
 
 
-def train_step(policy, optimizer, batches: list[MicroBatch], ref_model, loss, *, temperature: float,
-               mu: int, max_grad_norm: float, readings=None) -> dict:
-    """`mu` optimizer steps on a step's micro-batches -> metrics. `loss(distribution, mb,
+def train_step(policy, optimizer, batches: list[MicroBatch], ref_model, loss_fn, *,
+               temperature: float, mu: int, max_grad_norm: float, readings=None) -> dict:
+    """`mu` optimizer steps on a step's micro-batches -> metrics. `loss_fn(distribution, mb,
     old_logprobs, ref_logprobs)`: micro_batch_loss with the run's settings (or a variant's);
     `readings`: docs/healthy_training.md's measurements beside it (helpers/diagnostics.py), or None.
     pi_old is the policy that sampled: at the first update its weights have not moved (they move
@@ -648,7 +650,7 @@ def train_step(policy, optimizer, batches: list[MicroBatch], ref_model, loss, *,
     K = policy.config.vq_config.num_embeddings
     if not batches:  # every group left the step (a non-finite reward): nothing to learn from
         return {"skipped": mu}
-    rows = sum(len(mb.tokens) for mb in batches)
+    n_rows = sum(len(mb.tokens) for mb in batches)
     ref_logprobs = [reference_logprobs(ref_model, mb, temperature) for mb in batches]  # frozen
     old_logprobs = [None] * len(batches)  # filled by the first update
     updates, skipped = [], 0  # each update's micro-batches: (metrics, share)
@@ -660,38 +662,39 @@ def train_step(policy, optimizer, batches: list[MicroBatch], ref_model, loss, *,
             distribution = code_logprobs(logits, temperature, K, support=mb.support)  # pi_theta
             if old_logprobs[k] is None:  # the first update: pi_theta is pi_old
                 old_logprobs[k] = logprob_of(distribution, mb.tokens).detach()
-            value, metrics = loss(distribution, mb, old_logprobs[k], ref_logprobs[k])
+            loss, metrics = loss_fn(distribution, mb, old_logprobs[k], ref_logprobs[k])
             if readings is not None:
                 metrics |= readings(logits.detach(), mb, old_logprobs[k], ref_logprobs[k])
-            share = len(mb.tokens) / rows  # the losses are means: each weighs its share of the step
+            share = len(mb.tokens) / n_rows  # the losses are means: each weighs its step share
             # FSDP with LoRA: reduce the gradients across processes after the last micro-batch only
             sync_gradients(policy, last=k == len(batches) - 1)
-            (value * share).backward()  # even when not finite: with FSDP every process must join
+            (loss * share).backward()  # even when not finite: with FSDP every process must join
             updates[-1].append((metrics, share))
-        grad_norm = optimizer_step(optimizer, updates[-1], max_grad_norm)
-        if math.isnan(grad_norm):
+        grad_norm, stepped = optimizer_step(optimizer, updates[-1], max_grad_norm)
+        if not stepped:
             skipped += 1
     return merge_metrics(updates) | {"grad_norm": grad_norm, "skipped": skipped}
 
 
-def optimizer_step(optimizer, parts: list[tuple[dict, float]], max_grad_norm: float) -> float:
-    """Clip the accumulated gradient and step -> its norm before the clip; NaN when the update is
-    skipped: a non-finite loss (in `parts`: each micro-batch's metrics and share) or gradient in any
-    process never reaches the weights."""
+def optimizer_step(optimizer, parts: list[tuple[dict, float]], max_grad_norm: float
+                   ) -> tuple[float, bool]:
+    """Clip the accumulated gradient and step -> its norm before the clip, and whether it stepped:
+    a non-finite loss (in `parts`: each micro-batch's metrics and share) or gradient in any process
+    skips the step, and never reaches the weights."""
     params = [p for group in optimizer.param_groups for p in group["params"]]
     grad_norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm).item()
     finite = math.isfinite(grad_norm) and all(math.isfinite(m["loss"]) for m, _ in parts)
     if all_agree(finite):  # every process steps, or none
         optimizer.step()
-        return grad_norm
+        return grad_norm, True
     optimizer.zero_grad(set_to_none=True)
-    return math.nan
+    return grad_norm, False
 
 
 # ---- 10. Main -----------------------------------------------------------------------------------
 
 def main(argv: list[str] | None = None) -> dict:
-    """The command line's run: steps 1-5 at each step, the plumbing (helpers/run.py) around them."""
+    """The command line's run: sections 3-9 at each step, the plumbing (helpers/run.py) around."""
     r = run.prepare(parse_config(argv), argv, REWARDS)  # every input checked, nothing written yet
     cfg, rewards = r.cfg, r.rewards
     run.start(r)  # torchrun: one process per GPU (else rank 0 of 1), the device and dtype
@@ -701,36 +704,36 @@ def main(argv: list[str] | None = None) -> dict:
         policy, ref_model, optimizer = setup.setup_training(  # the AR: LoRA, FSDP2, AdamW
             pipe, cfg, r.dtype, r.world, reference_model)
         run.open_run(r, policy, optimizer)  # --resume's checkpoint; the run directory
-    # the before / after grids and --eval-prompts: steps 1-3 on fixed seeds (helpers/run.py)
+    # the before / after grids and --eval-prompts: sections 3-6 on fixed seeds (helpers/run.py)
     r.evaluate = run.evaluator(r, pipe, policy, (sample_groups, decode_images, group_rewards))
-    loss = functools.partial(micro_batch_loss, clip_eps=cfg.clip_eps, kl_beta=cfg.kl_beta,
-                             correction=cfg.sampler_correction, cap=cfg.sampler_cap)
+    loss_fn = functools.partial(micro_batch_loss, clip_eps=cfg.clip_eps, kl_beta=cfg.kl_beta,
+                                correction=cfg.sampler_correction, cap=cfg.sampler_cap)
     # docs/healthy_training.md's measurements, beside the loss
     readings = diagnostics.reader(cfg, policy.config.vq_config.num_embeddings)
     with run.training(r):  # Ctrl-C: a checkpoint, exit 130; a full disk: one line, exit 1
         for step, groups, batch, seconds in run.steps(r):  # a group's number: its prompt and seed
-            seeds = [cfg.seed * 1_000_003 + g for g in groups]
+            seeds = [cfg.seed * 1_000_003 + g for g in groups]  # a group's own; no other run's
             with run.timed(seconds, "sample", cfg), r.autocast, unsharded(policy):
-                rollouts = sample_groups(  # 1. sample a group of token grids per prompt
+                rollouts = sample_groups(  # 3. sample a group of token grids per prompt
                     pipe, [ex["prompt"] for ex in batch], cfg.group_size, cfg.height, cfg.width,
                     cfg.temperature, seeds, [ex.get("source") for ex in batch], cfg.top_k,
                     cfg.top_p)
             with run.timed(seconds, "decode", cfg), run.decoder_on(pipe, r.device, cfg.offload):
-                images = [decode_images(  # 2. decode the tokens to pictures
+                images = [decode_images(  # 5. decode the tokens to pictures
                     pipe, ex["prompt"], rollout.tokens, rollout.large_hw, cfg.height, cfg.width,
                     cfg.num_inference_steps, cfg.decode_seed, cfg.guidance_scale, rollout.source)
                     for ex, rollout in zip(batch, rollouts)]
             with run.timed(seconds, "reward", cfg):
-                reward, each = group_rewards(images, batch, rewards)  # 3. score them: (P, G)
+                reward, each = group_rewards(images, batch, rewards)  # 6. score them: (P, G)
                 kept = run.finite_groups(r, step, reward, each, batch)  # NaN / inf: out, warned
-                advantages = group_advantages(reward[kept])  # 4. z-scores within each group
+                advantages = group_advantages(reward[kept])  # 7. z-scores within each group
                 trained = [rollout for rollout, keep in zip(rollouts, kept) if keep]
                 advantages = variants.advantages(advantages, reward[kept], trained, cfg)  # seam
             with interrupts_held():  # an update and its log line land together (or not at all)
-                with run.timed(seconds, "train", cfg), r.autocast:  # 5. the clipped update
+                with run.timed(seconds, "train", cfg), r.autocast:  # 8.-9. the clipped update
                     batches = micro_batches(trained, advantages, cfg.micro_batch_size)
-                    batches, step_loss = variants.update(batches, loss, policy, cfg)  # seam
-                    metrics = train_step(policy, optimizer, batches, ref_model, step_loss,
+                    batches, step_loss_fn = variants.update(batches, loss_fn, policy, cfg)  # seam
+                    metrics = train_step(policy, optimizer, batches, ref_model, step_loss_fn,
                                          temperature=cfg.temperature, mu=cfg.mu,
                                          max_grad_norm=cfg.max_grad_norm, readings=readings)
                 run.log_step(r, step, groups, reward, each, advantages, kept, rollouts, metrics,

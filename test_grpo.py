@@ -755,16 +755,18 @@ def test_train_step_correction(random_pipe):
 
 
 def test_optimizer_step():
-    """Clips the gradient to max_grad_norm and steps, returning the norm before the clip; a non-finite gradient or
-    loss skips the step (NaN returned) and clears the gradient."""
+    """Clips the gradient to max_grad_norm and steps, returning the norm before the clip; a non-finite loss or
+    gradient skips the step (False) and clears the gradient."""
     weight = torch.nn.Parameter(torch.zeros(2))
     opt = torch.optim.SGD([weight], lr=1.0)
     weight.grad = torch.tensor([3.0, 4.0])
-    assert grpo.optimizer_step(opt, [({"loss": 0.5}, 1.0)], 1.0) == pytest.approx(5.0)
+    norm, stepped = grpo.optimizer_step(opt, [({"loss": 0.5}, 1.0)], 1.0)
+    assert norm == pytest.approx(5.0) and stepped
     assert torch.allclose(weight.detach(), torch.tensor([-0.6, -0.8]))  # clipped to norm 1
-    weight.grad = torch.tensor([1.0, 1.0])
-    assert math.isnan(grpo.optimizer_step(opt, [({"loss": math.nan}, 1.0)], 1.0))
-    assert weight.grad is None and torch.allclose(weight.detach(), torch.tensor([-0.6, -0.8]))
+    for loss, grad in ((math.nan, [1.0, 1.0]), (0.5, [math.inf, 1.0])):
+        weight.grad = torch.tensor(grad)
+        assert not grpo.optimizer_step(opt, [({"loss": loss}, 1.0)], 1.0)[1]
+        assert weight.grad is None and torch.allclose(weight.detach(), torch.tensor([-0.6, -0.8]))
 
 
 def test_train_step_gradient_checkpointing(pipe):
@@ -781,8 +783,8 @@ def test_train_step_gradient_checkpointing(pipe):
 # ---- 10. Main -----------------------------------------------------------------------------------
 
 def test_main(tmp_path):
-    """A 2-step tiny run end to end: metrics lines with the first ratio exactly 1, an image grid, final/ loadable
-    with the trained weights. (Every other whole run: tests/test_main.py.)"""
+    """A 2-step tiny run end to end with the tiny defaults (mu 2: the ratios logged span both updates), its metrics
+    lines, image grids and final/, loadable with the trained weights. (Every other whole run: tests/test_main.py.)"""
     Image.fromarray(np.full((64, 64, 3), 128, np.uint8)).save(tmp_path / "t.png")
     (tmp_path / "prompts.txt").write_text("a gray square | t.png\nanother | t.png\n")
     out = tmp_path / "run"

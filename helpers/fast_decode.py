@@ -10,8 +10,7 @@ What only makes sampling fast lives here, the lesson (prefill, then one token a 
     H200; docs/real_model.md);
   - the codes each top-k / top-p draw kept, packed 8 to a byte (`support_bits`), so that the trainer
     can replay the sampler's truncation exactly (`Rollout.support`; `code_support` unpacks them).
-Like the rest of helpers/ it never imports grpo.py: grpo.py's `code_logprobs` and `rope_positions`
-arrive as arguments.
+It never imports grpo.py: grpo.py's `code_logprobs` and `rope_positions` arrive as arguments.
 """
 
 from typing import NamedTuple

@@ -658,7 +658,7 @@ def log_step(r: Run, step: int, groups: list[int], reward: torch.Tensor, each: d
     r.reporter.log(record)
     recent = np.nanmean([h["reward_mean"] for h in r.history[-20:]])  # a step with no group left: NaN
     r.progress.set_postfix(reward=f"{record['reward_mean']:.3f}", reward_avg20=f"{recent:.3f}",
-                           **({"kl": f"{record['kl']:.4f}"} if r.cfg.kl_beta > 0 else {}))
+                           **({"kl": f"{record.get('kl', math.nan):.4f}"} if r.cfg.kl_beta > 0 else {}))
     if record["skipped"]:
         why = "no group left (non-finite rewards)" if not kept.any() else "non-finite loss or gradient"
         r.progress.write(f"warning: step {step}: {why}, update skipped ({r.skipped} so far)", file=sys.stderr)

@@ -1,7 +1,7 @@
 """The trained model's set-up, beside grpo.py's lesson: LoRA adapters (peft) or float32 weights, activation
 checkpointing, --offload, FSDP2 over the processes and AdamW. grpo.py's `main` and dit_grpo.py call
 `setup_training`; the KL reference is grpo.py's `reference_model` (a frozen copy, or the policy with its LoRA
-adapter off), passed in: like the rest of helpers/, this file never imports grpo.py.
+adapter off), passed in: this file never imports grpo.py.
 """
 
 import warnings

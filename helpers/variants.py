@@ -2,14 +2,16 @@
 beside ppo.py): each was measured (docs/evaluation.md) and none beat the defaults, but each is a
 method people reach for. They reach grpo.py through two seams in its `main`, each one call:
 
-  - `advantages` (step 4): --diversity, --unlikeliness, --scale-rewards batch | none;
-  - `update` (step 5): the micro-batches and the micro-batch loss, for --policy-dist truncated,
-    --train-tokens all, --clip-eps-high, --kl-on above_mean, --truncation-weight mass and
-    --entropy-bonus.
+  - `advantages` (section 7): --diversity, --unlikeliness, --scale-rewards batch | none;
+  - `update` (sections 8-9): the micro-batches and the micro-batch loss, for --policy-dist
+    truncated, --train-tokens all, --clip-eps-high, --kl-on above_mean, --truncation-weight mass
+    and --entropy-bonus;
 
-With none of them on, both return what they were given: the lesson runs as written. Each builds
-on grpo.py's functions (it imports grpo, which imports this file inside `main`), never a copy.
-The flags: `VariantSettings`, which helpers/run.py adds to grpo.py's command line.
+and through grpo_loss' symbols, which may vary by sample or token. With none of the options on,
+both seams return what they were given: the lesson runs as written. Each builds on grpo.py's
+functions, never a copy: it imports grpo inside its functions (grpo.py imports this file; run as a
+script, grpo.py registers itself as `grpo` first). The flags: `VariantSettings`, which
+helpers/run.py adds to grpo.py's command line.
 """
 
 import dataclasses
@@ -70,24 +72,24 @@ def validate(cfg) -> None:
         raise ValueError(f"--clip-eps-high {cfg.clip_eps_high} is out of range; it must be > 0")
 
 
-# ---- Step 4: the advantages ---------------------------------------------------------------------
+# ---- Section 7: the advantages ------------------------------------------------------------------
 
-def advantages(advantages: torch.Tensor, reward: torch.Tensor, rollouts: list, cfg) -> torch.Tensor:
-    """The seam of step 4: grpo.group_advantages' (P, G) z-scores of the (P, G) rewards of
+def advantages(z_scores: torch.Tensor, reward: torch.Tensor, rollouts: list, cfg) -> torch.Tensor:
+    """The seam of section 7: grpo.group_advantages' (P, G) z-scores of the (P, G) rewards of
     `rollouts` -> the advantages with the options on: the z-scores of the rewards plus the
     --diversity bonus, scaled by the step's std or by none (--scale-rewards), then each group's best
-    samples' credit moved toward the least likely (--unlikeliness). None on: `advantages`."""
+    samples' credit moved toward the least likely (--unlikeliness). None on: `z_scores` itself."""
     import grpo
     shaped = reward
     if cfg.diversity > 0:
         shaped = reward + cfg.diversity / repeats(large_grids(rollouts)).to(reward)
-        advantages = grpo.group_advantages(shaped)
+        z_scores = grpo.group_advantages(shaped)
     if cfg.scale_rewards != "group":
-        advantages = rescaled(advantages, shaped, cfg.scale_rewards)
+        z_scores = rescaled(z_scores, shaped, cfg.scale_rewards)
     if cfg.unlikeliness > 0:
         loglik = torch.stack([grid_logprob(rollout) for rollout in rollouts])  # (P, G)
-        advantages = advantages + credit_to_unlikely(reward, loglik, cfg.unlikeliness)
-    return advantages
+        z_scores = z_scores + credit_to_unlikely(reward, loglik, cfg.unlikeliness)
+    return z_scores
 
 
 def large_grids(rollouts: list) -> list[torch.Tensor]:
@@ -130,31 +132,37 @@ def credit_to_unlikely(reward: torch.Tensor, loglik: torch.Tensor, unlikeliness:
     return -unlikeliness * share * best * (k > 1)
 
 
-# ---- Step 5: the micro-batches and their loss ---------------------------------------------------
+# ---- Sections 8-9: the micro-batches and their loss ---------------------------------------------
 
-def update(batches: list, loss, policy, cfg) -> tuple[list, object]:
-    """The seam of step 5: grpo.micro_batches' MicroBatches and `loss` (grpo.micro_batch_loss with
-    the run's settings) -> those train_step uses: the micro-batches on the sampler's truncation
-    (--policy-dist truncated) and the loss with the options on (`variant_loss`). None on: both as
-    given."""
+def update(batches: list, loss_fn, policy, cfg) -> tuple[list, object]:
+    """The seam of sections 8-9: grpo.micro_batches' MicroBatches and `loss_fn`
+    (grpo.micro_batch_loss with the run's settings) -> those train_step uses: the micro-batches on
+    the sampler's truncation (--policy-dist truncated) and the loss with the options on
+    (`variant_loss`). None on: both as given."""
     if cfg.policy_dist == "truncated":
-        batches = [on_truncation(mb, policy.config.vq_config.num_embeddings) for mb in batches]
+        truncating = 0 < cfg.top_k or cfg.top_p < 1
+        K = policy.config.vq_config.num_embeddings
+        batches = [on_truncation(mb, K, truncating) for mb in batches]
     loss_options = (cfg.train_tokens != "large", cfg.clip_eps_high is not None,
                     cfg.kl_on != "all", cfg.truncation_weight == "mass", cfg.entropy_bonus > 0)
     if not any(loss_options):
-        return batches, loss
+        return batches, loss_fn
     threshold = None
-    if cfg.entropy_bonus > 0:
+    if cfg.entropy_bonus > 0:  # the step's, before any update, kept for all mu updates
         threshold = mean_entropy(policy, batches, cfg.temperature, cfg.train_tokens)
-    return batches, functools.partial(variant_loss, lesson_loss=loss, cfg=cfg, threshold=threshold)
+    return batches, functools.partial(variant_loss, lesson_loss=loss_fn, cfg=cfg, threshold=threshold)
 
 
-def on_truncation(mb, codebook_size: int):
+def on_truncation(mb, codebook_size: int, truncating: bool = True):
     """A MicroBatch trained on the sampler's truncation q (--policy-dist truncated): its kept codes
     at each token (the bits the fast decode recorded) and its log-probs under q. Without top-k /
-    top-p q is p, and the micro-batch stays as it is."""
+    top-p (`truncating` False) q is p, and the micro-batch stays as it is."""
     from helpers import fast_decode
     rollout = mb.rollout
+    if rollout.support is None and truncating:
+        raise ValueError("--policy-dist truncated trains on the codes each draw kept, which "
+                         "helpers/fast_decode.py records (grpo.sample_groups with helpers/ beside "
+                         "it); these rollouts have none")
     if rollout.support is None:
         return mb
     support = fast_decode.code_support(rollout.support[mb.rows], codebook_size)  # (mb, N, K) bool
@@ -201,21 +209,20 @@ def variant_loss(distribution: torch.Tensor, mb, old_logprobs: torch.Tensor,
         sampler's nucleus (A_it = A_i Z_t and beta_t = beta Z_t, Z_t > 0);
     then --entropy-bonus B: - B mean(H_t [H_t > threshold]) over the loss tokens, H_t the trained
     distribution's entropy, `threshold` the step's mean (mean_entropy)."""
-    A = mb.advantages[:, None]  # (mb, 1)
-    clip_eps = lesson_loss.keywords["clip_eps"]
-    kl_beta = lesson_loss.keywords["kl_beta"]
-    advantages = mb.advantages
     cols = loss_tokens(mb, cfg.train_tokens)
-    clip_eps = clip_range(mb.advantages, clip_eps, cfg.clip_eps_high)
+    eps = clip_range(mb.advantages, lesson_loss.keywords["clip_eps"], cfg.clip_eps_high)
+    A = mb.advantages[:, None]  # (mb, 1): a sample's advantage, on each of its tokens
+    beta = torch.full_like(A, lesson_loss.keywords["kl_beta"])  # (mb, 1)
     if cfg.kl_on == "above_mean":
-        kl_beta = kl_beta * (A >= 0).to(A)
+        beta = beta * (A >= 0)
     if cfg.truncation_weight == "mass" and cfg.policy_dist == "full":
         mass = nucleus_mass(mb.rollout.q_logprobs[mb.rows], mb.rollout.p_logprobs[mb.rows])
-        advantages = A * mass[:, cols]  # (mb, n): per token
-        kl_beta = kl_beta * mass[:, cols]
-    as_lesson = mb._replace(advantages=advantages, n_preview=cols.start or 0)
+        A, beta = A * mass[:, cols], beta * mass[:, cols]  # (mb, n): per token
+    # the lesson's loss starts after the preview: with --train-tokens all, from the first token
+    first_loss_token = 0 if cfg.train_tokens == "all" else mb.n_preview
+    as_lesson = mb._replace(advantages=A, n_preview=first_loss_token)
     loss, metrics = lesson_loss(distribution, as_lesson, old_logprobs, ref_logprobs,
-                                clip_eps=clip_eps, kl_beta=kl_beta)
+                                clip_eps=eps, kl_beta=beta)
     if cfg.entropy_bonus > 0:
         H = entropy(distribution)[:, cols]  # (mb, n)
         loss = loss - cfg.entropy_bonus * (H * (H.detach() > threshold)).mean()

@@ -93,8 +93,8 @@ def test_main_sampler_correction(tmp_path, monkeypatch):
     decode = fast_decode.decode
 
     def off_by_half(*args, **kw):
-        tokens, logprobs, full_logprobs, support = decode(*args, **kw)
-        return tokens, logprobs - 0.5, full_logprobs - 0.5, support
+        tokens, q_logprobs, p_logprobs, support = decode(*args, **kw)
+        return tokens, q_logprobs - 0.5, p_logprobs - 0.5, support
 
     monkeypatch.setattr(fast_decode, "decode", off_by_half)
     for mode in ("token_truncate", "none"):
@@ -214,8 +214,8 @@ def test_main_nonfinite_reward(tmp_path, monkeypatch, capsys):
                         ":2); its group is left out of this step"]
     assert line["dropped_groups"] == 1 and line["skipped"] == 0 and math.isfinite(line["reward_mean"])
     assert math.isfinite(line["loss"]) and line["zero_std_groups"] == 0  # the good group alone, with its spread
-    flaky.everywhere = True
-    grpo.main([*common, "--out", str(tmp_path / "none"), "--steps", "2", "--mu", "2"])
+    flaky.everywhere = True  # and with a KL: its progress bar shows the KL of a step that has none
+    grpo.main([*common, "--out", str(tmp_path / "none"), "--steps", "2", "--mu", "2", "--kl-beta", "0.1"])
     lines = run_record(tmp_path / "none")
     assert [x["dropped_groups"] for x in lines] == [2, 2] and [x["skipped"] for x in lines] == [2, 2]
     assert lines[-1]["skipped_total"] == 4 and "no group left" in capsys.readouterr().err

@@ -272,7 +272,8 @@ def test_nucleus_mass():
 
 def test_on_truncation(random_pipe):
     """--policy-dist truncated trains the sampler's nucleus: the micro-batch gets the codes each draw kept (unpacked)
-    and the sampler's log-probs under q; without top-k / top-p it stays as it was."""
+    and the sampler's log-probs under q; without top-k / top-p it stays as it was; rollouts without the kept codes
+    (the lesson's `generate` records none) under top-p are refused in one line, not trained on p."""
     K = random_pipe.vision_language_encoder.config.vq_config.num_embeddings
     r = sample_group(random_pipe, "a red circle", 4, 64, 64, T, seed=2, top_p=0.75)
     mb = grpo.micro_batches([r], torch.zeros(1, 4), 2)[1]
@@ -280,7 +281,9 @@ def test_on_truncation(random_pipe):
     assert torch.equal(cut.support, fast_decode.code_support(r.support[2:], K))
     assert torch.equal(cut.sampler_logprobs, r.q_logprobs[2:]) and mb.support is None
     plain = grpo.micro_batches([r._replace(support=None)], torch.zeros(1, 4), 2)[0]
-    assert variants.on_truncation(plain, K) is plain
+    assert variants.on_truncation(plain, K, truncating=False) is plain
+    with pytest.raises(ValueError, match="--policy-dist truncated trains on the codes each draw kept"):
+        variants.on_truncation(plain, K, truncating=True)
 
 
 def narrowed(r, K):

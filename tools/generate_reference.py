@@ -2,7 +2,7 @@
 
 One transformers `generate` for a group (its DynamicCache, its own 3D rotary positions from get_rope_index) drawing
 from grpo.code_logprobs as a logits processor, seeded with torch.manual_seed(seed). grpo.sample_groups must draw the
-very same tokens for a seed (test_grpo.test_generate_draws_what_generate_draws) and be no slower (bench.py
+very same tokens for a seed (test_grpo.test_generate) and be no slower (bench.py
 --sampler).
 """
 
