@@ -309,7 +309,7 @@ def main(argv: list[str] | None = None) -> dict:
                 reward, each = grpo.group_rewards([c.images for c in chains], batch, rewards)
                 kept = run.finite_groups(r, step, reward, each, batch)  # NaN / inf: out, warned
                 advantages = grpo.group_advantages(reward[kept])
-                advantages = variants.advantages(advantages, reward[kept], [], cfg)  # --scale-rewards
+                advantages = variants.advantages(advantages, [], reward, each, kept, cfg)  # --scale-rewards
                 trained = [chain for chain, keep in zip(chains, kept) if keep]
             with interrupts_held():
                 with run.timed(seconds, "train", cfg), r.autocast:  # 5. the update, each trained step a token
@@ -320,7 +320,7 @@ def main(argv: list[str] | None = None) -> dict:
                                          max_grad_norm=cfg.max_grad_norm)
                 run.log_step(r, step, groups, reward, each, advantages, kept, [c.latents[:, -1] for c in chains],
                              metrics, seconds)
-            run.after_step(r, step, batch, [c.images for c in chains], reward)
+            run.after_step(r, step, batch, [c.images for c in chains], reward, each)
     return run.finish(r)
 
 

@@ -99,6 +99,7 @@ class Config:  # a field per flag (--group-size ...); helpers/ adds the run's an
     seed: int = arg(0, "seed of the AR sampling")
     # the model, the images, the data
     prompts: str = arg("prompts.txt", "'prompt | target.png' lines, or .jsonl (docs/editing.md)")
+    shuffle: bool | None = preset(False, True, "the prompts in a new order each epoch, drawn from --seed")
     model: str = arg("tiny", "hub id, folder, tiny, tiny-edit, or random (published configs)")
     height: int | None = preset(96, 1024, "image height")
     width: int | None = preset(96, 1024, "image width")
@@ -728,7 +729,7 @@ def main(argv: list[str] | None = None) -> dict:
                 kept = run.finite_groups(r, step, reward, each, batch)  # NaN / inf: out, warned
                 advantages = group_advantages(reward[kept])  # 7. z-scores within each group
                 trained = [rollout for rollout, keep in zip(rollouts, kept) if keep]
-                advantages = variants.advantages(advantages, reward[kept], trained, cfg)  # seam
+                advantages = variants.advantages(advantages, trained, reward, each, kept, cfg)  # seam
             with interrupts_held():  # an update and its log line land together (or not at all)
                 with run.timed(seconds, "train", cfg), r.autocast:  # 8.-9. the clipped update
                     batches = micro_batches(trained, advantages, cfg.micro_batch_size)
@@ -738,7 +739,7 @@ def main(argv: list[str] | None = None) -> dict:
                                          max_grad_norm=cfg.max_grad_norm, readings=readings)
                 run.log_step(r, step, groups, reward, each, advantages, kept, rollouts, metrics,
                              seconds)
-            run.after_step(r, step, batch, images, reward)  # image grids, checkpoints, evaluations
+            run.after_step(r, step, batch, images, reward, each)  # grids, checkpoints, evaluations
     return run.finish(r)  # the last checkpoint, final/, curves.png, the after grid, the summary
 
 

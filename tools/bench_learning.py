@@ -18,7 +18,7 @@ way 8 times. Also the training minutes (evaluation excluded) and the share of th
 distribution is one code (no gradient: --policy-dist truncated with top-p). The rejection-sampling row is
 tools/rejection_sampling.py (fine-tuning on each group's best sample) with the same samples.
 
-Each run appends one line to --results (default runs/bench_learning.jsonl), so rows can be run one at a time and the
+Each run appends one line to --results (default docs/records/bench_learning.jsonl, beside the docs that quote it), so rows can be run one at a time and the
 table printed from all of them. Run it alone: two CPU-heavy processes on 2 cores slow each other down many times.
 """
 
@@ -358,11 +358,11 @@ def main() -> None:
     parser.add_argument("--ssim-steps", type=int, default=100, help="GRPO steps of the SSIM demo")
     parser.add_argument("--edit-steps", type=int, default=200, help="GRPO steps of the editing demo")
     parser.add_argument("--demos", nargs="+", default=["shapes"], choices=["shapes", "ssim", "edit"])
-    parser.add_argument("--results", type=Path, default=ROOT / "runs" / "bench_learning.jsonl")
+    parser.add_argument("--results", type=Path, default=ROOT / "docs" / "records" / "bench_learning.jsonl")
     parser.add_argument("--table", action="store_true", help="only print the table of --results")
     parser.add_argument("--frontier", type=Path, help="also draw accuracy against layouts to this PNG")
     parser.add_argument("--layouts", nargs="+", metavar="RUN", help="split the distinct layouts of runs' final/ (or "
-                        "'base') into right and wrong pictures' (layout_reading), into runs/bench_layouts.jsonl")
+                        "'base') into right and wrong pictures' (layout_reading), into docs/records/bench_layouts.jsonl")
     args = parser.parse_args(argv[: argv.index("--")] if "--" in argv else argv)
     run.quiet_libraries()
     if args.layouts:
