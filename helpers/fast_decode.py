@@ -18,7 +18,9 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from .parallel import distributed
+from tqdm.auto import tqdm
+
+from .parallel import distributed, inner_bar
 
 
 class Draws(NamedTuple):  # one group's draws: grpo.Rollout's first fields, and the kept codes
@@ -118,10 +120,12 @@ def decode(model, input_ids: torch.Tensor, valid: torch.Tensor, positions: torch
     logits = forward(input_ids, slot[:P])  # prefill: (B, V) logits of the first token
 
     G, noise = B // len(generators), torch.empty(B, V, device=device)
+    bar = tqdm(total=N, **inner_bar("tokens"))  # shown on a slow draw only (the real model's)
 
     def draw():  # each group's (G, V) noise for the next token, as grpo.generate draws it
         for i, g in enumerate(generators):
             noise[i * G:(i + 1) * G].exponential_(generator=g)
+        bar.update()
 
     def step():  # draw token t from code_logprobs, then feed it: the logits of token t + 1
         logp = code_logprobs(logits, temperature, K, top_k, top_p)  # (B, K)
@@ -136,6 +140,7 @@ def decode(model, input_ids: torch.Tensor, valid: torch.Tensor, positions: torch
         t.add_(1)
 
     repeat_step(step, N, draw, capture=static and device.type == "cuda")
+    bar.close()
     return tokens, q_logprobs, p_logprobs, support
 
 

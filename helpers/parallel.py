@@ -19,6 +19,15 @@ def distributed() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
+INNER_DELAY = 3.0  # seconds a phase runs before its bar shows: the real model's phases do, the tiny model's never
+
+
+def inner_bar(desc: str) -> dict:
+    """tqdm's settings for a bar under the step's (the token draws, the DiT steps, an evaluation's prompts): on rank 0
+    only, shown once its work has run INNER_DELAY seconds, cleared when done."""
+    return {"desc": desc, "leave": False, "delay": INNER_DELAY, "disable": int(os.environ.get("RANK", 0)) != 0}
+
+
 def start_processes(device: str) -> tuple[int, int, str]:
     """Under torchrun (WORLD_SIZE > 1): join the process group (NCCL on GPUs, gloo on the CPU), one GPU per process.
     Returns (rank, world size, device). Without torchrun: (0, 1, device)."""

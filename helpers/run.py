@@ -25,18 +25,23 @@ import torch
 from PIL import Image
 from tqdm.auto import tqdm
 
-from .parallel import (INTERRUPT, all_agree, final_weights, gather_list, gather_rows, interrupts_caught, load_trainable_state,
-                      reduce_metrics, start_processes, stop_processes, stop_requested, trainable_state, unsharded)
+from .parallel import (INTERRUPT, all_agree, final_weights, gather_list, gather_rows, inner_bar, interrupts_caught,
+                       load_trainable_state, reduce_metrics, start_processes, stop_processes, stop_requested,
+                       trainable_state, unsharded)
 from .rewards import CheckpointError, import_reward, with_checkpoint
 from .variants import VariantSettings
 from . import variants
-from .run_io import (RUN_FILES, Reporter, append_metrics, atomic_write, check_out_dir, check_reporter, image_grid,
-                    open_run_dir, plot_curves, read_checkpoint, read_metrics, read_resume, save_checkpoint, save_image,
-                    save_pretrained_atomic, side_by_side)
+from .run_io import (RUN_FILES, Reporter, append_metrics, atomic_folder, atomic_write, check_out_dir, check_reporter,
+                     checkpoint_steps, image_grid, open_run_dir, plot_curves, prune_checkpoints, read_checkpoint,
+                     read_metrics, read_resume, resume_point, save_checkpoint, save_image, save_trained, side_by_side)
 
 SCRIPTS = {"ar": "grpo.py", "dit": "dit_grpo.py"}  # the entry point of each --train
 PROG = {"name": "grpo.py"}  # the script the messages name: set by prepare
-TINY_NAMES = ("tiny", "tiny-edit")  # grpo.TINY_MODELS' names: shipped folders, the tiny defaults, float32
+ROOT = Path(__file__).resolve().parent.parent
+TINY_NAMES = {"tiny": ROOT / "tiny_glm_image",  # grpo.TINY_MODELS: shipped folders, the tiny defaults, float32
+              "tiny-edit": ROOT / "tiny_glm_image_edit"}
+RESUMABLE = ("steps", "device", "report_to", "save_every", "save_total_limit", "save_merged", "image_every",
+             "eval_every", "overwrite")  # what --resume may change: when to stop, where, bookkeeping; not the objective
 
 
 @dataclasses.dataclass
@@ -45,6 +50,7 @@ class Run:
     cfg: object  # grpo.Config
     out: Path  # the run directory (--out, or --resume's)
     start: int  # the steps done before this invocation (0, or --resume's checkpoint)
+    checkpoint: Path | None  # --resume's trainer_state.pt (checkpoints/step-N/), or None
     examples: list[dict]  # the prompts file, images loaded (on the device once `open_run` ran)
     rewards: dict  # --reward: {name: (fn, weight)}
     evals: tuple | None  # --eval-prompts: (examples, rewards), or None
@@ -63,6 +69,7 @@ class Run:
     evaluated: set = dataclasses.field(default_factory=set)  # steps evaluated before a --resume
     skipped: int = 0  # updates skipped for a non-finite loss or gradient
     done: int = 0  # steps whose update is applied and logged
+    saved: int = -1  # the step of the last checkpoint written (or resumed from)
 
 
 # ---- Inputs: prompts files, images, rewards ------------------------------------------------------
@@ -196,9 +203,14 @@ class RunSettings:  # the run's flags, after the algorithm's (grpo.Config): wher
     eval_inference_steps: int = _setting(0, "DiT steps of the evaluations and the before / after grids (0: "
                                             "--num-inference-steps; Flow-GRPO trains at 10, evaluates at 40)")
     eval_reward: str = _setting("", "rewards only measured on the eval prompts, e.g. shapes_exact")
-    save_every: int = _setting(50, "save a checkpoint every N steps (0: only at the end)")
-    resume: str = _setting("", "run directory to continue (--steps is the total)")
-    overwrite: bool = _setting(False, "replace the run in --out")
+    save_every: int = _setting(50, "save a checkpoint (<out>/checkpoints/step-N/) every N steps (0: only at the end)")
+    save_total_limit: int = _setting(0, "keep only the latest K checkpoints (0: keep all)")
+    save_merged: bool = _setting(False, "also write <out>/final/pipeline/: the whole pipeline, LoRA merged, that "
+                                        "GlmImagePipeline.from_pretrained loads alone")
+    resume: str = _setting("", "continue a run: its directory (from its latest checkpoint) or RUN/checkpoints/step-N "
+                               "(--steps is the total)")
+    overwrite: bool = _setting(False, "replace the run in --out (with --resume RUN/checkpoints/step-N: delete the "
+                                      "later checkpoints)")
     train: str = _setting("ar", "ar (grpo.py) or dit (python dit_grpo.py, with its own flags)", ("ar", "dit"))
     device: str = _setting("auto", "cpu | cuda | auto", ("auto", "cpu", "cuda"))
     report_to: str = _setting("none", "also log to: none | tensorboard | wandb (offline)")
@@ -284,6 +296,11 @@ def validate(cfg) -> None:
                          "--num-inference-steps)")
     if cfg.eval_every < 0:
         raise ValueError(f"--eval-every {cfg.eval_every} must be >= 0 (0: evaluate only at step 0 and at the end)")
+    if cfg.save_total_limit < 0:
+        raise ValueError(f"--save-total-limit {cfg.save_total_limit} must be >= 0 (0: keep every checkpoint)")
+    if cfg.save_merged and cfg.model.split(":")[0] == "random":
+        raise ValueError("--save-merged loads the base model again to merge into it, and random weights cannot be "
+                         "loaded again: drop --save-merged (final/ holds what was trained)")
     if cfg.eval_reward and not cfg.eval_prompts:
         raise ValueError("--eval-reward is measured on --eval-prompts; give an --eval-prompts file too")
     if cfg.device == "cuda" and not torch.cuda.is_available():
@@ -353,24 +370,26 @@ def prepare(cfg, argv: list[str] | None, table: dict, train: str = "ar") -> Run:
     --resume the saved config instead), the prompts and their images, the rewards (names from `table`), --out or
     --resume, and that `train` (ar: grpo.py, dit: dit_grpo.py) is what this script trains. Returns the Run."""
     PROG["name"] = SCRIPTS[train]
-    out, start, trains = Path(cfg.resume or cfg.out), 0, cfg.train
+    out, start, trains, state = Path(cfg.resume or cfg.out), 0, cfg.train, None
     try:
         if cfg.resume:
-            saved, start, saved_world = read_resume(out)  # config.json; step and processes from checkpoint.pt
+            out, state = resume_point(out)  # the run directory, its latest (or the named) checkpoint
+            saved, start, saved_world = read_resume(out, state)  # config.json; the step and processes of `state`
             trains = saved.get("train", "ar")
         if trains != train and trains in SCRIPTS:  # one entry point per trained model (each its own Config)
             what = f"{out} trains the {trains.upper()}" if cfg.resume else f"--train {trains}"
             raise ValueError(f"{what} is {SCRIPTS[trains]}'s to run: python {SCRIPTS[trains]} with the same flags")
         if cfg.resume:
             given = given_flags(type(cfg), argv)
-            refused = sorted(given - {"resume", "steps", "device", "report_to"})  # a run goes on as it was, but these
+            refused = sorted(given - {"resume", *RESUMABLE})  # the objective's flags: the run goes on as it was
             if refused:
                 raise ValueError(f"--resume continues {out} with its saved settings, so it cannot take "
                                  f"{', '.join('--' + f.replace('_', '-') for f in refused)}: drop them (or start a new "
                                  "run with another --out)")
-            keep = {f: getattr(cfg, f) for f in ("steps", "device", "report_to") if f in given}
+            keep = {f: getattr(cfg, f) for f in RESUMABLE if f in given}
             try:
-                cfg = dataclasses.replace(type(cfg)(**saved), **keep, resume=cfg.resume, out=str(out))
+                cfg = dataclasses.replace(type(cfg)(**saved), **{"overwrite": False, **keep}, resume=cfg.resume,
+                                          out=str(out))
             except TypeError:
                 raise ValueError(f"{out / 'config.json'} is not a grpo.py config (its fields differ); restore it from "
                                  "the checkpoint's copy (torch.load(checkpoint.pt)['config'])") from None
@@ -383,6 +402,12 @@ def prepare(cfg, argv: list[str] | None, table: dict, train: str = "ar") -> Run:
             if cfg.steps < start:
                 raise ValueError(f"--steps {cfg.steps} is below the {start} steps {out} has done; --steps is the "
                                  f"total, so pass more than {start}")
+            later = [folder.name for step, folder in checkpoint_steps(out) if step > start]
+            if later and not cfg.overwrite:  # going back: what came after would be redone and replaced
+                raise ValueError(f"--resume {cfg.resume} goes back to step {start}, and {out} has later checkpoints "
+                                 f"({', '.join(later)}) and final/ that the run would replace: keep a copy of what you "
+                                 "need, then add --overwrite to delete them (or resume the latest: --resume "
+                                 f"{out})")
         validate(cfg)
         check_reporter(cfg.report_to)
         check_out_dir(out)
@@ -402,7 +427,7 @@ def prepare(cfg, argv: list[str] | None, table: dict, train: str = "ar") -> Run:
         print(f"{out} has done all {start} steps of --steps {cfg.steps}: nothing to do (pass a larger --steps to "
               "train on)")
         raise SystemExit(0)
-    return Run(cfg, out, start, examples, rewards, evals)
+    return Run(cfg, out, start, state, examples, rewards, evals)
 
 
 def fail(message: str, code: int = 2) -> None:
@@ -556,11 +581,11 @@ def open_run(r: Run, policy, optimizer) -> None:
     """The trained model and its optimizer join the run (with --resume: their checkpoint loaded); the run directory is
     opened (config.json, the metrics before `start`) and the examples move to the device, where rewards meet samples."""
     r.policy, r.optimizer = policy, optimizer
-    if r.cfg.resume:
-        load_trainable_state(policy, optimizer, read_checkpoint(r.out / "checkpoint.pt"))
-        r.evaluated = {h["step"] for h in read_metrics(r.out) if h.get("eval")}  # kept on resume
+    if r.checkpoint:
+        load_trainable_state(policy, optimizer, read_checkpoint(r.checkpoint))
+        r.evaluated = {h["step"] for h in read_metrics(r.out) if h.get("eval") and h["step"] <= r.start}  # kept
     r.history = open_run_dir(r.out, r.cfg, r.start) if r.rank == 0 else []  # the training metrics before `start`
-    r.skipped, r.done = sum(h["skipped"] for h in r.history), r.start
+    r.skipped, r.done, r.saved = sum(h["skipped"] for h in r.history), r.start, r.start if r.checkpoint else -1
     r.examples = on_device(r.examples, r.device)
     r.evals = r.evals and (on_device(r.evals[0], r.device), r.evals[1])
 
@@ -814,7 +839,9 @@ def weighted(each: dict, rewards: dict) -> dict:
 
 @contextlib.contextmanager
 def decoder_on(pipe, device: str, offload: bool):
-    """With --offload the T5, DiT and VAE sit on the CPU and come to `device` only in this block."""
+    """With --offload the T5, DiT and VAE sit on the CPU and come to `device` only in this block. The pipeline's bar
+    of DiT steps shows on a slow decode (the real model's)."""
+    pipe.set_progress_bar_config(**inner_bar("DiT steps"))
     modules = (pipe.text_encoder, pipe.transformer, pipe.vae) if offload else ()
     for module in modules:
         module.to(device)
@@ -865,8 +892,9 @@ def evaluate(pipe, examples: list[dict], seeds: list[int], rewards: dict, n_samp
                                   cfg.temperature, seeds[c:c + chunk], [ex.get("source") for ex in some], cfg.top_k,
                                   cfg.top_p)
     dit_steps = cfg.eval_inference_steps or cfg.num_inference_steps  # the evaluation's own, if given
+    shown = tqdm(zip(examples, rollouts), total=len(examples), **inner_bar("evaluation"))  # a slow one shows
     images = [decode_images(pipe, ex["prompt"], r.tokens, r.large_hw, cfg.height, cfg.width, dit_steps, cfg.decode_seed,
-                            cfg.guidance_scale, r.source) for ex, r in zip(examples, rollouts)]
+                            cfg.guidance_scale, r.source) for ex, r in shown]
     layouts = torch.tensor([float(len(r.tokens[:, -r.large_hw[0] * r.large_hw[1]:].unique(dim=0)))
                             for r in rollouts])  # the large grids: what the DiT sees
     if not examples:  # a process with no share of the examples
@@ -954,21 +982,37 @@ def eval_record(step: int, examples: list[dict], total: torch.Tensor, each: dict
 # ---- The end: checkpoints, final/, curves, the summary ----------------------------------------------
 
 def save_run(r: Run, step: int) -> None:
-    """checkpoint.pt: the full trainable state gathered from every process, written by rank 0 (atomically)."""
-    weights, optimizer_state = trainable_state(r.policy, r.optimizer)
+    """checkpoints/step-N/: the trainer state and the trained model, gathered from every process, written by rank 0
+    (whole or not at all); then only the latest --save-total-limit kept. A step already saved is not written twice."""
+    if step == r.saved:
+        return
+    weights, optimizer_state = trainable_state(r.policy, r.optimizer)  # every process takes part; rank 0 gets them
+    model_weights = final_weights(r.policy)
     if r.rank == 0:
-        save_checkpoint(r.out / "checkpoint.pt", weights, optimizer_state, step, r.cfg, r.world)
+        save_checkpoint(r.out / "checkpoints" / f"step-{step}", r.policy, model_weights, weights, optimizer_state,
+                        step, r.cfg, r.world, base_model(r.cfg.model))
+        prune_checkpoints(r.out, r.cfg.save_total_limit)
+    r.saved = step
+
+
+def base_model(model: str) -> str:
+    """What a saved adapter names as its base (adapter_config.json, the model card): a hub id as given, a folder as
+    its absolute path (the tiny models' included), nothing for random weights (they cannot be loaded again)."""
+    if model.split(":")[0] == "random":
+        return ""
+    folder = Path(TINY_NAMES.get(model, model))
+    return str(folder.resolve()) if folder.is_dir() else model
 
 
 def finish(r: Run) -> dict:
-    """The last checkpoint, final/ (the trained model, or with LoRA only the adapter, loadable with from_pretrained),
-    curves.png, the after grid (--before-after) and the summary line; leaves torchrun's process group. Returns the
-    summary."""
+    """The last checkpoint; final/ (the trained model as save_trained writes it, with a model card); curves.png; the
+    after grid (--before-after); with --save-merged final/pipeline/; the summary line. Leaves torchrun's process
+    group. Returns the summary."""
     try:
         save_run(r, r.cfg.steps)
         weights = final_weights(r.policy)  # every process takes part; only rank 0 gets the tensors
         if r.rank == 0:
-            save_pretrained_atomic(r.policy, r.out / "final", state_dict=weights)
+            atomic_folder(r.out / "final", lambda tmp: save_trained(r.policy, tmp, weights, base_model(r.cfg.model)))
     except OSError as error:
         fail(f"cannot write {error.filename or r.out} ({error.strerror or error}); make room, then run --resume "
              f"{r.out} --steps {r.cfg.steps} again", code=1)
@@ -981,7 +1025,102 @@ def finish(r: Run) -> dict:
     after = show(r, "after.png", f"after {r.cfg.steps} steps") if r.cfg.before_after else None
     summary = summarize(r.out, r.history, len(r.examples), r.skipped, r.rank, after)
     stop_processes()  # torchrun: leave the process group cleanly
+    if r.rank == 0:
+        write_model_card(r, summary)
+        if r.cfg.save_merged:
+            save_merged(r.cfg, r.out, r.dtype)
     return summary
+
+
+def write_model_card(r: Run, summary: dict) -> None:
+    """final/README.md: the base model, what was trained on which reward and flags, the before / after picture
+    (--before-after, copied beside it), the last held-out numbers (--eval-prompts) and the lines that load it. A card
+    that cannot be written only warns: the model is saved."""
+    cfg, final = r.cfg, r.out / "final"
+    base, lora = base_model(cfg.model) or cfg.model, bool(cfg.lora_rank)
+    trained = {"ar": "the AR (vision_language_encoder)", "dit": "the DiT (transformer)"}[cfg.train]
+    given = {k: v for k, v in dataclasses.asdict(cfg).items()
+             if k not in ("out", "resume", "overwrite", "device", "report_to")}
+    lines = ["---", f"base_model: {base}", f"library_name: {'peft' if lora and cfg.train == 'ar' else 'diffusers'}",
+             "tags: [grpo, glm-image, text-to-image]", "---", "",
+             f"# {r.out.name}: GLM-Image, {trained} trained with GRPO", "",
+             f"- base model: `{base}`; trained: {trained}, "
+             f"{f'LoRA r={cfg.lora_rank}' if lora else 'every weight'}; {cfg.steps} steps of {cfg.prompts_per_step} "
+             f"prompt(s) x {cfg.group_size} samples per process ({r.world} process(es)) from `{cfg.prompts}`",
+             f"- reward: `{cfg.reward}` (aggregation: {cfg.reward_aggregation})",
+             f"- training reward, mean of the first and last quarter of the steps: {summary['reward_first']:.4f} -> "
+             f"{summary['reward_last']:.4f}"]
+    if "shown_after" in summary:
+        lines.append(f"- the same prompts and seeds before -> after: {summary['shown_before']:.4f} -> "
+                     f"{summary['shown_after']:.4f}")
+    evals = [h for h in read_metrics(r.out) if h.get("eval")]
+    if evals:  # the weighted reward, then each reward measured (--reward and --eval-reward)
+        first, last = evals[0], evals[-1]
+        names = ["reward", *(r.evals[1] if r.evals else {})]
+        numbers = ", ".join(f"{name} {first[f'eval/{name}']:.4f} -> {last[f'eval/{name}']:.4f}" for name in names
+                            if f"eval/{name}" in first and f"eval/{name}" in last)
+        lines.append(f"- held-out (`{cfg.eval_prompts}`, {cfg.eval_samples} samples a prompt), step {first['step']} "
+                     f"-> step {last['step']}: {numbers}")
+    picture = r.out / "images" / "before_after.png"
+    if picture.exists():
+        with contextlib.suppress(OSError):
+            atomic_write(final / "before_after.png", lambda f: f.write(picture.read_bytes()))
+            lines += ["", "Before (left) and after (right), the same prompts and seeds:", "",
+                      "![before and after](before_after.png)"]
+    imports = ["import torch", "from diffusers import GlmImagePipeline"]
+    if lora and cfg.train == "ar":
+        load = f"pipe.vision_language_encoder.load_adapter(\"{final}\")"
+    elif lora:
+        load = f"pipe.transformer.load_lora_adapter(\"{final}\")"
+    elif cfg.train == "ar":
+        imports.append("from transformers import GlmImageForConditionalGeneration")
+        load = (f"pipe.vision_language_encoder = GlmImageForConditionalGeneration.from_pretrained(\"{final}\", "
+                "dtype=torch.bfloat16).to(\"cuda\")")
+    else:
+        imports[1] += ", GlmImageTransformer2DModel"
+        load = (f"pipe.transformer = GlmImageTransformer2DModel.from_pretrained(\"{final}\", "
+                "torch_dtype=torch.bfloat16).to(\"cuda\")")
+    lines += ["", "## Use it", "", "```python", *imports,
+              f"pipe = GlmImagePipeline.from_pretrained(\"{base}\", torch_dtype=torch.bfloat16).to(\"cuda\")",
+              load, f"image = pipe(\"a red circle\", height={cfg.height}, width={cfg.width}).images[0]", "```"]
+    if cfg.save_merged:
+        lines += ["", f"Or the whole pipeline with it merged in: `GlmImagePipeline.from_pretrained(\"{final}/pipeline\")`."]
+    lines += ["", "## Training flags", "", "```json", json.dumps(given, indent=1), "```", ""]
+    try:
+        atomic_write(final / "README.md", lambda f: f.write("\n".join(lines).encode()))
+    except OSError as error:
+        tqdm.write(f"warning: could not write {final / 'README.md'} ({error.strerror or error}); the model is saved",
+                   file=sys.stderr)
+
+
+def save_merged(cfg, out: Path, dtype: torch.dtype) -> None:
+    """--save-merged (or tools/merge.py, after a run): out/final/pipeline/, the whole GlmImagePipeline with the trained
+    part in it (LoRA merged into its weights), which GlmImagePipeline.from_pretrained(folder) loads alone. Built as a
+    user would: the base pipeline (`cfg.model`) loaded again on the CPU in `dtype`, final/ loaded into it with the
+    standard calls, merged, saved (whole or not at all)."""
+    from diffusers import GlmImagePipeline
+    final = out / "final"
+    with loading(cfg.model):
+        pipe = GlmImagePipeline.from_pretrained(TINY_NAMES.get(cfg.model, cfg.model), dtype=dtype)
+    if cfg.train == "ar" and cfg.lora_rank:
+        from peft import PeftModel
+        pipe.vision_language_encoder = PeftModel.from_pretrained(pipe.vision_language_encoder, final).merge_and_unload()
+    elif cfg.train == "ar":
+        from transformers import GlmImageForConditionalGeneration
+        pipe.vision_language_encoder = GlmImageForConditionalGeneration.from_pretrained(final, dtype=dtype)
+    elif cfg.lora_rank:
+        pipe.transformer.load_lora_adapter(final)
+        pipe.transformer.fuse_lora()
+        pipe.transformer.unload_lora()
+    else:
+        from diffusers import GlmImageTransformer2DModel
+        pipe.transformer = GlmImageTransformer2DModel.from_pretrained(final, dtype=dtype)
+    try:
+        atomic_folder(final / "pipeline", pipe.save_pretrained)
+    except OSError as error:
+        fail(f"cannot write {final / 'pipeline'} ({error.strerror or error}); make room, then run python tools/"
+             f"merge.py {out}", code=1)
+    print(f"merged pipeline: {final / 'pipeline'} (GlmImagePipeline.from_pretrained loads it)")
 
 
 def summarize(out: Path, history: list[dict], n_examples: int, skipped: int, rank: int, after: float | None) -> dict:

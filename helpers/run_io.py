@@ -20,7 +20,8 @@ from PIL import Image, ImageDraw
 
 
 RUN_FILES = ("config.json", "metrics.jsonl", "samples.jsonl", "checkpoint.pt", "checkpoints", "images", "final",
-             "curves.png")  # a run's files in --out
+             "curves.png")  # a run's files in --out (checkpoint.pt: the one checkpoint of runs before checkpoints/)
+STATE = "trainer_state.pt"  # in each checkpoints/step-N/, beside the loadable model: what --resume reads
 CHECKPOINT_KEYS = {"weights", "optimizer", "step", "config", "rng"}
 
 
@@ -43,19 +44,46 @@ def check_out_dir(out: Path) -> None:
                          "write to") from None
 
 
-def read_resume(out: Path) -> tuple[dict, int, int]:
-    """The saved config (config.json), the number of finished steps and of processes (checkpoint.pt) of a run.
-    Raises ValueError naming the file if either is missing, truncated or not written by grpo.py."""
-    config_path, checkpoint_path = out / "config.json", out / "checkpoint.pt"
-    if not checkpoint_path.is_file() or not config_path.is_file():
-        raise ValueError(f"--resume {out}: no checkpoint.pt and config.json there; resume a directory a run saved into")
+def checkpoint_steps(out: Path) -> list[tuple[int, Path]]:
+    """The saved checkpoints of a run, (step, folder) in step order: out/checkpoints/step-N/ holding trainer_state.pt
+    (a folder still being written is named step-N.tmp and does not count)."""
+    found = []
+    for folder in (out / "checkpoints").glob("step-*"):
+        number = folder.name.removeprefix("step-")
+        if number.isdigit() and (folder / STATE).is_file():
+            found.append((int(number), folder))
+    return sorted(found)
+
+
+def resume_point(path: Path) -> tuple[Path, Path]:
+    """--resume's argument -> (the run directory, the trainer state to load): a run directory (its latest
+    checkpoint), or one of its checkpoints (RUN/checkpoints/step-N). A run saved before checkpoints/ existed
+    resumes from its checkpoint.pt. Raises ValueError naming what is missing."""
+    if (path / STATE).is_file() and path.parent.name == "checkpoints":
+        return path.parent.parent, path / STATE
+    saved = checkpoint_steps(path)
+    if saved:
+        return path, saved[-1][1] / STATE
+    if (path / "checkpoint.pt").is_file():  # the single checkpoint of a run from before checkpoints/
+        return path, path / "checkpoint.pt"
+    raise ValueError(f"--resume {path}: no checkpoint there; give a run directory (its latest checkpoint) or one of "
+                     "its checkpoints/step-N folders")
+
+
+def read_resume(out: Path, state_path: Path) -> tuple[dict, int, int]:
+    """The saved config (config.json) of the run in `out`, and the number of finished steps and of processes of
+    the trainer state `state_path`. Raises ValueError naming the file if either is missing, truncated or not
+    written by grpo.py."""
+    config_path = out / "config.json"
+    if not config_path.is_file():
+        raise ValueError(f"--resume {out}: no config.json there; resume a directory a run saved into")
     try:
         config = json.loads(config_path.read_text(encoding="utf-8"))
         assert isinstance(config, dict)
     except (OSError, UnicodeDecodeError, json.JSONDecodeError, AssertionError):
         raise ValueError(f"{config_path} is truncated or not a grpo.py config; restore it from the checkpoint's "
-                         "copy (torch.load(checkpoint.pt)['config']) or start a new run") from None
-    state = read_checkpoint(checkpoint_path)
+                         f"copy (torch.load('{state_path}')['config']) or start a new run") from None
+    state = read_checkpoint(state_path)
     return config, state["step"], state.get("world", 1)
 
 
@@ -66,8 +94,8 @@ def read_checkpoint(path: Path) -> dict:
         state = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
         assert isinstance(state, dict) and CHECKPOINT_KEYS <= state.keys()
     except Exception:  # truncated zip, another format, a foreign pickle: all the same to the user
-        raise ValueError(f"{path} is truncated or not a grpo.py checkpoint; restore it from a backup, or start a new "
-                         "run with --overwrite (which deletes it)") from None
+        raise ValueError(f"{path} is truncated or not a grpo.py checkpoint; resume from an earlier one (--resume "
+                         "RUN/checkpoints/step-N), or start a new run with --overwrite (which deletes the run)") from None
     return state
 
 
@@ -92,10 +120,16 @@ def open_run_dir(out: Path, cfg, start: int) -> list[dict]:
     A new run first clears what an earlier run left (the caller allows that only with --overwrite);
     a resumed run keeps its metrics up to the checkpoint and drops later lines, as those steps are redone: the
     steps before `start`, and the evaluations ("eval": true) of the weights up to and including step `start`.
+    Resumed from an earlier checkpoint than the latest (the caller allows that only with --overwrite), the later
+    checkpoints and final/ are deleted.
     """
     if not cfg.resume:
         for name in RUN_FILES:
             shutil.rmtree(out / name) if (out / name).is_dir() else (out / name).unlink(missing_ok=True)
+    later = [folder for step, folder in checkpoint_steps(out) if step > start]
+    if cfg.resume and later:  # going back to an earlier checkpoint (with --overwrite): what came after goes
+        for folder in [*later, out / "final"]:
+            shutil.rmtree(folder, ignore_errors=True)
     (out / "images").mkdir(parents=True, exist_ok=True)
     kept = [h for h in read_metrics(out) if h["step"] < start or (h.get("eval") and h["step"] == start)] \
         if cfg.resume else []
@@ -241,30 +275,84 @@ def side_by_side(left: Path, right: Path) -> Image.Image:
     return both
 
 
-def save_checkpoint(path: Path, weights: dict, optimizer_state: dict, step: int, cfg, world: int = 1) -> None:
-    """Trainable weights, optimizer state, RNG states, the next step and the config, in one file written atomically
-    (a kill or a full disk leaves the last good checkpoint). `weights` / `optimizer_state`: full (unsharded) state
-    dicts, as `trainable_state` returns them. `world`: the number of processes (cfg.prompts_per_step is per process)."""
+def save_checkpoint(folder: Path, model, model_weights: dict | None, weights: dict, optimizer_state: dict,
+                    step: int, cfg, world: int = 1, base_model: str = "") -> None:
+    """checkpoints/step-N/: trainer_state.pt (the trainable weights, the optimizer state, the RNG states, the next
+    step, the config) beside the trained model as save_trained writes it (loadable on its own), the folder written
+    whole or not at all. `weights` / `optimizer_state`: full (unsharded) state dicts, as `trainable_state` returns
+    them; `model_weights`: `final_weights`' (None in one process). `world`: the number of processes
+    (cfg.prompts_per_step is per process)."""
     state = {"weights": weights, "optimizer": optimizer_state, "step": step, "config": dataclasses.asdict(cfg),
              "world": world,
              "rng": {"torch": torch.random.get_rng_state(),
                      "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}}
-    atomic_write(path, lambda f: torch.save(state, f))
+
+    def write(tmp: Path) -> None:
+        atomic_write(tmp / STATE, lambda f: torch.save(state, f))
+        save_trained(model, tmp, model_weights, base_model)
+    atomic_folder(folder, write)
 
 
-def save_pretrained_atomic(model, path: Path, state_dict: dict | None = None) -> None:
-    """model.save_pretrained into `path` (the full AR or DiT, or for a peft model only the adapter; `state_dict`: the
-    weights gathered from every process under torchrun), written under a temporary name and swapped in, so `path` is
-    never half-written and the previous one survives a failure."""
+def prune_checkpoints(out: Path, keep: int) -> list[Path]:
+    """--save-total-limit: remove all but the `keep` latest checkpoints (0: keep them all). Returns the removed."""
+    saved = [folder for _, folder in checkpoint_steps(out)]
+    removed = saved[:-keep] if keep > 0 else []
+    for folder in removed:
+        shutil.rmtree(folder)
+    return removed
+
+
+def save_trained(model, folder: Path, state_dict: dict | None = None, base_model: str = "") -> None:
+    """The trained model into `folder`, in the format that one standard call loads:
+    - the AR with LoRA: peft's adapter (adapter_config.json names `base_model`, the hub id or folder it was trained
+      on), which `pipe.vision_language_encoder.load_adapter(folder)` (transformers) loads;
+    - the DiT with LoRA: diffusers' LoRA file (`diffusers_lora`), which `pipe.transformer.load_lora_adapter(folder)`
+      loads;
+    - without LoRA: the whole AR (GlmImageForConditionalGeneration.from_pretrained(folder)) or DiT
+      (GlmImageTransformer2DModel.from_pretrained(folder)).
+    `state_dict`: the weights gathered from every process under torchrun (`final_weights`; None: read from
+    `model`)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    lora = hasattr(model, "get_base_model")
+    from_diffusers = hasattr(model.get_base_model() if lora else model, "save_config")  # the DiT
+    if lora and from_diffusers:
+        diffusers_lora(model, folder, state_dict)
+    elif lora:
+        model.peft_config["default"].base_model_name_or_path = base_model or None  # not this machine's cache path
+        model.save_pretrained(folder, save_embedding_layers=False,  # never trained; and no look-up on the hub
+                              **({} if state_dict is None else {"state_dict": state_dict}))
+    elif from_diffusers and state_dict is not None:  # a diffusers model takes no state_dict: its config and the
+        model.save_config(folder)  # weights gathered from every process, as it names them
+        from safetensors.torch import save_file
+        save_file({k: v.contiguous() for k, v in state_dict.items()}, folder / "diffusion_pytorch_model.safetensors")
+    else:
+        model.save_pretrained(folder, **({} if state_dict is None else {"state_dict": state_dict}))
+
+
+def diffusers_lora(model, folder: Path, state_dict: dict | None = None) -> None:
+    """The DiT's LoRA (a peft model) as diffusers' pipelines save theirs (`save_lora_weights`): the weights named
+    "transformer.<module>.lora_A.weight", the LoRA config in the safetensors header. diffusers 0.42's
+    `load_lora_adapter(folder)` reads, without arguments, only pytorch_lora_weights.bin (with use_safetensors=True
+    the .safetensors): both are written, the same tensors."""
+    from peft.utils import get_peft_model_state_dict
+    from safetensors.torch import save_file
+    weights = {"transformer." + name.removeprefix("base_model.model."): value.detach().cpu().contiguous()
+               for name, value in get_peft_model_state_dict(model, state_dict=state_dict).items()}
+    config = {f"transformer.{key}": sorted(value) if isinstance(value, set) else value
+              for key, value in model.peft_config["default"].to_dict().items()}
+    header = {"format": "pt", "lora_adapter_metadata": json.dumps(config, indent=2, sort_keys=True)}
+    save_file(weights, folder / "pytorch_lora_weights.safetensors", metadata=header)
+    torch.save(weights, folder / "pytorch_lora_weights.bin")
+
+
+def atomic_folder(path: Path, write) -> None:
+    """write(tmp) fills a temporary folder beside `path`, which then takes `path`'s place: `path` is never half-written,
+    and the previous one survives a failure (a full disk, Ctrl-C)."""
     tmp, old = path.with_name(path.name + ".tmp"), path.with_name(path.name + ".old")
     shutil.rmtree(tmp, ignore_errors=True)
     try:
-        if state_dict is not None and hasattr(model, "save_config") and not hasattr(model, "get_base_model"):
-            model.save_config(tmp)  # a diffusers model (the DiT, --train dit, torchrun) takes no state_dict: its config
-            from safetensors.torch import save_file  # and the weights gathered from every process, as it names them
-            save_file({k: v.contiguous() for k, v in state_dict.items()}, tmp / "diffusion_pytorch_model.safetensors")
-        else:
-            model.save_pretrained(tmp, **({} if state_dict is None else {"state_dict": state_dict}))
+        tmp.mkdir(parents=True)
+        write(tmp)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -166,6 +166,12 @@ def tiny_run(tmp_path, out, *extra):
                       "--micro-batch-size", "2", *extra])
 
 
+def latest_state(out):
+    """The trainer state of a run's latest checkpoint (checkpoints/step-N/trainer_state.pt), as --resume reads it."""
+    from helpers import run_io
+    return run_io.read_checkpoint(run_io.resume_point(out)[1])
+
+
 def run_record(out):
     lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     return [{k: v for k, v in x.items() if not k.startswith("sec_")} for x in lines]

@@ -3,6 +3,7 @@
 
 import dataclasses
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -245,7 +246,7 @@ def test_main_train_dit(tmp_path, capsys):
     """python dit_grpo.py: the first update's ratio is exactly 1 and the trainer agrees with the sampler; 4 steps equal
     2 steps + resume + 2 (metrics, evaluations, weights); final/ loads with GlmImageTransformer2DModel; tools/compare.py
     reproduces the run's first and last evaluations; LoRA with a KL term runs (with --sde-steps 3: training chains of 3
-    steps, evaluation of 2; with gradient checkpointing) and saves the adapter alone."""
+    steps, evaluation of 2; with gradient checkpointing) and saves the adapter alone, in diffusers' format."""
     from diffusers import GlmImageTransformer2DModel
     import tools.compare as compare
     run(tmp_path, "whole", "--steps", "4", "--kl-beta", "0.04", "--lr", "1e-3", "--sde-window", "1")
@@ -273,12 +274,27 @@ def test_main_train_dit(tmp_path, capsys):
     dit_grpo.sample_chain = lambda *a, **k: chain_steps.append(a[6]) or sample_chain(*a, **k)
     try:
         run(tmp_path, "lora", "--steps", "2", "--lora-rank", "4", "--kl-beta", "0.04", "--sde-steps", "3",
-            "--gradient-checkpointing")
+            "--gradient-checkpointing", "--save-merged")
     finally:
         dit_grpo.sample_chain = sample_chain
     assert chain_steps == [3] * 4  # 2 steps x 2 prompts
-    assert (tmp_path / "lora" / "final" / "adapter_config.json").exists()
     assert [x["ratio_max"] for x in records(tmp_path / "lora") if not x.get("eval")][0] == 1.0
+    # the adapter in diffusers' format: load_lora_adapter(folder) with no arguments loads exactly the trained weights,
+    # and --save-merged's pipeline holds them fused (W + B A, alpha = r)
+    from diffusers import GlmImagePipeline
+    from conftest import latest_state
+    final, trained = tmp_path / "lora" / "final", latest_state(tmp_path / "lora")["weights"]
+    for kwargs in ({}, {"use_safetensors": True}):
+        transformer = grpo.load_glm_image("tiny").transformer
+        transformer.load_lora_adapter(final, **kwargs)
+        lora = {re.sub(r"lora_(A|B)\.[^.]+\.weight", r"lora_\1.default.weight", n): p
+                for n, p in transformer.named_parameters() if "lora_" in n}
+        assert lora and all(torch.equal(p, trained["base_model.model." + n]) for n, p in lora.items()), kwargs
+    merged = GlmImagePipeline.from_pretrained(final / "pipeline").transformer
+    base, name = grpo.load_glm_image("tiny").transformer, "transformer_blocks.0.attn1.to_q"
+    a, b = (trained[f"base_model.model.{name}.lora_{x}.default.weight"] for x in "AB")
+    fused = dict(base.named_parameters())[f"{name}.weight"] + b @ a
+    assert torch.allclose(dict(merged.named_parameters())[f"{name}.weight"], fused, atol=1e-6)
 
 
 def test_main_train_dit_bad_input(tmp_path, capsys):
@@ -329,7 +345,7 @@ def test_torchrun_train_dit_equals_one_process(tmp_path, extra):
     steps = records(tmp_path / "two")
     assert steps[0]["prompts"] == [0, 1] and steps[0]["ratio_min"] == steps[0]["ratio_max"] == 1.0
     assert steps[-1]["kl"] > 0
-    name = "adapter_model.safetensors" if "--lora-rank" in extra else "diffusion_pytorch_model.safetensors"
+    name = "pytorch_lora_weights.safetensors" if "--lora-rank" in extra else "diffusion_pytorch_model.safetensors"
     a, b = (load_file(tmp_path / d / "final" / name) for d in ("one", "two"))
     assert a.keys() == b.keys() and a
     # the gradients agree within 1e-5 (grad_norm is among the metrics above), but many of the DiT's gradient entries

@@ -24,10 +24,11 @@ import grpo
 from helpers import fast_decode
 from helpers import parallel
 from helpers import run
+from helpers import run as helpers_run  # the tests' `run` is often a run directory
 from helpers import run_io
 from helpers import setup
 from conftest import (DEVICE, ROOT, TINY, TINY_CPU, assert_same_metrics, assert_same_weights, error_lines, eval_lines,
-                      expect_exit, fresh_pipe, run_cli, run_record, snapshot, tiny_run, torchrun,
+                      expect_exit, fresh_pipe, latest_state, run_cli, run_record, snapshot, tiny_run, torchrun,
                       write_evals, write_example)  # shared helpers and settings
 
 STEPS = (grpo.sample_groups, grpo.decode_images, grpo.group_rewards)  # what grpo.main passes run.evaluate
@@ -369,7 +370,7 @@ def test_prepare_bad_input(tmp_path, capsys):
              (["--clip-eps-high", "0"], "--clip-eps-high"), (["--scale-rewards", "mean"], "group, batch or none"),
              (["--top-p", "0"], "--top-p"), (["--top-k", "-1"], "--top-k"),
              (["--reward", "clipscore=1"], "unknown reward"), (["--reward", "ssim=-1"], "negative"),
-             (["--steps", "0"], "--steps"), (["--resume", str(tmp_path / "none")], "no checkpoint.pt"),
+             (["--steps", "0"], "--steps"), (["--resume", str(tmp_path / "none")], "no checkpoint there"),
              (P("no_target.txt"), "no_target.txt:1: reward 'ssim' needs a target"),
              (["--reward", "nosuchmodule:f=1"], "cannot import"),
              (["--eval-prompts", str(tmp_path / "nothere.jsonl")], "cannot read --eval-prompts .*nothere.jsonl"),
@@ -428,6 +429,47 @@ def test_main_resume(tmp_path, monkeypatch):
     assert len(run_record(tmp_path / "half")) == 1
 
 
+def test_checkpoints_roll_back(tmp_path, capsys):
+    """checkpoints/step-N/ each hold the trainer state and a model that loads alone; --save-total-limit keeps the
+    latest K; --resume RUN/checkpoints/step-N goes back only with --overwrite (the later checkpoints and final/ would
+    be replaced) and then continues exactly as the uninterrupted run; the bookkeeping flags may change on resume."""
+    from transformers import GlmImageForConditionalGeneration
+    tiny_run(tmp_path, tmp_path / "whole", "--steps", "5", "--kl-beta", "0.04")
+    out = tmp_path / "run"
+    tiny_run(tmp_path, out, "--steps", "5", "--kl-beta", "0.04", "--save-every", "1", "--save-total-limit", "3")
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-3", "step-4", "step-5"]  # 5 saves, 3 kept
+    assert run_record(out) == run_record(tmp_path / "whole")
+    ar = GlmImageForConditionalGeneration.from_pretrained(out / "checkpoints" / "step-5")
+    assert all(torch.equal(p, q) for p, q in zip(ar.parameters(), GlmImageForConditionalGeneration.from_pretrained(
+        out / "final").parameters()))
+    before = snapshot(out)
+    back = ["--resume", str(out / "checkpoints" / "step-3")]
+    err = expect_exit(back, 2, "has later checkpoints (step-4, step-5) and final/", capsys)
+    assert "goes back to step 3" in err and "--overwrite" in err
+    assert snapshot(out) == before
+    grpo.main([*back, "--overwrite", "--save-every", "2", "--image-every", "1", "--eval-every", "3"])
+    assert run_record(out) == run_record(tmp_path / "whole")
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-3", "step-4", "step-5"]
+    assert sorted(p.name for p in (out / "images").iterdir()) == ["step_00003.png", "step_00004.png"]
+    again = GlmImageForConditionalGeneration.from_pretrained(out / "final")
+    assert all(torch.equal(p, q) for p, q in zip(ar.parameters(), again.parameters()))
+    assert json.loads((out / "config.json").read_text())["save_every"] == 2  # bookkeeping: changed
+    expect_exit(["--resume", str(out), "--steps", "6", "--kl-beta", "0"], 2, "cannot take --kl-beta", capsys)
+
+
+def test_inner_bars(tmp_path, monkeypatch, capsys):
+    """Work that runs longer than parallel.INNER_DELAY (the real model's) shows bars under the step's: the token draws,
+    the DiT steps, an evaluation's prompts; the tiny model's steps end before (its terminal output as it was)."""
+    evals = ["--eval-prompts", str(write_evals(tmp_path)), "--eval-samples", "2"]
+    tiny_run(tmp_path, tmp_path / "quick", "--steps", "1", *evals)
+    err = capsys.readouterr().err
+    assert not any(bar in err for bar in ("tokens:", "DiT steps:", "evaluation:")), err
+    monkeypatch.setattr(parallel, "INNER_DELAY", 0)  # every phase counts as slow
+    tiny_run(tmp_path, tmp_path / "slow", "--steps", "1", *evals)
+    err = capsys.readouterr().err
+    assert all(bar in err for bar in ("tokens:", "DiT steps:", "evaluation:")), err
+
+
 def interrupted_run(tmp_path, monkeypatch, name, where, signals=1):
     """A 4-step run that gets `signals` real SIGINTs in step 2: while sampling, or right after the update."""
     import signal
@@ -457,7 +499,7 @@ def test_main_interrupt(tmp_path, monkeypatch, capsys):
                                          ("twice", "update", 2, 2)]:
         assert interrupted_run(tmp_path, monkeypatch, name, where, signals) == 130
         assert len(run_record(tmp_path / name)) == logged, name
-        assert run_io.read_checkpoint(tmp_path / name / "checkpoint.pt")["step"] == logged, name
+        assert latest_state(tmp_path / name)["step"] == logged, name
         assert f"continue it with: python grpo.py --resume {tmp_path / name}" in capsys.readouterr().err
         grpo.main(["--resume", str(tmp_path / name)])  # that command, as printed: on to the 4 steps asked for
         assert run_record(tmp_path / name) == run_record(tmp_path / "whole"), name
@@ -487,7 +529,7 @@ def test_main_out_of_memory(tmp_path, monkeypatch, capsys, phase):
         assert all(lever in lines[0] for lever in ("--gradient-checkpointing", "--lora-rank 16", "--micro-batch-size 1"))
     else:
         assert "--lora-rank" not in lines[0] and "--gradient-checkpointing" not in lines[0]  # no help there
-    assert run_io.read_checkpoint(tmp_path / "run" / "checkpoint.pt")["step"] == 2 and len(run_record(tmp_path / "run")) == 2
+    assert latest_state(tmp_path / "run")["step"] == 2 and len(run_record(tmp_path / "run")) == 2
     monkeypatch.setattr(grpo, phase, original)
     grpo.main(["--resume", str(tmp_path / "run")])
     assert len(run_record(tmp_path / "run")) == 4
@@ -562,7 +604,7 @@ def test_main_host_memory(tmp_path, monkeypatch, capsys):
 
 
 def test_resume_damaged_run(tmp_path, capsys):
-    """--resume with a truncated or foreign checkpoint.pt or config.json, or a damaged metrics line: exit 2, one line
+    """--resume with a truncated or foreign trainer_state.pt or config.json, or a damaged metrics line: exit 2, one line
     naming the file, nothing changed. --steps equal to the steps done: nothing to do (exit 0); below: refused; a
     flag that would change the run (--lr, --prompts, ...): refused."""
     prompts = write_example(tmp_path, ["a | t.png"])
@@ -570,13 +612,14 @@ def test_resume_damaged_run(tmp_path, capsys):
     tiny_run(tmp_path, run, "--steps", "2", "--image-every", "1")
     good = snapshot(run)
     resume = ["--resume", str(run), "--steps", "4"]
-    damages = [("checkpoint.pt", good[run / "checkpoint.pt"][:3000], "checkpoint.pt is truncated or not"),
-               ("checkpoint.pt", b"not a checkpoint", "checkpoint.pt is truncated or not"),
+    state = "checkpoints/step-2/trainer_state.pt"
+    damages = [(state, good[run / state][:3000], "trainer_state.pt is truncated or not"),
+               (state, b"not a checkpoint", "trainer_state.pt is truncated or not"),
                ("config.json", good[run / "config.json"][:40], "config.json is truncated or not"),
                ("config.json", b'{"learning_rate": 3}', "config.json is not a grpo.py config"),
                ("metrics.jsonl", b"garbage\n" + good[run / "metrics.jsonl"], "metrics.jsonl:1 is not a JSON line")]
     torch.save({"weights": {}}, tmp_path / "foreign.pt")
-    damages.append(("checkpoint.pt", (tmp_path / "foreign.pt").read_bytes(), "checkpoint.pt is truncated or not"))
+    damages.append((state, (tmp_path / "foreign.pt").read_bytes(), "trainer_state.pt is truncated or not"))
     for name, content, needle in damages:
         (run / name).write_bytes(content)
         damaged = snapshot(run)
@@ -631,13 +674,19 @@ def test_main_disk_full(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(torch, "save", lambda obj, f, *a, **k: (f.write(b"partial"), no_space()))
     expect_exit(["--resume", str(run), "--steps", "3"], 1, "No space left on device", capsys)
     monkeypatch.undo()
-    assert run_io.read_checkpoint(run / "checkpoint.pt")["step"] == 2 and not (run / "checkpoint.pt.tmp").exists()
+    assert latest_state(run)["step"] == 2 and not (run / "checkpoints" / "step-3.tmp").exists()
+    assert not (run / "checkpoints" / "step-3").exists()
     assert snapshot(run / "final") == {p: b for p, b in good.items() if "final" in p.parts}
-    # final/ on a full disk: the previous final/ survives
-    from transformers import GlmImageForConditionalGeneration
-    monkeypatch.setattr(GlmImageForConditionalGeneration, "save_pretrained", no_space)
+    # final/ on a full disk (its checkpoint written): the previous final/ survives
+    real_save = helpers_run.save_trained
+
+    def final_fails(model, folder, *args):
+        (no_space if folder.name == "final.tmp" else real_save)(model, folder, *args)
+
+    monkeypatch.setattr(helpers_run, "save_trained", final_fails)
     expect_exit(["--resume", str(run), "--steps", "3"], 1, "No space left on device", capsys)
     monkeypatch.undo()
+    assert latest_state(run)["step"] == 3
     assert snapshot(run / "final") == {p: b for p, b in good.items() if "final" in p.parts}
     assert not (run / "final.tmp").exists()
     # an image grid on a full disk: a warning, and the run goes on to its end
@@ -657,7 +706,7 @@ from pathlib import Path
 policy = grpo.load_glm_image("tiny").vision_language_encoder
 opt = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad])
 cfg, path = grpo.parse_config(["--model", "tiny"]), Path({path!r})
-run_io.save_checkpoint(path, *parallel.trainable_state(policy, opt), 1, cfg)
+run_io.save_checkpoint(path / "step-1", policy, None, *parallel.trainable_state(policy, opt), 1, cfg)
 real_save = torch.save
 
 def slow_save(obj, f, *args, **kwargs):
@@ -667,27 +716,29 @@ def slow_save(obj, f, *args, **kwargs):
     time.sleep(60)  # killed here, half-way through the file
 
 torch.save = slow_save
-run_io.save_checkpoint(path, *parallel.trainable_state(policy, opt), 2, cfg)
+run_io.save_checkpoint(path / "step-2", policy, None, *parallel.trainable_state(policy, opt), 2, cfg)
 """
 
 
 def test_checkpoint_survives_kill(tmp_path):
-    """kill -9 while a checkpoint is being written (a real process, killed half-way): the previous one loads."""
-    path = tmp_path / "checkpoint.pt"
+    """kill -9 while a checkpoint is being written (a real process, killed half-way): the previous one is the latest
+    and loads."""
+    path = tmp_path / "checkpoints"
     proc = subprocess.Popen([sys.executable, "-c", KILLED_SAVE.format(here=str(ROOT), path=str(path))],
                             stdout=subprocess.PIPE, text=True)
     assert proc.stdout.readline().strip() == "writing"
     proc.kill()  # SIGKILL: no handler, no cleanup
     proc.wait(timeout=30)
-    assert (tmp_path / "checkpoint.pt.tmp").stat().st_size >= 100000  # the half-written new one
-    state = run_io.read_checkpoint(path)
+    assert (path / "step-2.tmp" / "trainer_state.pt.tmp").stat().st_size >= 100000  # the half-written new one
+    assert run_io.resume_point(tmp_path) == (tmp_path, path / "step-1" / "trainer_state.pt")
+    state = latest_state(tmp_path)
     policy, opt = fresh_policy_and_optimizer()
     parallel.load_trainable_state(policy, opt, state)
     assert state["step"] == 1
 
 
 def checkpoint_of(policy, opt, path, step, cfg):
-    run_io.save_checkpoint(path, *parallel.trainable_state(policy, opt), step, cfg)
+    run_io.save_checkpoint(path, policy, None, *parallel.trainable_state(policy, opt), step, cfg)
 
 
 def fresh_policy_and_optimizer():
@@ -696,12 +747,12 @@ def fresh_policy_and_optimizer():
 
 
 def test_save_checkpoint(tmp_path, monkeypatch):
-    """Saves are atomic: a crash or a full disk in the middle of writing leaves the previous checkpoint intact and
-    loadable, and no temporary file behind."""
+    """Saves are atomic: a crash or a full disk in the middle of writing a new checkpoint, or of writing one again,
+    leaves the previous checkpoint intact, the latest and loadable, and no temporary folder behind."""
     policy, opt = fresh_policy_and_optimizer()
     cfg = grpo.parse_config(["--model", "tiny"])
-    path = tmp_path / "checkpoint.pt"
-    checkpoint_of(policy, opt, path, 7, cfg)
+    folder = tmp_path / "checkpoints"
+    checkpoint_of(policy, opt, folder / "step-7", 7, cfg)
     saved = policy.lm_head.weight.detach().clone()
     real_save = torch.save
     for failure in (KeyboardInterrupt(), OSError(28, "No space left on device")):
@@ -713,12 +764,13 @@ def test_save_checkpoint(tmp_path, monkeypatch):
         monkeypatch.setattr(torch, "save", dies_half_way)
         with torch.no_grad():
             policy.lm_head.weight.add_(1.0)
-        with pytest.raises(type(failure)):
-            checkpoint_of(policy, opt, path, 8, cfg)
+        for name, step in (("step-8", 8), ("step-7", 7)):
+            with pytest.raises(type(failure)):
+                checkpoint_of(policy, opt, folder / name, step, cfg)
         monkeypatch.setattr(torch, "save", real_save)
-        assert not (tmp_path / "checkpoint.pt.tmp").exists()
+        assert sorted(p.name for p in folder.iterdir()) == ["step-7"]
         fresh, opt2 = fresh_policy_and_optimizer()
-        state = run_io.read_checkpoint(path)
+        state = latest_state(tmp_path)
         parallel.load_trainable_state(fresh, opt2, state)
         assert state["step"] == 7 and torch.equal(fresh.lm_head.weight, saved)
 
@@ -784,7 +836,7 @@ def test_torchrun_rank_dies(tmp_path):
     proc = torchrun(*TINY_CPU, "--prompts", str(prompts), "--out", str(out), "--steps", "4",
                     "--save-every", "1", "--image-every", "0", script=script, timeout=300)
     assert proc.returncode != 0
-    assert run_io.read_checkpoint(out / "checkpoint.pt")["step"] == 2 and len(run_record(out)) == 2
+    assert latest_state(out)["step"] == 2 and len(run_record(out)) == 2
     assert torchrun("--resume", str(out), "--steps", "3").returncode == 0 and len(run_record(out)) == 3
 
 
@@ -806,7 +858,7 @@ def test_torchrun_interrupt(tmp_path):
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=120)
     assert proc.returncode != 0 and err.count("interrupted: checkpoint at step") == 1, err[-3000:]
-    done = run_io.read_checkpoint(out / "checkpoint.pt")["step"]
+    done = latest_state(out)["step"]
     assert done == len(run_record(out)) >= 2
     assert torchrun("--resume", str(out), "--steps", str(done + 1)).returncode == 0
     assert [r["step"] for r in run_record(out)] == list(range(done + 1))
@@ -823,7 +875,9 @@ def test_decoder_on():
             self.moves.append(device)
             return self
 
-    pipe = types.SimpleNamespace(text_encoder=Part(), transformer=Part(), vae=Part())
+    bars = []  # the pipeline's own bar of DiT steps: set up for a slow decode (test_inner_bars shows it)
+    pipe = types.SimpleNamespace(text_encoder=Part(), transformer=Part(), vae=Part(),
+                                 set_progress_bar_config=lambda **config: bars.append(config))
     parts = (pipe.text_encoder, pipe.transformer, pipe.vae)
     with run.decoder_on(pipe, "cuda:0", offload=True):
         assert [p.moves for p in parts] == [["cuda:0"]] * 3
@@ -834,6 +888,7 @@ def test_decoder_on():
     with run.decoder_on(pipe, "cuda:0", offload=False):
         pass
     assert [p.moves for p in parts] == [["cuda:0", "cpu"] * 2] * 3
+    assert bars[-1]["desc"] == "DiT steps" and bars[-1]["leave"] is False
 
 
 def test_code_health():

@@ -10,8 +10,8 @@ import functools
 import torch
 
 import grpo
-from conftest import T, codebook, fresh_pipe, lora_policy, sample_group, tiny_run
-from helpers import diagnostics, run_io, setup
+from conftest import T, codebook, fresh_pipe, latest_state, lora_policy, sample_group, tiny_run
+from helpers import diagnostics, setup
 from helpers.offline_model import tiny_glm_image
 
 
@@ -46,17 +46,58 @@ def test_apply_lora():
     assert all(torch.equal(a[n], b[n]) for n in a) and not all(torch.equal(a[n], c[n]) for n in a)  # seeded init
 
 
-def test_apply_lora_save_load(tmp_path):
-    """main with --lora-rank writes a peft adapter that PeftModel.from_pretrained loads onto the tiny AR."""
+def test_results_load_with_standard_calls(tmp_path):
+    """A LoRA run's results load with one standard call each (issue 58): final/ and each checkpoint with transformers'
+    `load_adapter` (adapter_config.json names the base model's folder, not a cache path) and PeftModel, holding
+    exactly the trained weights; --save-merged's final/pipeline/ with GlmImagePipeline.from_pretrained alone. The
+    adapter and the merged pipeline draw the same tokens, other than the base model's; the model card names the
+    base, the reward and the line that loads it. tools/merge.py writes the same pipeline after a run."""
+    import json
+    import re
+    from diffusers import GlmImagePipeline
     from peft import PeftModel
-    tiny_run(tmp_path, tmp_path / "lora", "--steps", "2", "--lora-rank", "4", "--lr", "0.05", "--kl-beta", "0.04")
-    assert (tmp_path / "lora" / "final" / "adapter_config.json").is_file()
-    loaded = PeftModel.from_pretrained(fresh_pipe().vision_language_encoder, tmp_path / "lora" / "final")
-    state = run_io.read_checkpoint(tmp_path / "lora" / "checkpoint.pt")["weights"]
-    for name, p in loaded.named_parameters():
-        if "lora_" in name:
-            key = name.replace(".lora_A.weight", ".lora_A.default.weight").replace(".lora_B.weight", ".lora_B.default.weight")
-            assert torch.equal(p.cpu(), state[key] if key in state else state[name])
+    out = tmp_path / "lora"
+    tiny_run(tmp_path, out, "--steps", "3", "--lora-rank", "4", "--lr", "0.05", "--kl-beta", "0.04", "--save-every", "2",
+             "--save-merged")
+    final = out / "final"
+    assert json.loads((final / "adapter_config.json").read_text())["base_model_name_or_path"] == str(grpo.TINY)
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-2", "step-3"]
+    trained = latest_state(out)["weights"]  # what the optimizer stepped: "...lora_A.default.weight"
+    for folder in (final, out / "checkpoints" / "step-3"):
+        loaded = fresh_pipe().vision_language_encoder
+        loaded.load_adapter(str(folder))
+        lora = {n: p for n, p in loaded.named_parameters() if "lora_" in n}
+        assert lora and all(torch.equal(p.cpu(), trained["base_model.model." + n]) for n, p in lora.items()), folder
+    peft = PeftModel.from_pretrained(fresh_pipe().vision_language_encoder, final)
+    assert all(torch.equal(p.cpu(), trained[re.sub(r"lora_(A|B)\.weight", r"lora_\1.default.weight", n)])
+               for n, p in peft.named_parameters() if "lora_" in n)
+    adapter, merged, base = fresh_pipe(), GlmImagePipeline.from_pretrained(final / "pipeline"), fresh_pipe()
+    adapter.vision_language_encoder.load_adapter(str(final))
+    a, m, b = (sample_group(pipe, "a gray square", 4, 64, 64, T, seed=3) for pipe in (adapter, merged, base))
+    assert torch.equal(a.tokens, m.tokens) and torch.allclose(a.p_logprobs, m.p_logprobs, atol=1e-4)
+    assert not torch.allclose(a.p_logprobs, b.p_logprobs, atol=1e-3)
+    # tools/merge.py, after a run, writes the same pipeline
+    import shutil
+    import sys
+    from safetensors.torch import load_file
+    from tools import merge
+    def merged_ar():
+        folder = final / "pipeline" / "vision_language_encoder"
+        return {path.name: load_file(path) for path in sorted(folder.glob("*.safetensors"))}
+
+    written = merged_ar()
+    shutil.rmtree(final / "pipeline")
+    argv, sys.argv = sys.argv, ["merge.py", str(out)]
+    try:
+        merge.main()
+    finally:
+        sys.argv = argv
+    again = merged_ar()
+    assert written and written.keys() == again.keys()
+    assert all(torch.equal(t, again[f][k]) for f in written for k, t in written[f].items())
+    card = (final / "README.md").read_text()
+    assert f"base_model: {grpo.TINY}" in card and "reward: `ssim=1,mse=0`" in card
+    assert f'pipe.vision_language_encoder.load_adapter("{final}")' in card and '"lora_rank": 4' in card
 
 
 def test_setup_training():

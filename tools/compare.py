@@ -2,11 +2,12 @@
 same seeds (`helpers/run.evaluate`, as the run's own eval lines are: with the run's settings the numbers are equal), as a
 table per reward and category (base, trained, difference) and one side-by-side image grid.
 
-  python tools/compare.py runs/shapes                   # the run's checkpoint.pt (its last step), its --eval-prompts
+  python tools/compare.py runs/shapes                   # the run's latest checkpoint, its --eval-prompts
+  python tools/compare.py runs/shapes/checkpoints/step-200   # an earlier checkpoint
   python tools/compare.py runs/shapes/final --eval-prompts examples/shapes_heldout.jsonl --eval-reward shapes_exact
 
-RUN is a grpo.py --out directory (its checkpoint.pt is evaluated) or its final/ folder (the saved AR or DiT, or the
-LoRA adapter). The model, sampling and decoding settings are the run's (config.json); --eval-prompts, --eval-samples and
+RUN is a grpo.py --out directory (its latest checkpoint is evaluated), one of its checkpoints/step-N/ folders, or its
+final/ folder (the saved AR or DiT, or the LoRA adapter). The model, sampling and decoding settings are the run's (config.json); --eval-prompts, --eval-samples and
 --eval-reward default to the run's. Writes RUN/images/compare.png (base left, trained right, the first --grid
 prompts, default run.EVAL_GRID).
 """
@@ -31,16 +32,23 @@ from helpers.parallel import load_trainable_state, start_processes  # noqa: E402
 
 
 def load_trained(policy, optimizer, path: Path, train: str = "ar") -> int | None:
-    """The run's trained weights into `policy` (set up as helpers/setup.setup_training does): from checkpoint.pt (returns its
-    step) or from a final/ folder (the whole AR, or the LoRA adapter; returns None)."""
-    if (path / "checkpoint.pt").exists():
-        state = run_io.read_checkpoint(path / "checkpoint.pt")
+    """The run's trained weights into `policy` (set up as helpers/setup.setup_training does): from a checkpoint's
+    trainer state (a run directory: its latest; or RUN/checkpoints/step-N; returns its step) or from a final/ folder
+    (the whole AR or DiT, or the LoRA adapter; returns None)."""
+    if any((path / name).exists() for name in (run_io.STATE, "checkpoints", "checkpoint.pt")):  # not final/
+        state = run_io.read_checkpoint(run_io.resume_point(path)[1])
         load_trainable_state(policy, optimizer, state)
         return state["step"]
-    if (path / "adapter_config.json").exists():
+    if (path / "adapter_config.json").exists():  # the AR's LoRA, in peft's format
         from peft import set_peft_model_state_dict
         from safetensors.torch import load_file
         set_peft_model_state_dict(policy, load_file(path / "adapter_model.safetensors"))
+    elif (path / "pytorch_lora_weights.safetensors").exists():  # the DiT's LoRA, in diffusers' format
+        from peft import set_peft_model_state_dict
+        from safetensors.torch import load_file
+        weights = load_file(path / "pytorch_lora_weights.safetensors")
+        set_peft_model_state_dict(policy, {"base_model.model." + k.removeprefix("transformer."): v
+                                           for k, v in weights.items()})
     elif train == "dit":  # the DiT of a --train dit run
         from diffusers import GlmImageTransformer2DModel
         policy.load_state_dict(GlmImageTransformer2DModel.from_pretrained(path).state_dict())
@@ -54,7 +62,11 @@ def compare(path: Path, eval_prompts: str | None = None, eval_samples: int | Non
             eval_reward: str | None = None, grid: int = run.EVAL_GRID) -> dict:
     """{"base", "trained": run.eval_record's dicts, "step": the checkpoint's step (None for final/), "prompts",
     "samples", "grid": the image written}. Raises ValueError for a path that is not a run."""
-    run_dir = path.parent if not (path / "checkpoint.pt").exists() else path  # final/ sits in its run directory
+    run_dir = path  # a run directory, or a folder in it: final/ or checkpoints/step-N/
+    if path.name == "final":
+        run_dir = path.parent
+    elif path.parent.name == "checkpoints":
+        run_dir = path.parent.parent
     if not (run_dir / "config.json").exists():
         raise ValueError(f"{path} is neither a grpo.py run directory nor its final/ folder (no config.json beside it)")
     saved = json.loads((run_dir / "config.json").read_text())
@@ -121,7 +133,7 @@ def main(argv: list[str] | None = None) -> dict:
         result = compare(args.run, args.eval_prompts, args.eval_samples, args.eval_reward, args.grid)
     except ValueError as error:
         raise SystemExit(f"compare.py: error: {error}") from None
-    step = f"checkpoint.pt, step {result['step']}" if result["step"] is not None else "final/"
+    step = f"the checkpoint of step {result['step']}" if result["step"] is not None else "final/"
     print(f"{args.run}: base vs trained ({step}) on {result['prompts']} prompts x {result['samples']} images, "
           "the same seeds")
     print(table(result))

@@ -6,7 +6,7 @@ token_truncate weights' range, the sampled tokens outside the trainer's own nucl
 training decode (--num-inference-steps 20).
 
     python tools/gpu_measure.py OUT                              # a GPU: about 5 minutes (tools/gpu_measure.sh)
-    python tools/gpu_measure.py OUT --model random:2 --size 256  # a dry run of the plumbing on a CPU, 2 layers a part
+    python tools/gpu_measure.py OUT --model random:2 --size 256 --dit 2 --short-dit 1  # a dry run on a CPU
 
 Writes OUT/measure.md (the tables), OUT/measure.json (every number) and each run's metrics.jsonl.
 """
@@ -79,6 +79,7 @@ def main() -> None:
     parser.add_argument("--size", type=int, default=1024)
     parser.add_argument("--steps", type=int, default=3, help="real-default steps")
     parser.add_argument("--short-steps", type=int, default=2, help="steps with the cheaper decode")
+    parser.add_argument("--dit", type=int, default=0, help="the real-default run's DiT steps (0: the preset's 50)")
     parser.add_argument("--short-dit", type=int, default=20, help="the cheaper decode's DiT steps")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -89,7 +90,7 @@ def main() -> None:
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
     report = [f"# The real-default step: {device}, --model {args.model}, {args.size}x{args.size}", ""]
     results = {}
-    runs = {"real defaults": ["--steps", str(args.steps)],
+    runs = {"real defaults": ["--steps", str(args.steps), *(["--num-inference-steps", str(args.dit)] if args.dit else [])],
             f"--num-inference-steps {args.short_dit}": ["--steps", str(args.short_steps), "--num-inference-steps",
                                                         str(args.short_dit)]}
     plan = planned("LoRA r=16 (defaults)") if args.model == "random" and args.size == 1024 else {}

@@ -7,7 +7,7 @@
 # Everything lands in the results folder ($OUT on the device machine, else runs/gpu_measure): measure.md, measure.json,
 # each run's metrics.jsonl, the tests' log and gpu.txt.
 #   bash tools/gpu_measure.sh                                        # on the GPU
-#   MODEL=random:2 SIZE=256 STEPS=2 SHORT_STEPS=1 MEASURE_SECONDS=1500 TESTS="-k copied_alone" \
+#   MODEL=random:2 SIZE=256 STEPS=2 SHORT_STEPS=1 DIT=2 SHORT_DIT=1 MEASURE_SECONDS=1500 TESTS="-k copied_alone" \
 #     bash tools/gpu_measure.sh                                      # a dry run of the plumbing on a CPU
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -22,7 +22,7 @@ export PYTHONUNBUFFERED=1
   python3 -c "import torch, transformers, diffusers; print(torch.__version__, transformers.__version__, diffusers.__version__)"
 } | tee "$OUT/gpu.txt"
 timeout "${MEASURE_SECONDS:-330}" python3 tools/gpu_measure.py "$OUT" --model "${MODEL:-random}" --size "${SIZE:-1024}" \
-  --steps "${STEPS:-3}" --short-steps "${SHORT_STEPS:-2}" 2>&1 | grep -v "it/s\]" | tee "$OUT/measure.log" | tail -80
+  --steps "${STEPS:-3}" --short-steps "${SHORT_STEPS:-2}" --dit "${DIT:-0}" --short-dit "${SHORT_DIT:-20}" 2>&1 | grep -v "it/s\]" | tee "$OUT/measure.log" | tail -80
 device=$([ -z "${MODEL:-}" ] && echo cuda || echo "${GRPO_TEST_DEVICE:-cpu}")
 left=$(( ${BUDGET:-470} - ($(date +%s) - began) ))  # the tests get what is left of the 8 minutes (at least 60 s)
 [ "$left" -lt 60 ] && left=60

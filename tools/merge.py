@@ -1,0 +1,44 @@
+"""A finished run's final/ merged into its base model: RUN/final/pipeline/, the whole GlmImagePipeline that
+GlmImagePipeline.from_pretrained loads alone (what grpo.py --save-merged writes at the end of a run).
+
+    python tools/merge.py runs/grpo                 # the run's own model and dtype (config.json)
+    python tools/merge.py runs/grpo --dtype bfloat16
+"""
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from helpers import run  # noqa: E402
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("run", type=Path, help="a grpo.py / dit_grpo.py --out directory with final/")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
+                        help="the merged weights' dtype (default: the run's: bfloat16 for the real model on a GPU)")
+    args = parser.parse_args()
+    run.PROG["name"] = "tools/merge.py"
+    try:
+        saved = json.loads((args.run / "config.json").read_text())
+    except (OSError, json.JSONDecodeError) as error:
+        run.fail(f"cannot read {args.run / 'config.json'} ({error}); give a run directory")
+    if not (args.run / "final").is_dir():
+        run.fail(f"{args.run} has no final/ (the run has not finished); finish it with --resume {args.run}")
+    cfg = SimpleNamespace(model=saved["model"], train=saved.get("train", "ar"), lora_rank=saved["lora_rank"])
+    if cfg.model.split(":")[0] == "random":
+        run.fail("random weights cannot be loaded again to merge into; final/ holds what was trained")
+    tiny = cfg.model in run.TINY_NAMES or saved.get("dtype") == "float32"
+    dtype = getattr(torch, args.dtype or ("float32" if tiny else "bfloat16"))
+    run.quiet_libraries()
+    run.save_merged(cfg, args.run, dtype)
+
+
+if __name__ == "__main__":
+    main()
