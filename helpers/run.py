@@ -1033,25 +1033,24 @@ def finish(r: Run) -> dict:
 
 
 def write_model_card(r: Run, summary: dict) -> None:
-    """final/README.md: the base model, what was trained on which reward and flags, the before / after picture
-    (--before-after, copied beside it), the last held-out numbers (--eval-prompts) and the lines that load it. A card
+    """final/README.md: the base model, what was trained on which reward and flags, the numbers (training, before /
+    after, held-out), the before / after picture (--before-after, copied beside it) and the lines that load it. A card
     that cannot be written only warns: the model is saved."""
-    cfg, final = r.cfg, r.out / "final"
-    base, lora = base_model(cfg.model) or cfg.model, bool(cfg.lora_rank)
+    cfg, final, base = r.cfg, r.out / "final", base_model(r.cfg.model)
     trained = {"ar": "the AR (vision_language_encoder)", "dit": "the DiT (transformer)"}[cfg.train]
-    given = {k: v for k, v in dataclasses.asdict(cfg).items()
-             if k not in ("out", "resume", "overwrite", "device", "report_to")}
-    lines = ["---", f"base_model: {base}", f"library_name: {'peft' if lora and cfg.train == 'ar' else 'diffusers'}",
+    how = f"LoRA r={cfg.lora_rank}" if cfg.lora_rank else "every weight"
+    library = "diffusers" if cfg.train == "dit" else "peft" if cfg.lora_rank else "transformers"
+    lines = ["---", *([f"base_model: {base}"] if base else []), f"library_name: {library}",
              "tags: [grpo, glm-image, text-to-image]", "---", "",
-             f"# {r.out.name}: GLM-Image, {trained} trained with GRPO", "",
-             f"- base model: `{base}`; trained: {trained}, "
-             f"{f'LoRA r={cfg.lora_rank}' if lora else 'every weight'}; {cfg.steps} steps of {cfg.prompts_per_step} "
-             f"prompt(s) x {cfg.group_size} samples per process ({r.world} process(es)) from `{cfg.prompts}`",
+             f"# {r.out.name}: GLM-Image's {trained.split(' (')[0].removeprefix('the ')}, trained with GRPO", "",
+             f"- base model: `{base or cfg.model}`; trained: {trained}, {how}",
+             f"- {cfg.steps} steps, each {cfg.prompts_per_step * r.world} prompts of `{cfg.prompts}` x "
+             f"{cfg.group_size} samples",
              f"- reward: `{cfg.reward}` (aggregation: {cfg.reward_aggregation})",
-             f"- training reward, mean of the first and last quarter of the steps: {summary['reward_first']:.4f} -> "
+             f"- training reward, the first quarter of the steps -> the last: {summary['reward_first']:.4f} -> "
              f"{summary['reward_last']:.4f}"]
     if "shown_after" in summary:
-        lines.append(f"- the same prompts and seeds before -> after: {summary['shown_before']:.4f} -> "
+        lines.append(f"- the same prompts and seeds before -> after training: {summary['shown_before']:.4f} -> "
                      f"{summary['shown_after']:.4f}")
     evals = [h for h in read_metrics(r.out) if h.get("eval")]
     if evals:  # the weighted reward, then each reward measured (--reward and --eval-reward)
@@ -1067,30 +1066,42 @@ def write_model_card(r: Run, summary: dict) -> None:
             atomic_write(final / "before_after.png", lambda f: f.write(picture.read_bytes()))
             lines += ["", "Before (left) and after (right), the same prompts and seeds:", "",
                       "![before and after](before_after.png)"]
-    imports = ["import torch", "from diffusers import GlmImagePipeline"]
-    if lora and cfg.train == "ar":
-        load = f"pipe.vision_language_encoder.load_adapter(\"{final}\")"
-    elif lora:
-        load = f"pipe.transformer.load_lora_adapter(\"{final}\")"
-    elif cfg.train == "ar":
-        imports.append("from transformers import GlmImageForConditionalGeneration")
-        load = (f"pipe.vision_language_encoder = GlmImageForConditionalGeneration.from_pretrained(\"{final}\", "
-                "dtype=torch.bfloat16).to(\"cuda\")")
-    else:
-        imports[1] += ", GlmImageTransformer2DModel"
-        load = (f"pipe.transformer = GlmImageTransformer2DModel.from_pretrained(\"{final}\", "
-                "torch_dtype=torch.bfloat16).to(\"cuda\")")
-    lines += ["", "## Use it", "", "```python", *imports,
-              f"pipe = GlmImagePipeline.from_pretrained(\"{base}\", torch_dtype=torch.bfloat16).to(\"cuda\")",
-              load, f"image = pipe(\"a red circle\", height={cfg.height}, width={cfg.width}).images[0]", "```"]
-    if cfg.save_merged:
-        lines += ["", f"Or the whole pipeline with it merged in: `GlmImagePipeline.from_pretrained(\"{final}/pipeline\")`."]
+    lines += ["", "## Use it", "", *usage(cfg, base, final, r.examples[0]["prompt"])]
+    given = {k: v for k, v in dataclasses.asdict(cfg).items()
+             if k not in ("out", "resume", "overwrite", "device", "report_to")}
     lines += ["", "## Training flags", "", "```json", json.dumps(given, indent=1), "```", ""]
     try:
         atomic_write(final / "README.md", lambda f: f.write("\n".join(lines).encode()))
     except OSError as error:
         tqdm.write(f"warning: could not write {final / 'README.md'} ({error.strerror or error}); the model is saved",
                    file=sys.stderr)
+
+
+def usage(cfg, base: str, final: Path, prompt: str) -> list[str]:
+    """The model card's lines that load `final` onto `base` and draw `prompt`."""
+    if not base:
+        return [f"`--model {cfg.model}` is GLM-Image's published shape with random weights (helpers/offline_model.py): "
+                "there is no base model to load this onto; it measures speed and memory."]
+    imports = ["import torch", "from diffusers import GlmImagePipeline"]
+    tiny = cfg.model in TINY_NAMES  # float32 on the CPU; the real model bf16 on a GPU
+    dtype, to = ("torch.float32", "") if tiny else ("torch.bfloat16", '.to("cuda")')
+    if cfg.lora_rank and cfg.train == "ar":
+        load = f'pipe.vision_language_encoder.load_adapter("{final}")'
+    elif cfg.lora_rank:
+        load = f'pipe.transformer.load_lora_adapter("{final}")'
+    elif cfg.train == "ar":
+        imports.append("from transformers import GlmImageForConditionalGeneration")
+        load = (f'pipe.vision_language_encoder = GlmImageForConditionalGeneration.from_pretrained("{final}", '
+                f'dtype={dtype}){to}')
+    else:
+        imports[1] += ", GlmImageTransformer2DModel"
+        load = f'pipe.transformer = GlmImageTransformer2DModel.from_pretrained("{final}", dtype={dtype}){to}'
+    lines = ["```python", *imports,
+             f'pipe = GlmImagePipeline.from_pretrained("{base}", dtype={dtype}){to}', load,
+             f"image = pipe({json.dumps(prompt)}, height={cfg.height}, width={cfg.width}).images[0]", "```"]
+    if cfg.save_merged:
+        lines += ["", f'Or the whole pipeline with it merged in: `GlmImagePipeline.from_pretrained("{final}/pipeline")`.']
+    return lines
 
 
 def save_merged(cfg, out: Path, dtype: torch.dtype) -> None:
