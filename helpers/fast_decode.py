@@ -139,8 +139,10 @@ def decode(model, input_ids: torch.Tensor, valid: torch.Tensor, positions: torch
         logits.copy_(forward(token, P + t))
         t.add_(1)
 
-    repeat_step(step, N, draw, capture=static and device.type == "cuda")
-    bar.close()
+    try:
+        repeat_step(step, N, draw, capture=static and device.type == "cuda")
+    finally:
+        bar.close()
     return tokens, q_logprobs, p_logprobs, support
 
 

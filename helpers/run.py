@@ -374,7 +374,7 @@ def prepare(cfg, argv: list[str] | None, table: dict, train: str = "ar") -> Run:
     try:
         if cfg.resume:
             out, state = resume_point(out)  # the run directory, its latest (or the named) checkpoint
-            saved, start, saved_world = read_resume(out, state)  # config.json; the step and processes of `state`
+            saved, start, total = read_resume(out, state)  # config.json; `state`'s step and groups a step
             trains = saved.get("train", "ar")
         if trains != train and trains in SCRIPTS:  # one entry point per trained model (each its own Config)
             what = f"{out} trains the {trains.upper()}" if cfg.resume else f"--train {trains}"
@@ -392,8 +392,8 @@ def prepare(cfg, argv: list[str] | None, table: dict, train: str = "ar") -> Run:
                                           out=str(out))
             except TypeError:
                 raise ValueError(f"{out / 'config.json'} is not a grpo.py config (its fields differ); restore it from "
-                                 "the checkpoint's copy (torch.load(checkpoint.pt)['config'])") from None
-            total, world = cfg.prompts_per_step * saved_world, int(os.environ.get("WORLD_SIZE", 1))
+                                 f"the checkpoint's copy (torch.load('{state}')['config'])") from None
+            world = int(os.environ.get("WORLD_SIZE", 1))
             if total % world:  # the same groups per step on another number of processes, or refuse
                 raise ValueError(f"{out} trains {total} groups per step; {world} processes cannot share them evenly: "
                                  f"resume on a number of processes that divides {total}")
@@ -404,10 +404,10 @@ def prepare(cfg, argv: list[str] | None, table: dict, train: str = "ar") -> Run:
                                  f"total, so pass more than {start}")
             later = [folder.name for step, folder in checkpoint_steps(out) if step > start]
             if later and not cfg.overwrite:  # going back: what came after would be redone and replaced
+                final = " and final/" if (out / "final").exists() else ""
                 raise ValueError(f"--resume {cfg.resume} goes back to step {start}, and {out} has later checkpoints "
-                                 f"({', '.join(later)}) and final/ that the run would replace: keep a copy of what you "
-                                 "need, then add --overwrite to delete them (or resume the latest: --resume "
-                                 f"{out})")
+                                 f"({', '.join(later)}){final} that the run would replace: keep a copy of what you "
+                                 f"need, then add --overwrite to delete them (or resume the latest: --resume {out})")
         validate(cfg)
         check_reporter(cfg.report_to)
         check_out_dir(out)
@@ -423,11 +423,19 @@ def prepare(cfg, argv: list[str] | None, table: dict, train: str = "ar") -> Run:
                              "replace it, or another --out")
     except ValueError as error:
         fail(str(error))
-    if cfg.resume and cfg.steps == start:
+    if cfg.resume and cfg.steps == start and finished(out) == start:
         print(f"{out} has done all {start} steps of --steps {cfg.steps}: nothing to do (pass a larger --steps to "
               "train on)")
-        raise SystemExit(0)
+        raise SystemExit(0)  # (a run that stopped while writing final/ has no step to do, then its end again)
     return Run(cfg, out, start, state, examples, rewards, evals)
+
+
+def finished(out: Path) -> int | None:
+    """The steps of the model in out/final/, as final/run.json (written last) records them; None when final/ is
+    missing or was left unfinished."""
+    with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+        return json.loads((out / "final" / "run.json").read_text())["steps"]
+    return None
 
 
 def fail(message: str, code: int = 2) -> None:
@@ -1006,7 +1014,8 @@ def base_model(model: str) -> str:
 
 def finish(r: Run) -> dict:
     """The last checkpoint; final/ (the trained model as save_trained writes it, with a model card); curves.png; the
-    after grid (--before-after); with --save-merged final/pipeline/; the summary line. Leaves torchrun's process
+    after grid (--before-after); with --save-merged final/pipeline/; the summary line; final/run.json last (the steps
+    and the summary: what `finished` reads). Leaves torchrun's process
     group. Returns the summary."""
     try:
         save_run(r, r.cfg.steps)
@@ -1029,6 +1038,9 @@ def finish(r: Run) -> dict:
         write_model_card(r, summary)
         if r.cfg.save_merged:
             save_merged(r.cfg, r.out, r.dtype)
+        with contextlib.suppress(OSError):  # final/ is complete: a --resume with no step to do has nothing to do
+            record = json.dumps({"steps": r.cfg.steps, **summary}).encode()
+            atomic_write(r.out / "final" / "run.json", lambda f: f.write(record))
     return summary
 
 
@@ -1047,8 +1059,8 @@ def write_model_card(r: Run, summary: dict) -> None:
              f"- {cfg.steps} steps, each {cfg.prompts_per_step * r.world} prompts of `{cfg.prompts}` x "
              f"{cfg.group_size} samples",
              f"- reward: `{cfg.reward}` (aggregation: {cfg.reward_aggregation})",
-             f"- training reward, the first quarter of the steps -> the last: {summary['reward_first']:.4f} -> "
-             f"{summary['reward_last']:.4f}"]
+             f"- training reward, the mean of the first and of the last quarter of the steps (whole passes over the "
+             f"prompts where one fits): {summary['reward_first']:.4f} -> {summary['reward_last']:.4f}"]
     if "shown_after" in summary:
         lines.append(f"- the same prompts and seeds before -> after training: {summary['shown_before']:.4f} -> "
                      f"{summary['shown_after']:.4f}")
@@ -1066,7 +1078,7 @@ def write_model_card(r: Run, summary: dict) -> None:
             atomic_write(final / "before_after.png", lambda f: f.write(picture.read_bytes()))
             lines += ["", "Before (left) and after (right), the same prompts and seeds:", "",
                       "![before and after](before_after.png)"]
-    lines += ["", "## Use it", "", *usage(cfg, base, final, r.examples[0]["prompt"])]
+    lines += ["", "## Use it", "", *usage(cfg, base, final.resolve(), r.examples[0]["prompt"])]
     given = {k: v for k, v in dataclasses.asdict(cfg).items()
              if k not in ("out", "resume", "overwrite", "device", "report_to")}
     lines += ["", "## Training flags", "", "```json", json.dumps(given, indent=1), "```", ""]

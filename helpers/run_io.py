@@ -10,6 +10,7 @@ import dataclasses
 import importlib.util
 import json
 import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -20,7 +21,8 @@ from PIL import Image, ImageDraw
 
 
 RUN_FILES = ("config.json", "metrics.jsonl", "samples.jsonl", "checkpoint.pt", "checkpoints", "images", "final",
-             "curves.png")  # a run's files in --out (checkpoint.pt: the one checkpoint of runs before checkpoints/)
+             "final.tmp", "final.old", "curves.png")  # a run's files in --out (checkpoint.pt: a run's one checkpoint
+# before checkpoints/ existed; final.tmp / .old: what a killed write of final/ leaves)
 STATE = "trainer_state.pt"  # in each checkpoints/step-N/, beside the loadable model: what --resume reads
 CHECKPOINT_KEYS = {"weights", "optimizer", "step", "config", "rng"}
 
@@ -59,7 +61,7 @@ def resume_point(path: Path) -> tuple[Path, Path]:
     """--resume's argument -> (the run directory, the trainer state to load): a run directory (its latest
     checkpoint), or one of its checkpoints (RUN/checkpoints/step-N). A run saved before checkpoints/ existed
     resumes from its checkpoint.pt. Raises ValueError naming what is missing."""
-    if (path / STATE).is_file() and path.parent.name == "checkpoints":
+    if path.parent.name == "checkpoints" and re.fullmatch(r"step-\d+", path.name) and (path / STATE).is_file():
         return path.parent.parent, path / STATE
     saved = checkpoint_steps(path)
     if saved:
@@ -71,9 +73,10 @@ def resume_point(path: Path) -> tuple[Path, Path]:
 
 
 def read_resume(out: Path, state_path: Path) -> tuple[dict, int, int]:
-    """The saved config (config.json) of the run in `out`, and the number of finished steps and of processes of
-    the trainer state `state_path`. Raises ValueError naming the file if either is missing, truncated or not
-    written by grpo.py."""
+    """The saved config (config.json) of the run in `out`; of the trainer state `state_path`, the number of finished
+    steps and the groups a step trained over all processes (its own config's prompts per step x its processes: a
+    resumed run may have run on another number of processes since). Raises ValueError naming the file if either is
+    missing, truncated or not written by grpo.py."""
     config_path = out / "config.json"
     if not config_path.is_file():
         raise ValueError(f"--resume {out}: no config.json there; resume a directory a run saved into")
@@ -84,7 +87,7 @@ def read_resume(out: Path, state_path: Path) -> tuple[dict, int, int]:
         raise ValueError(f"{config_path} is truncated or not a grpo.py config; restore it from the checkpoint's "
                          f"copy (torch.load('{state_path}')['config']) or start a new run") from None
     state = read_checkpoint(state_path)
-    return config, state["step"], state.get("world", 1)
+    return config, state["step"], state["config"]["prompts_per_step"] * state.get("world", 1)
 
 
 def read_checkpoint(path: Path) -> dict:
@@ -134,7 +137,8 @@ def open_run_dir(out: Path, cfg, start: int) -> list[dict]:
     kept = [h for h in read_metrics(out) if h["step"] < start or (h.get("eval") and h["step"] == start)] \
         if cfg.resume else []
     samples = [row for row in read_metrics(out, "samples.jsonl") if row["step"] < start] if cfg.resume else []
-    atomic_write(out / "config.json", lambda f: f.write(json.dumps(dataclasses.asdict(cfg), indent=2).encode()))
+    saved = {**dataclasses.asdict(cfg), "overwrite": False}  # what a later --resume continues: never to delete
+    atomic_write(out / "config.json", lambda f: f.write(json.dumps(saved, indent=2).encode()))
     atomic_write(out / "metrics.jsonl", lambda f: f.write("".join(json.dumps(h) + "\n" for h in kept).encode()))
     atomic_write(out / "samples.jsonl", lambda f: f.write("".join(json.dumps(s) + "\n" for s in samples).encode()))
     return [h for h in kept if not h.get("eval")]
@@ -294,11 +298,13 @@ def save_checkpoint(folder: Path, model, model_weights: dict | None, weights: di
 
 
 def prune_checkpoints(out: Path, keep: int) -> list[Path]:
-    """--save-total-limit: remove all but the `keep` latest checkpoints (0: keep them all). Returns the removed."""
+    """After a save: --save-total-limit removes all but the `keep` latest checkpoints (0: keep them all), and what a
+    killed save left (step-N.tmp, step-N.old) goes. Returns the removed."""
     saved = [folder for _, folder in checkpoint_steps(out)]
     removed = saved[:-keep] if keep > 0 else []
+    removed += [*(out / "checkpoints").glob("step-*.tmp"), *(out / "checkpoints").glob("step-*.old")]
     for folder in removed:
-        shutil.rmtree(folder)
+        shutil.rmtree(folder, ignore_errors=True)
     return removed
 
 
@@ -336,8 +342,9 @@ def diffusers_lora(model, folder: Path, state_dict: dict | None = None) -> None:
     the .safetensors): both are written, the same tensors."""
     from peft.utils import get_peft_model_state_dict
     from safetensors.torch import save_file
+    adapter = get_peft_model_state_dict(model, state_dict=state_dict, save_embedding_layers=False)
     weights = {"transformer." + name.removeprefix("base_model.model."): value.detach().cpu().contiguous()
-               for name, value in get_peft_model_state_dict(model, state_dict=state_dict).items()}
+               for name, value in adapter.items()}
     config = {f"transformer.{key}": sorted(value) if isinstance(value, set) else value
               for key, value in model.peft_config["default"].to_dict().items()}
     header = {"format": "pt", "lora_adapter_metadata": json.dumps(config, indent=2, sort_keys=True)}

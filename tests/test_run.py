@@ -457,6 +457,18 @@ def test_checkpoints_roll_back(tmp_path, capsys):
     expect_exit(["--resume", str(out), "--steps", "6", "--kl-beta", "0"], 2, "cannot take --kl-beta", capsys)
 
 
+def test_resume_keeps_the_checkpoints_batch(tmp_path):
+    """A resumed step trains the groups of the checkpoint it resumes (its prompts per step x its processes), even
+    when a later launch on another number of processes rewrote config.json's per-process count (a Ctrl-C right after
+    such a resume keeps the older checkpoint: the review of issue 58 found the batch shrinking silently there)."""
+    out = tmp_path / "run"
+    tiny_run(tmp_path, out, "--steps", "1", "--prompts-per-step", "2")
+    config = json.loads((out / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps({**config, "prompts_per_step": 1}))  # as 2 processes save it
+    grpo.main(["--resume", str(out), "--steps", "2"])
+    assert [len(x["prompts"]) for x in run_record(out)] == [2, 2]
+
+
 def test_inner_bars(tmp_path, monkeypatch, capsys):
     """Work that runs longer than parallel.INNER_DELAY (the real model's) shows bars under the step's: the token draws,
     the DiT steps, an evaluation's prompts; the tiny model's steps end before (its terminal output as it was)."""
@@ -689,6 +701,10 @@ def test_main_disk_full(tmp_path, capsys, monkeypatch):
     assert latest_state(run)["step"] == 3
     assert snapshot(run / "final") == {p: b for p, b in good.items() if "final" in p.parts}
     assert not (run / "final.tmp").exists()
+    # the command the line gives: no step to do, only the end again (final/ of step 3)
+    grpo.main(["--resume", str(run), "--steps", "3"])
+    assert len(run_record(run)) == 3 and helpers_run.finished(run) == 3
+    assert snapshot(run / "final") != {p: b for p, b in good.items() if "final" in p.parts}
     # an image grid on a full disk: a warning, and the run goes on to its end
     monkeypatch.setattr(run_io.Image.Image, "save", lambda self, f, *a, **k: (f.write(b"partial"), no_space()))
     grpo.main(["--resume", str(run), "--steps", "4"])
