@@ -37,9 +37,7 @@ from .run_io import (RUN_FILES, Reporter, append_metrics, atomic_folder, atomic_
 
 SCRIPTS = {"ar": "grpo.py", "dit": "dit_grpo.py"}  # the entry point of each --train
 PROG = {"name": "grpo.py"}  # the script the messages name: set by prepare
-ROOT = Path(__file__).resolve().parent.parent
-TINY_NAMES = {"tiny": ROOT / "tiny_glm_image",  # grpo.TINY_MODELS: shipped folders, the tiny defaults, float32
-              "tiny-edit": ROOT / "tiny_glm_image_edit"}
+TINY_NAMES = ("tiny", "tiny-edit")  # grpo.TINY_MODELS' names: shipped folders, the tiny defaults, float32
 RESUMABLE = ("steps", "device", "report_to", "save_every", "save_total_limit", "save_merged", "image_every",
              "eval_every", "overwrite")  # what --resume may change: when to stop, where, bookkeeping; not the objective
 
@@ -1006,9 +1004,10 @@ def save_run(r: Run, step: int) -> None:
 def base_model(model: str) -> str:
     """What a saved adapter names as its base (adapter_config.json, the model card): a hub id as given, a folder as
     its absolute path (the tiny models' included), nothing for random weights (they cannot be loaded again)."""
+    import grpo  # here, not above: grpo.py imports this file
     if model.split(":")[0] == "random":
         return ""
-    folder = Path(TINY_NAMES.get(model, model))
+    folder = Path(grpo.TINY_MODELS.get(model, model))
     return str(folder.resolve()) if folder.is_dir() else model
 
 
@@ -1121,10 +1120,10 @@ def save_merged(cfg, out: Path, dtype: torch.dtype) -> None:
     part in it (LoRA merged into its weights), which GlmImagePipeline.from_pretrained(folder) loads alone. Built as a
     user would: the base pipeline (`cfg.model`) loaded again on the CPU in `dtype`, final/ loaded into it with the
     standard calls, merged, saved (whole or not at all)."""
-    from diffusers import GlmImagePipeline
+    import grpo  # here, not above: grpo.py imports this file
     final = out / "final"
     with loading(cfg.model):
-        pipe = GlmImagePipeline.from_pretrained(TINY_NAMES.get(cfg.model, cfg.model), dtype=dtype)
+        pipe = grpo.load_glm_image(cfg.model, "cpu", dtype)
     if cfg.train == "ar" and cfg.lora_rank:
         from peft import PeftModel
         pipe.vision_language_encoder = PeftModel.from_pretrained(pipe.vision_language_encoder, final).merge_and_unload()

@@ -11,7 +11,6 @@ import sys
 from pathlib import Path
 from types import SimpleNamespace
 
-import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -34,8 +33,7 @@ def main() -> None:
     cfg = SimpleNamespace(model=saved["model"], train=saved.get("train", "ar"), lora_rank=saved["lora_rank"])
     if cfg.model.split(":")[0] == "random":
         run.fail("random weights cannot be loaded again to merge into; final/ holds what was trained")
-    tiny = cfg.model in run.TINY_NAMES or saved.get("dtype") == "float32"
-    dtype = getattr(torch, args.dtype or ("float32" if tiny else "bfloat16"))
+    dtype = run.compute_settings("cuda", args.dtype or saved.get("dtype", "auto"), cfg.model)  # a GPU run's dtype
     run.quiet_libraries()
     run.save_merged(cfg, args.run, dtype)
 
