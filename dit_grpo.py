@@ -45,7 +45,7 @@ from diffusers.schedulers.scheduling_flow_match_euler_discrete import FlowMatchE
 
 import grpo  # the AR's sampler, the decoder, rewards, the loss and the set-up: shared with the AR's GRPO
 from helpers import run, setup, variants  # the run's plumbing, the set-up and the variants, as grpo.py's
-from helpers.parallel import all_agree, interrupts_held, sync_gradients, unsharded
+from helpers.parallel import all_agree, interrupts_held, rows_per_process, sync_gradients, unsharded
 
 
 def sde_step(x: torch.Tensor, v: torch.Tensor, sigma: torch.Tensor, sigma_next: torch.Tensor,
@@ -182,7 +182,7 @@ def chain_logprobs(transformer, chain: Chain, steps: list[int], noise_level: flo
 
 def train_step(policy, optimizer, chains: list[Chain], advantages: torch.Tensor, ref_model, *, noise_level: float,
                steps: list[int], clip_eps: float, kl_beta: float, micro_batch_size: int, max_grad_norm: float,
-               clip_eps_high: float | None = None) -> dict:
+               clip_eps_high: float | None = None, in_loss: torch.Tensor | None = None) -> dict:
     """One optimizer step of the DiT on P groups of chains with (P, G) advantages; returns metrics.
 
     Each denoising step in `steps` (all of them, or a window: fewer steps, less compute) is one "token" of
@@ -191,18 +191,24 @@ def train_step(policy, optimizer, chains: list[Chain], advantages: torch.Tensor,
     switched off). The old policy is the current one (one update per batch of chains), so the first ratio is exactly
     1. The backward runs per micro-batch of samples and per denoising step (as Flow-GRPO loops over timesteps), each
     piece weighted by its share of the P*G samples x S steps: the gradient is the full batch's, and the memory that of
-    one step's graph for `micro_batch_size` samples, whatever the window.
+    one step's graph for `micro_batch_size` samples, whatever the window. A group out of the loss (`in_loss` False:
+    a non-finite reward) runs its pieces with their loss times 0 (under torchrun every process joins each
+    collective); a step with none in the loss, on any process, is skipped.
     """
     policy.eval()  # no dropout: the trainer's Gaussian must be the sampler's
-    if not chains:  # every group left the step (a non-finite reward): nothing to learn from
+    if in_loss is None:
+        in_loss = torch.ones(len(chains), dtype=torch.bool)
+    if all_agree(not in_loss.any()):  # every group left the step (a non-finite reward): nothing to learn from
         return {"skipped": 1}
     optimizer.zero_grad(set_to_none=True)
-    n, S = advantages.numel(), len(steps)
+    # the loss is a mean over samples and steps: each piece weighs its share of this process's (FSDP averages the
+    # processes' gradients: over the mean count of every process's, for the gradient)
+    n, n_all, S = advantages[in_loss].numel(), rows_per_process(advantages[in_loss].numel()), len(steps)
     totals, gap, ratio_min, ratio_max, finite = {}, 0.0, math.inf, -math.inf, True
-    pieces = [(chain, adv, slice(start, start + micro_batch_size), i)  # micro-batches of samples x single steps
-              for chain, adv in zip(chains, advantages) for start in range(0, len(adv), micro_batch_size)
+    pieces = [(chain, adv, keep, slice(start, start + micro_batch_size), i)  # micro-batches of samples x single steps
+              for chain, adv, keep in zip(chains, advantages, in_loss) for start in range(0, len(adv), micro_batch_size)
               for i in steps]
-    for k, (chain, adv, rows, i) in enumerate(pieces):
+    for k, (chain, adv, keep, rows, i) in enumerate(pieces):
         logp, means, stds = chain_logprobs(policy, chain, [i], noise_level, rows)  # (mb, 1), with grad
         eps = variants.clip_range(adv[rows], clip_eps, clip_eps_high)  # --clip-eps-high: per sample
         loss, m = grpo.grpo_loss(logp, logp.detach(), None, adv[rows], eps, 0.0)  # a step = a token
@@ -213,10 +219,10 @@ def train_step(policy, optimizer, chains: list[Chain], advantages: torch.Tensor,
                 ref_means = chain_logprobs(ref_model, chain, [i], noise_level, rows)[1]
             kl = gaussian_kl(means[:, 0], ref_means[:, 0], stds[0].to(means.device))[:, None]  # (mb, 1)
             loss = loss + kl_beta * kl.mean()
-        share = logp.shape[0] / n / S  # the loss is a mean over samples and steps: each piece adds its share
+        share = logp.shape[0] / n / S if keep else 0.0
         finite = finite and bool(torch.isfinite(loss))
         sync_gradients(policy, k == len(pieces) - 1)  # FSDP + LoRA: reduce across processes after the last
-        (loss * share).backward()  # one step's graph at a time: memory of one step, whatever the window
+        (loss * share * n / n_all).backward()  # one step's graph at a time: memory of one step, whatever the window
         gap = max(gap, (logp.detach()[:, 0] - chain.logprobs[rows][:, i]).abs().max().item())
         ratio_min, ratio_max = min(ratio_min, m["ratio_min"]), max(ratio_max, m["ratio_max"])
         for key, value in (("loss", loss.item()), ("policy_loss", m["policy_loss"]), ("kl", kl.mean().item()),
@@ -307,18 +313,17 @@ def main(argv: list[str] | None = None) -> dict:
                           for ex, t, s in zip(batch, tokens, seeds)]
             with run.timed(seconds, "reward", cfg):  # 3.-4. as for the AR
                 reward, each = grpo.group_rewards([c.images for c in chains], batch, rewards)
-                kept = run.finite_groups(r, step, reward, each, batch)  # NaN / inf: out, warned
-                advantages = grpo.group_advantages(reward[kept])
-                advantages = variants.advantages(advantages, [], reward, each, kept, cfg)  # --scale-rewards
-                trained = [chain for chain, keep in zip(chains, kept) if keep]
+                in_loss = run.finite_groups(r, step, reward, each, batch)  # (P,): NaN / inf: A = 0, out, warned
+                advantages = variants.advantages(grpo.group_advantages(reward), [], reward, each, in_loss,
+                                                 cfg)  # --scale-rewards
             with interrupts_held():
                 with run.timed(seconds, "train", cfg), r.autocast:  # 5. the update, each trained step a token
-                    metrics = train_step(policy, optimizer, trained, advantages, ref_model, noise_level=cfg.sde_noise,
+                    metrics = train_step(policy, optimizer, chains, advantages, ref_model, noise_level=cfg.sde_noise,
                                          steps=window(len(chains[0].timesteps), cfg.sde_window),
                                          clip_eps=cfg.clip_eps, clip_eps_high=cfg.clip_eps_high,
                                          kl_beta=cfg.kl_beta, micro_batch_size=cfg.micro_batch_size,
-                                         max_grad_norm=cfg.max_grad_norm)
-                run.log_step(r, step, groups, reward, each, advantages, kept, [c.latents[:, -1] for c in chains],
+                                         max_grad_norm=cfg.max_grad_norm, in_loss=in_loss)
+                run.log_step(r, step, groups, reward, each, advantages, in_loss, [c.latents[:, -1] for c in chains],
                              metrics, seconds)
             run.after_step(r, step, batch, [c.images for c in chains], reward, each)
     return run.finish(r)

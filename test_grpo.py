@@ -13,7 +13,6 @@ random weights, so its samples differ; `sharp_pipe`: random and peaked, so wrong
 import ast
 import copy
 import dataclasses
-import functools
 import inspect
 import json
 import math
@@ -130,6 +129,27 @@ def test_disable_dropout():
     grpo.disable_dropout(ar)
     with torch.no_grad():
         assert (grpo.token_logprobs(ar, r.inputs, r.tokens, T) - r.q_logprobs).abs().max() <= 1e-5
+
+
+def test_active_dropout(pipe):
+    """The modules that drop out now: an attention dropout or a LoRA-style nn.Dropout with p > 0, in train mode only;
+    and train_step refuses to run on such a policy, in one line (with dropout pi would not be pi_old at update 2)."""
+    ar = copy.deepcopy(pipe.vision_language_encoder)
+    assert grpo.active_dropout(ar.train()) == []
+    ar.model.language_model.layers[0].self_attn.attention_dropout = 0.3
+    ar.model.language_model.layers[1].mlp.add_module("lora_dropout", torch.nn.Dropout(0.1))
+    dropping = grpo.active_dropout(ar)
+    assert dropping == ["model.language_model.layers.0.self_attn", "model.language_model.layers.1.mlp.lora_dropout"]
+    assert grpo.active_dropout(ar.eval()) == []  # in eval mode nothing drops out
+    r = sample_group(pipe, "a cat", 2, 64, 64, T, seed=0)
+    ar.activation_checkpointing_enable()  # train_step puts a checkpointing model in train mode: dropout would act
+    opt = torch.optim.SGD([p for p in ar.parameters() if p.requires_grad], lr=0.0)
+    with pytest.raises(ValueError, match=r"^train_step: model.language_model.layers.0.self_attn drops out in train "
+                                         r"mode, so pi != pi_old; set its p to 0 \(disable_dropout\)"):
+        grpo.train_step(ar, opt, grpo.micro_batches([r], torch.tensor([[1.0, -1.0]]), 2), None, grpo.micro_batch_loss,
+                        loss_settings(), temperature=T, mu=2, max_grad_norm=1.0)
+    grpo.disable_dropout(ar)  # zeroes nn.Dropout's p and the attention dropouts
+    assert grpo.active_dropout(ar.train()) == []
 
 
 def test_reference_model(pipe):
@@ -606,17 +626,17 @@ def test_sampler_correction():
 
 # ---- 9. Update ----------------------------------------------------------------------------------
 
-def lesson_loss(clip_eps=0.2, kl_beta=0.0, **settings):
-    """micro_batch_loss with its settings, as main builds it."""
-    return functools.partial(grpo.micro_batch_loss, clip_eps=clip_eps, kl_beta=kl_beta, **settings)
+def loss_settings(clip_eps=0.2, kl_beta=0.0, **settings):
+    """micro_batch_loss' settings, as main builds them."""
+    return grpo.LossSettings(clip_eps=clip_eps, kl_beta=kl_beta, **settings)
 
 
 def gradients(policy, rollouts, advantages, micro_batch_size, ref=None, mu=1, lr=0.0, **settings):
     """train_step on `policy` (SGD at `lr`, no gradient clip) -> the last update's gradients by name, and the metrics."""
     opt = torch.optim.SGD([p for p in policy.parameters() if p.requires_grad], lr=lr)
     batches = grpo.micro_batches(rollouts, advantages, micro_batch_size)
-    m = grpo.train_step(policy, opt, batches, ref, lesson_loss(**settings), temperature=T, mu=mu,
-                        max_grad_norm=math.inf)
+    m = grpo.train_step(policy, opt, batches, ref, grpo.micro_batch_loss, loss_settings(**settings), temperature=T,
+                        mu=mu, max_grad_norm=math.inf)
     return {n: p.grad.clone() for n, p in policy.named_parameters() if p.grad is not None}, m
 
 
@@ -669,11 +689,11 @@ def test_micro_batch_loss(random_pipe):
     large = slice(mb.n_preview, None)
     for shift, weight in [(0.0, 1.0), (0.3, math.exp(0.3)), (1.0, 2.0)]:
         off = mb._replace(sampler_logprobs=mb.sampler_logprobs - shift)  # pi_old / pi_sampler = e^shift
-        loss, m = grpo.micro_batch_loss(distribution, off, old, None, clip_eps=0.2, kl_beta=0.0)
+        loss, m = grpo.micro_batch_loss(distribution, off, old, None, loss_settings())
         want, _ = grpo.grpo_loss(old[:, large], old[:, large], None, mb.advantages, 0.2, 0.0)
         assert loss.item() == pytest.approx(weight * want.item(), rel=1e-4) and m["loss"] == loss.item()
     ref = old - 0.1
-    _, with_ref = grpo.micro_batch_loss(distribution, mb, old, ref, clip_eps=0.2, kl_beta=0.1)
+    _, with_ref = grpo.micro_batch_loss(distribution, mb, old, ref, loss_settings(kl_beta=0.1))
     d = (ref - old)[:, large]
     assert with_ref["kl"] == pytest.approx((d.exp() - d - 1).mean().item())  # the KL of the large grid only
 
@@ -724,8 +744,8 @@ def test_train_step_nonfinite(pipe):
     _, m = gradients(policy, [r], torch.tensor([[float("nan"), 1.0, -1.0, 0.0]]), 2, lr=1e-2)
     assert m["skipped"] == 1 and all(torch.equal(p, q) for p, q in zip(before, policy.parameters()))
     opt = torch.optim.SGD(policy.parameters(), lr=1.0)
-    assert grpo.train_step(policy, opt, [], None, lesson_loss(), temperature=T, mu=2, max_grad_norm=1.0) == {
-        "skipped": 2}
+    assert grpo.train_step(policy, opt, [], None, grpo.micro_batch_loss, loss_settings(), temperature=T, mu=2,
+                           max_grad_norm=1.0) == {"skipped": 2}
 
 
 def test_train_step_correction(random_pipe):
@@ -792,9 +812,9 @@ def test_main(tmp_path):
                          "--steps", "2", "--group-size", "4", "--height", "64", "--width", "64",
                          "--before-after", "0", "--image-every", "1"])
     lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [x["step"] for x in lines] == [0, 1] and all(x["ratio_min"] <= 1 <= x["ratio_max"] for x in lines)
+    assert [x["step"] for x in lines] == [1, 2] and all(x["ratio_min"] <= 1 <= x["ratio_max"] for x in lines)
     assert all(math.isfinite(x["loss"]) and x["skipped"] == 0 for x in lines) and summary["skipped"] == 0
-    assert sorted(p.name for p in (out / "images").iterdir()) == ["step_00000.png", "step_00001.png"]
+    assert sorted(p.name for p in (out / "images").iterdir()) == ["step_00001.png", "step_00002.png"]
     from transformers import GlmImageForConditionalGeneration
     trained = GlmImageForConditionalGeneration.from_pretrained(out / "final")
     assert not torch.equal(trained.lm_head.weight, grpo.load_glm_image("tiny").vision_language_encoder.lm_head.weight)
@@ -832,8 +852,9 @@ images = [grpo.decode_images(pipe, p, r.tokens, r.large_hw, 64, 64, 1, 0, 1.0) f
 reward, each = grpo.group_rewards(images, [dict(target=torch.zeros(3, 64, 64))] * 2, {{"ssim": (grpo.ssim_reward, 1.0)}})
 advantages = grpo.group_advantages(reward)
 batches = grpo.micro_batches(rollouts, advantages, cfg.micro_batch_size)
-loss = lambda *args: grpo.micro_batch_loss(*args, clip_eps=cfg.clip_eps, kl_beta=cfg.kl_beta)
-m = grpo.train_step(policy, opt, batches, ref, loss, temperature=cfg.temperature, mu=cfg.mu, max_grad_norm=1.0)
+settings = grpo.LossSettings(clip_eps=cfg.clip_eps, kl_beta=cfg.kl_beta)
+m = grpo.train_step(policy, opt, batches, ref, grpo.micro_batch_loss, settings, temperature=cfg.temperature, mu=cfg.mu,
+                    max_grad_norm=1.0)
 assert math.isfinite(m["loss"]) and m["skipped"] == 0 and m["kl"] >= 0 and m["ratio_min"] <= 1 <= m["ratio_max"], m
 print("copied alone:", reward.shape, advantages.shape, round(m["loss"], 4))
 """
@@ -921,11 +942,11 @@ def test_objective_defaults_match_cli():
              "cap": "sampler_cap", "clip_eps": "clip_eps", "kl_beta": "kl_beta"}
     checked = []
     for name, fn in vars(grpo).items():
-        if not inspect.isfunction(fn) or fn.__module__ != grpo.__name__:
+        if not (inspect.isfunction(fn) or fn is grpo.LossSettings) or fn.__module__ != grpo.__name__:
             continue
         for param in inspect.signature(fn).parameters.values():
             field = "sampler_correction" if (name, param.name) == ("sampler_correction", "mode") else names.get(param.name)
             if field and param.default is not inspect.Parameter.empty:
                 assert param.default == getattr(cli, field), f"{name}({param.name}={param.default!r})"
                 checked.append(f"{name}.{param.name}")
-    assert {"micro_batch_loss.correction", "sampler_correction.mode", "code_logprobs.top_p"} <= set(checked)
+    assert {"LossSettings.correction", "LossSettings.cap", "sampler_correction.mode", "code_logprobs.top_p"} <= set(checked)

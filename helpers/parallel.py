@@ -121,6 +121,16 @@ def all_agree(flag: bool) -> bool:
     return bool(t.item())
 
 
+def rows_per_process(n: int) -> float:
+    """The mean of `n` over the processes (each process's sequences in the loss): FSDP averages the processes'
+    gradients, so a loss that is a mean over this many rows per process is the mean over every process's rows."""
+    if not distributed():
+        return n
+    t = torch.tensor(float(n), dtype=torch.float64)
+    dist.all_reduce(t)
+    return t.item() / dist.get_world_size()
+
+
 def gather_rows(t: torch.Tensor) -> torch.Tensor:
     """(P, ...) on each process -> (world * P, ...) in rank order, on every process."""
     if not distributed():

@@ -25,7 +25,7 @@ import torch
 from PIL import Image
 from tqdm.auto import tqdm
 
-from .parallel import (INTERRUPT, all_agree, final_weights, gather_list, gather_rows, inner_bar, interrupts_caught,
+from .parallel import (INTERRUPT, final_weights, gather_list, gather_rows, inner_bar, interrupts_caught,
                        load_trainable_state, reduce_metrics, start_processes, stop_processes, stop_requested,
                        trainable_state, unsharded)
 from .rewards import CheckpointError, import_reward, with_checkpoint
@@ -229,11 +229,18 @@ def with_run_settings(config: type) -> type:
     return _WITH_RUN[config]
 
 
+class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """--help with each flag's default, except where the default is None: a field whose default depends on the model
+    (grpo.preset) says its defaults in its own help."""
+
+    def _get_help_string(self, action):
+        return action.help if action.default is None else super()._get_help_string(action)
+
+
 def config_parser(config, default=None) -> argparse.ArgumentParser:
     """One flag per field of the dataclass `config` (the name with dashes), defaulting to the field's default (or to
     `default`); a field's metadata gives its --help."""
-    parser = argparse.ArgumentParser(description="GRPO on GLM-Image",
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser = argparse.ArgumentParser(description="GRPO on GLM-Image", formatter_class=DefaultsHelpFormatter)
     for f in dataclasses.fields(config):
         kinds = {"int | None": int, "float | None": float, "bool | None": bool}  # optional: a model-dependent default
         flag, kind = "--" + f.name.replace("_", "-"), kinds.get(str(f.type), f.type)
@@ -311,6 +318,10 @@ def load_examples(examples: list[dict], rewards: dict, height: int, width: int) 
     become (3, H, W) float32 tensors in [0, 1] (resized with a one-line note if their size differs)."""
     loaded = []
     for example in examples:
+        for role in ("target", "source"):  # before the rewards' own checks, which may open the files
+            if example[role] is not None and not Path(example[role]).is_file():
+                raise ValueError(f"{example['where']}: {role} {example[role]} does not exist; fix its path in the "
+                                 "prompts file")
         for name, (fn, _) in rewards.items():
             for field in getattr(fn, "needs", ()):
                 if example.get(field) is None:
@@ -672,11 +683,13 @@ def training(r: Run):
 
 
 def steps(r: Run):
-    """The steps of the loop: (step, groups, batch, seconds). Groups are numbered over all processes (process r of
-    W takes groups (step W + r) P + j); a group's number picks its prompt and seeds its sampling."""
-    for step in r.progress:
-        groups = [(step * r.world + r.rank) * r.cfg.prompts_per_step + j for j in range(r.cfg.prompts_per_step)]
-        yield step, groups, [r.examples[example_index(r, g)] for g in groups], {}
+    """The steps of the loop: (step, groups, batch, seconds), `step` counted from 1 (after it, `step` updates are done:
+    checkpoints/step-N, metrics.jsonl's "step" and the images name the same). Groups are numbered from 0 over all
+    processes (process r of W takes groups ((step - 1) W + r) P + j); a group's number picks its prompt and seeds its
+    sampling."""
+    for done in r.progress:
+        groups = [(done * r.world + r.rank) * r.cfg.prompts_per_step + j for j in range(r.cfg.prompts_per_step)]
+        yield done + 1, groups, [r.examples[example_index(r, g)] for g in groups], {}
 
 
 def example_index(r: Run, group: int) -> int:
@@ -697,24 +710,33 @@ def epoch_order(n: int, seed: int, epoch: int) -> list[int]:
 
 
 def finite_groups(r: Run, step: int, reward: torch.Tensor, each: dict, batch: list[dict]) -> torch.Tensor:
-    """(P,) bool: the groups whose rewards are all finite. A group with a NaN or inf reward leaves the step, with a
-    warning line naming the reward and the prompt. Under torchrun every process then leaves its groups out: a
-    process cannot train on fewer micro-batches than the others (FSDP gathers the weights at each), so the step is
-    skipped everywhere (and counted)."""
+    """(P,) bool: the groups whose weighted reward sum is finite. A group with a NaN or inf in a reward that weighs
+    leaves the loss (advantage 0, its loss times 0: under torchrun its process still joins every collective, and the
+    other groups train), with a warning line naming the reward and the prompt. A reward of weight 0 is only logged:
+    its NaN is named in a warning, and the group trains."""
     kept = reward.isfinite().all(dim=-1)
-    for p in (~kept).nonzero().flatten().tolist():
+    weights = {name: weight for name, (_, weight) in r.rewards.items()}
+    for p in range(len(batch)):
         bad = [name for name, value in each.items() if not value[p].isfinite().all()]
-        tqdm.write(f"warning: step {step}: reward {', '.join(repr(name) for name in bad) or 'sum'} is not finite for "
-                   f"'{batch[p]['prompt']}' ({batch[p]['where']}); its group is left out of this step", file=sys.stderr)
-    if r.world > 1 and not all_agree(bool(kept.all())):
-        kept = torch.zeros_like(kept)
+        if not bad:
+            continue
+        where = f"'{batch[p]['prompt']}' ({batch[p]['where']})"
+        if kept[p]:
+            logged = ", ".join(repr(name) for name in bad)
+            tqdm.write(f"warning: step {step}: reward {logged} (weight 0, logged only) is not finite for {where}; "
+                       "the group trains on the others", file=sys.stderr)
+            continue
+        weighed = [name for name in bad if weights.get(name, 1) != 0] or bad
+        tqdm.write(f"warning: step {step}: reward {', '.join(repr(name) for name in weighed)} is not finite for "
+                   f"{where}; its group is left out of this step's loss", file=sys.stderr)
     return kept
 
 
 def log_step(r: Run, step: int, groups: list[int], reward: torch.Tensor, each: dict, advantages: torch.Tensor,
              kept: torch.Tensor, samples: list, metrics: dict, seconds: dict) -> None:
     """The step's metrics line (step_record, every process) into metrics.jsonl and --report-to, the progress bar,
-    and a warning for a skipped update (rank 0). `advantages`: the kept groups' (finite_groups); `samples`: each
+    and a warning for a skipped update (rank 0). `advantages`: every group's (P, G), `kept`: (P,) the groups in the
+    loss (finite_groups); `samples`: each
     group's rollout (grpo.Rollout: its large grids are logged) or a tensor (dit_grpo.py's final latents). The bar shows
     the step's reward, its mean over the last 20 steps (steps differ by prompt) and, when there is a KL term, the
     KL."""
@@ -722,7 +744,7 @@ def log_step(r: Run, step: int, groups: list[int], reward: torch.Tensor, each: d
     indices = [example_index(r, g) for g in groups]  # the examples of the step's groups
     record = step_record(step, indices, reward, each, advantages, kept, samples, reduce_metrics(metrics), seconds)
     rows = sample_rows(step, groups, [r.examples[i]["prompt"] for i in indices], reward, each, advantages, kept)
-    r.skipped, r.done = r.skipped + record["skipped"], step + 1
+    r.skipped, r.done = r.skipped + record["skipped"], step
     r.history.append(record)
     if r.rank != 0:
         return
@@ -748,13 +770,13 @@ def sample_rows(step: int, groups: list[int], prompts: list[str], reward: torch.
     """One row per sample of the step, every process's in rank order (samples.jsonl, --report-to's table): its group
     and prompt, its weighted reward and each reward's value, and its advantage (None: the group was left out for a
     non-finite reward)."""
-    rows, rank_of_kept = [], kept.cumsum(0) - 1
+    rows = []
     for p, group in enumerate(groups):
         for i in range(reward.shape[1]):
             rows.append({"step": step, "group": group, "prompt": prompts[p],
                          "sample": i, "reward": reward[p, i].item(),
                          **{name: values[p, i].item() for name, values in each.items()},
-                         "advantage": advantages[rank_of_kept[p], i].item() if kept[p] else None})
+                         "advantage": advantages[p, i].item() if kept[p] else None})
     return gather_list(rows)
 
 
@@ -766,7 +788,7 @@ def step_record(step: int, prompts: list[int], reward: torch.Tensor, each: dict,
     the update's metrics, and the seconds of each phase (this process)."""
     dropped = int(gather_rows((~kept)[:, None]).sum())
     reward, each = reward[kept], {name: value[kept] for name, value in each.items()}
-    reward, advantages, prompts = gather_rows(reward), gather_rows(advantages), gather_list(prompts)
+    reward, advantages, prompts = gather_rows(reward), gather_rows(advantages[kept]), gather_list(prompts)
     if not advantages.numel():  # no group left: the statistics of nothing are NaN
         advantages = torch.full((1, 1), math.nan)
     distinct = gather_rows(torch.tensor([[len({tuple(t) for t in s.flatten(1).tolist()})] for s in samples]))
@@ -799,15 +821,15 @@ def after_step(r: Run, step: int, batch: list[dict], images: list[torch.Tensor],
     """Every --image-every steps an image grid (rank 0; and to --report-to), every --save-every steps a checkpoint (all
     processes), an evaluation when due; an interrupt in any process stops all after this step."""
     cfg = r.cfg
-    if r.rank == 0 and cfg.image_every and (step % cfg.image_every == 0 or step + 1 == cfg.steps):
+    if r.rank == 0 and cfg.image_every and ((step - 1) % cfg.image_every == 0 or step == cfg.steps):
         path = r.out / "images" / f"step_{step:05d}.png"
         save_grid(path, batch, images, reward, [f"step {step}: {ex['prompt']}" for ex in batch],
                   weighted(each or {}, r.rewards))
         r.reporter.image("samples", path, step)
-    if cfg.save_every and (step + 1) % cfg.save_every == 0:
-        save_run(r, step + 1)
-    if r.evals and eval_due(step + 1, cfg):  # the policy after step + 1 updates
-        run_evaluation(r, step + 1)
+    if cfg.save_every and step % cfg.save_every == 0:
+        save_run(r, step)
+    if r.evals and eval_due(step, cfg):  # the policy after `step` updates
+        run_evaluation(r, step)
     if stop_requested():
         raise KeyboardInterrupt
 
@@ -1148,20 +1170,25 @@ def save_merged(cfg, out: Path, dtype: torch.dtype) -> None:
 def summarize(out: Path, history: list[dict], n_examples: int, skipped: int, rank: int, after: float | None) -> dict:
     """The summary line: the mean training reward of the first and of the last quarter of the steps (whole cycles over
     the prompts where a cycle fits in a quarter, so both sides saw the same prompts) and, with --before-after, the
-    mean reward of the same prompts and seeds before and after training."""
+    mean reward of the same prompts and seeds before and after training. Steps without a finite reward (every group
+    left out) are not counted."""
+    history = [h for h in history if math.isfinite(h["reward_mean"])]
     quarter = max(1, len(history) // 4)
     cycle = math.ceil(n_examples / max(1, len(history[0]["prompts"]))) if history else 1  # steps per pass
     window = quarter // cycle * cycle if cycle <= quarter else quarter
     first, last = history[:window], history[-window:]
-    summary = {"reward_first": float(np.nanmean([h["reward_mean"] for h in first])),  # a step with no group: NaN
-               "reward_last": float(np.nanmean([h["reward_mean"] for h in last])), "skipped": skipped}
+    summary = {"reward_first": float(np.mean([h["reward_mean"] for h in first])) if first else math.nan,
+               "reward_last": float(np.mean([h["reward_mean"] for h in last])) if last else math.nan,
+               "skipped": skipped}
     before = out / "images" / "before.json"
     if after is not None and before.exists():
         summary.update(shown_before=json.loads(before.read_text())["reward"], shown_after=after)
     if rank == 0:
         shown = (f"; same prompts and seeds before -> after: {summary['shown_before']:.4f} -> {after:.4f} "
                  f"(images/before_after.png)" if "shown_after" in summary else "")
-        print(f"reward (mean of first {len(first)} steps) {summary['reward_first']:.4f} -> "
-              f"(mean of last {len(last)} steps) {summary['reward_last']:.4f}{shown}; saved to {out}")
+        rewards = (f"reward (mean of first {len(first)} steps) {summary['reward_first']:.4f} -> "
+                   f"(mean of last {len(last)} steps) {summary['reward_last']:.4f}" if history else
+                   "reward: no step had a finite reward (every group was left out)")
+        print(f"{rewards}{shown}; saved to {out}")
     return summary
 

@@ -121,8 +121,8 @@ def open_run_dir(out: Path, cfg, start: int) -> list[dict]:
     """Make `out` ready for a run starting at step `start`; returns the training metrics of the steps before it.
 
     A new run first clears what an earlier run left (the caller allows that only with --overwrite);
-    a resumed run keeps its metrics up to the checkpoint and drops later lines, as those steps are redone: the
-    steps before `start`, and the evaluations ("eval": true) of the weights up to and including step `start`.
+    a resumed run keeps its metrics, samples and image grids up to the checkpoint and drops later ones, as those steps
+    are redone: the steps up to `start` (counted from 1), and the evaluations of the weights after them.
     Resumed from an earlier checkpoint than the latest (the caller allows that only with --overwrite), the later
     checkpoints and final/ are deleted.
     """
@@ -134,9 +134,11 @@ def open_run_dir(out: Path, cfg, start: int) -> list[dict]:
         for folder in [*later, out / "final"]:
             shutil.rmtree(folder, ignore_errors=True)
     (out / "images").mkdir(parents=True, exist_ok=True)
-    kept = [h for h in read_metrics(out) if h["step"] < start or (h.get("eval") and h["step"] == start)] \
-        if cfg.resume else []
-    samples = [row for row in read_metrics(out, "samples.jsonl") if row["step"] < start] if cfg.resume else []
+    for image in (out / "images").glob("step_*.png"):  # the grids of the steps to redo
+        if cfg.resume and image.stem.removeprefix("step_").isdigit() and int(image.stem[5:]) > start:
+            image.unlink()
+    kept = [h for h in read_metrics(out) if h["step"] <= start] if cfg.resume else []
+    samples = [row for row in read_metrics(out, "samples.jsonl") if row["step"] <= start] if cfg.resume else []
     saved = {**dataclasses.asdict(cfg), "overwrite": False}  # what a later --resume continues: never to delete
     atomic_write(out / "config.json", lambda f: f.write(json.dumps(saved, indent=2).encode()))
     atomic_write(out / "metrics.jsonl", lambda f: f.write("".join(json.dumps(h) + "\n" for h in kept).encode()))
@@ -294,7 +296,24 @@ def save_checkpoint(folder: Path, model, model_weights: dict | None, weights: di
     def write(tmp: Path) -> None:
         atomic_write(tmp / STATE, lambda f: torch.save(state, f))
         save_trained(model, tmp, model_weights, base_model)
+        card = checkpoint_card(folder, step, cfg, base_model)  # in place of peft's empty template
+        atomic_write(tmp / "README.md", lambda f: f.write(card.encode()))
     atomic_folder(folder, write)
+
+
+def checkpoint_card(folder: Path, step: int, cfg, base_model: str) -> str:
+    """A checkpoint's README.md: what it is, how it resumes and loads (the run's final/README.md is the full card)."""
+    trained = {"ar": "the AR (vision_language_encoder)", "dit": "the DiT (transformer)"}[cfg.train]
+    how = f"a LoRA adapter (r={cfg.lora_rank})" if cfg.lora_rank else "every weight"
+    library = "diffusers" if cfg.train == "dit" else "peft" if cfg.lora_rank else "transformers"
+    script = {"ar": "grpo.py", "dit": "dit_grpo.py"}[cfg.train]
+    return "\n".join(["---", *([f"base_model: {base_model}"] if base_model else []), f"library_name: {library}",
+                      "tags: [grpo, glm-image, text-to-image]", "---", "",
+                      f"# {folder.parent.parent.name}, checkpoint after step {step} of {cfg.steps}", "",
+                      f"GRPO on GLM-Image's {trained.removeprefix('the ')}: {how}, base `{base_model or cfg.model}`, "
+                      f"reward `{cfg.reward}`. The model here loads alone, as the run's final/README.md shows; "
+                      f"`python {script} --resume {folder}` continues the run from it (trainer_state.pt; with "
+                      "`--overwrite` when later checkpoints exist, which it deletes).", ""])
 
 
 def prune_checkpoints(out: Path, keep: int) -> list[Path]:

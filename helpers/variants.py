@@ -32,21 +32,23 @@ def _setting(default, help: str, choices: tuple = ()):
 @dataclasses.dataclass
 class VariantSettings:  # grpo.py's flags for the options beside the lesson: all off in both presets
     # section 7, the advantages
-    reward_aggregation: str = _setting("sum", "the rewards' weighted sum, or each z-scored within its group "
-                                              "first (TRL's normalize_then_sum)", ("sum", "normalize"))
+    reward_aggregation: str = _setting("sum", "the rewards' weighted sum, or each z-scored within its group, "
+                                              "summed, then normalised over the batch (TRL's normalize_then_sum)",
+                                       ("sum", "normalize"))
     scale_rewards: str = _setting("group", "advantages / the std of the group, of the step (batch) "
-                                           "or none (Dr. GRPO)", ("group", "batch", "none"))
+                                           "or none (Dr. GRPO's A = R - mean)", ("group", "batch", "none"))
     diversity: float = _setting(0.0, "a bonus diversity / c on each reward, c its group's "
                                       "samples of the same large grid")
-    unlikeliness: float = _setting(0.0, "He et al.: +-U/2 among a group's best samples, "
-                                        "toward the least likely")
+    unlikeliness: float = _setting(0.0, "+-U/2 among a group's best samples, toward the least likely "
+                                        "(after He et al.'s unlikeliness reward; docs/claims.md)")
     # sections 8-9, the loss
     clip_eps_high: float | None = _setting(None, "DAPO's clip-higher: the upper clip 1 + this "
                                                  "(default: --clip-eps)")
-    kl_on: str = _setting("all", "the KL on every sample, or on those with A >= 0 (GARDO)",
+    kl_on: str = _setting("all", "the KL on every sample, or only on those with A >= 0 (a gate by the "
+                                 "advantage's sign; GARDO gates by the reward's uncertainty)",
                           ("all", "above_mean"))
-    entropy_bonus: float = _setting(0.0, "EG-GRPO: + bonus x entropy on the tokens less certain "
-                                         "than the step's mean")
+    entropy_bonus: float = _setting(0.0, "+ bonus x entropy on the tokens less certain than the step's "
+                                         "mean (after EG-GRPO's idea; its code differs: docs/claims.md)")
     train_tokens: str = _setting("large", "tokens in the loss: the large grid, or all (the "
                                           "preview too)", ("large", "all"))
     policy_dist: str = _setting("full", "trained: the whole softmax p, or the sampler's truncated "
@@ -73,35 +75,62 @@ def validate(cfg) -> None:
             raise ValueError(f"{flag} {getattr(cfg, name)} is out of range; it must be >= 0")
     if cfg.clip_eps_high is not None and not cfg.clip_eps_high > 0:
         raise ValueError(f"--clip-eps-high {cfg.clip_eps_high} is out of range; it must be > 0")
+    if cfg.reward_aggregation == "normalize" and cfg.scale_rewards != "group":
+        raise ValueError(f"--scale-rewards {cfg.scale_rewards} does not apply with --reward-aggregation normalize, "
+                         "whose last step normalises over the whole batch (as TRL's); drop one of the two")
 
 
 # ---- Section 7: the advantages ------------------------------------------------------------------
 
 def advantages(z_scores: torch.Tensor, rollouts: list, reward: torch.Tensor, each: dict,
-               kept: torch.Tensor, cfg) -> torch.Tensor:
-    """The seam of section 7: grpo.group_advantages' (P', G) z-scores of the kept groups' rewards
-    (`rollouts`: those groups'; `reward`, `each`: the step's (P, G) weighted sum and each reward's;
-    `kept`: (P,) bool) -> the advantages with the options on: the z-scores of the rewards, each
-    z-scored within its group first (--reward-aggregation normalize), plus the --diversity bonus,
-    scaled by the step's std or by none (--scale-rewards), then each group's best samples' credit
-    moved toward the least likely (--unlikeliness). None on: `z_scores` itself."""
+               in_loss: torch.Tensor, cfg) -> torch.Tensor:
+    """The seam of section 7: grpo.group_advantages' (P, G) z-scores of the step's rewards (`rollouts`: its groups;
+    `reward`, `each`: the (P, G) weighted sum and each reward's; `in_loss`: (P,) bool, False for a group with a
+    non-finite reward) -> the (P, G) advantages with the options on: TRL's normalize_then_sum
+    (--reward-aggregation normalize), or the z-scores of the rewards plus the --diversity bonus, scaled by the
+    step's std or by none (--scale-rewards); then each group's best samples' credit moved toward the least likely
+    (--unlikeliness). The groups out of the loss stay 0; a step with none in it gives zeros (and, under torchrun,
+    joins the other processes' collectives). None on: `z_scores` itself."""
     import grpo
-    reward = reward[kept]
+    options = (cfg.reward_aggregation != "sum", cfg.diversity > 0, cfg.scale_rewards != "group", cfg.unlikeliness > 0)
+    if not any(options):
+        return z_scores
+    reward, each = reward[in_loss], {name: values[in_loss] for name, values in each.items()}
+    kept = [rollout for rollout, keep in zip(rollouts, in_loss) if keep]  # empty when every group left
+    A = z_scores[in_loss]  # (P', G)
     shaped = reward
+    bonus = torch.zeros_like(reward)  # --diversity: 1 / c, c the group's samples of the same large grid
+    if cfg.diversity > 0 and kept:
+        bonus = 1 / repeats(large_grids(kept)).to(reward)
+        shaped = shaped + cfg.diversity * bonus
+        A = grpo.group_advantages(shaped)
     if cfg.reward_aggregation == "normalize":  # a reward's scale no longer weighs: each has std 1
         from helpers.run import reward_weights
-        weights = reward_weights(cfg.reward)
-        shaped = sum(weights[name] * grpo.group_advantages(values[kept]) for name, values in each.items())
-        z_scores = grpo.group_advantages(shaped)
-    if cfg.diversity > 0:
-        shaped = shaped + cfg.diversity / repeats(large_grids(rollouts)).to(reward)
-        z_scores = grpo.group_advantages(shaped)
-    if cfg.scale_rewards != "group":
-        z_scores = rescaled(z_scores, shaped, cfg.scale_rewards)
-    if cfg.unlikeliness > 0:
-        loglik = torch.stack([grid_logprob(rollout) for rollout in rollouts])  # (P, G)
-        z_scores = z_scores + credit_to_unlikely(reward, loglik, cfg.unlikeliness)
-    return z_scores
+        # the diversity bonus joins as one more reward, of weight --diversity
+        A = normalize_then_sum(each | {"diversity": bonus}, reward_weights(cfg.reward) | {"diversity": cfg.diversity})
+    elif cfg.scale_rewards != "group":
+        A = rescaled(A, shaped, cfg.scale_rewards)
+    if cfg.unlikeliness > 0 and kept:
+        loglik = torch.stack([grid_logprob(rollout) for rollout in kept])  # (P', G)
+        A = A + credit_to_unlikely(reward, loglik, cfg.unlikeliness)
+    out = torch.zeros_like(z_scores)
+    out[in_loss] = A
+    return out
+
+
+def normalize_then_sum(each: dict, weights: dict) -> torch.Tensor:
+    """TRL's multi_objective_aggregation="normalize_then_sum" (GDPO's advantages), as trl/trainer/grpo_trainer.py
+    computes them: each reward's (P, G) values z-scored within its group, (r - mean) / (std + 1e-4); their weighted
+    sum S; then S normalised over the step's whole batch, every group of every process: (S - mean) / (std + 1e-4).
+    Both stds divide by n - 1, as TRL's. A reward of weight 0 is left out (TRL would sum 0 * its z-score)."""
+    S = 0.0
+    for name, weight in weights.items():
+        if weight != 0:
+            values = each[name]
+            std = values.std(dim=-1, keepdim=True) if values.shape[-1] > 1 else torch.zeros_like(values[..., :1])
+            S = S + weight * (values - values.mean(dim=-1, keepdim=True)) / (std + 1e-4)
+    batch = gather_rows(S).flatten()  # every process's groups
+    return (S - batch.mean()) / (batch.std() + 1e-4)
 
 
 def large_grids(rollouts: list) -> list[torch.Tensor]:
@@ -132,11 +161,13 @@ def grid_logprob(rollout) -> torch.Tensor:
 
 def credit_to_unlikely(reward: torch.Tensor, loglik: torch.Tensor, unlikeliness: float
                        ) -> torch.Tensor:
-    """He et al. (arXiv 2506.02355), added after the z-score: (P, G) rewards and each sample's
-    log-likelihood -> (P, G) shifts among each group's best samples (those tied at its top reward):
-    ranked from the least likely to the likeliest (ties in the order drawn), they get +U/2 down to
-    -U/2, linear in rank; the shifts sum to 0. A group with one best sample is left as it is.
-    Inside the z-score an all-right group's tiny reward gaps would become whole advantages."""
+    """After He et al.'s unlikeliness reward (arXiv 2506.02355), but added after the z-score: (P, G)
+    rewards and each sample's log-likelihood -> (P, G) shifts among each group's best samples (those
+    tied at its top reward): ranked from the least likely to the likeliest (ties in the order
+    drawn), they get +U/2 down to -U/2, linear in rank; the shifts sum to 0. A group with one best
+    sample is left as it is. He et al.'s code instead scales each reward, r (1 - 0.25 rank / G),
+    rank by mean token log-prob over all G samples, before the z-score; there an all-right group's
+    tiny reward gaps would become whole advantages (docs/claims.md)."""
     best = reward == reward.amax(dim=-1, keepdim=True)
     rank = torch.where(best, loglik, math.inf).argsort(dim=-1, stable=True).argsort(dim=-1)
     k = best.sum(dim=-1, keepdim=True)  # each group's best samples: ranks 0 .. k - 1
@@ -147,10 +178,10 @@ def credit_to_unlikely(reward: torch.Tensor, loglik: torch.Tensor, unlikeliness:
 # ---- Sections 8-9: the micro-batches and their loss ---------------------------------------------
 
 def update(batches: list, loss_fn, policy, cfg) -> tuple[list, object]:
-    """The seam of sections 8-9: grpo.micro_batches' MicroBatches and `loss_fn`
-    (grpo.micro_batch_loss with the run's settings) -> those train_step uses: the micro-batches on
-    the sampler's truncation (--policy-dist truncated) and the loss with the options on
-    (`variant_loss`). None on: both as given."""
+    """The seam of sections 8-9: grpo.micro_batches' MicroBatches and `loss_fn` (grpo.micro_batch_loss, or any
+    function of its signature) -> those train_step uses: the micro-batches on the sampler's truncation
+    (--policy-dist truncated) and the loss with the options on (`variant_loss`, around `loss_fn`). None on: both as
+    given."""
     if cfg.policy_dist == "truncated":
         truncating = 0 < cfg.top_k or cfg.top_p < 1
         K = policy.config.vq_config.num_embeddings
@@ -185,12 +216,15 @@ def on_truncation(mb, codebook_size: int, truncating: bool = True):
 def mean_entropy(policy, batches: list, temperature: float, train_tokens: str) -> float:
     """--entropy-bonus' threshold: the mean entropy (nats) of the trained distribution over the
     step's loss tokens, on every process, before any update (one no-grad forward per
-    micro-batch): the same whatever the micro-batches."""
+    micro-batch, those out of the loss too: under FSDP every process joins each forward): the
+    same whatever the micro-batches."""
     import grpo
     K = policy.config.vq_config.num_embeddings
     total, count = 0.0, 0
     for mb in batches:
         logits = grpo.token_logits(policy, mb.inputs, mb.tokens)
+        if not mb.in_loss:
+            continue
         H = entropy(grpo.code_logprobs(logits, temperature, K, support=mb.support))
         H = H[:, loss_tokens(mb, train_tokens)]
         total, count = total + H.sum().item(), count + H.numel()
@@ -211,20 +245,20 @@ def loss_tokens(mb, train_tokens: str) -> slice:
 
 
 def variant_loss(distribution: torch.Tensor, mb, old_logprobs: torch.Tensor,
-                 ref_logprobs: torch.Tensor | None, *, lesson_loss, cfg, threshold: float | None
+                 ref_logprobs: torch.Tensor | None, settings, *, lesson_loss, cfg, threshold: float | None
                  ) -> tuple[torch.Tensor, dict]:
     """grpo.micro_batch_loss (`lesson_loss`) with the options on, through grpo_loss' symbols:
       --train-tokens all: the preview's tokens in the loss too;
       --clip-eps-high H: eps per sample, H where A > 0 (the upper clip acts only there), else eps;
-      --kl-on above_mean: beta per sample, 0 where A < 0 (GARDO: the mistakes go free of the KL);
+      --kl-on above_mean: beta per sample, 0 where A < 0 (the mistakes go free of the KL);
       --truncation-weight mass: each loss token's whole term times Z_t, the mass p puts on the
         sampler's nucleus (A_it = A_i Z_t and beta_t = beta Z_t, Z_t > 0);
     then --entropy-bonus B: - B mean(H_t [H_t > threshold]) over the loss tokens, H_t the trained
     distribution's entropy, `threshold` the step's mean (mean_entropy)."""
     cols = loss_tokens(mb, cfg.train_tokens)
-    eps = clip_range(mb.advantages, lesson_loss.keywords["clip_eps"], cfg.clip_eps_high)
+    eps = clip_range(mb.advantages, settings.clip_eps, cfg.clip_eps_high)
     A = mb.advantages[:, None]  # (mb, 1): a sample's advantage, on each of its tokens
-    beta = torch.full_like(A, lesson_loss.keywords["kl_beta"])  # (mb, 1)
+    beta = torch.full_like(A, settings.kl_beta)  # (mb, 1)
     if cfg.kl_on == "above_mean":
         beta = beta * (A >= 0)
     if cfg.truncation_weight == "mass" and cfg.policy_dist == "full":
@@ -234,7 +268,7 @@ def variant_loss(distribution: torch.Tensor, mb, old_logprobs: torch.Tensor,
     first_loss_token = 0 if cfg.train_tokens == "all" else mb.n_preview
     as_lesson = mb._replace(advantages=A, n_preview=first_loss_token)
     loss, metrics = lesson_loss(distribution, as_lesson, old_logprobs, ref_logprobs,
-                                clip_eps=eps, kl_beta=beta)
+                                settings._replace(clip_eps=eps, kl_beta=beta))
     if cfg.entropy_bonus > 0:
         H = entropy(distribution)[:, cols]  # (mb, n)
         loss = loss - cfg.entropy_bonus * (H * (H.detach() > threshold)).mean()

@@ -25,12 +25,12 @@ def test_main_end_to_end(tmp_path):
     summary = grpo.main([*TINY, "--prompts", str(prompts), "--out", str(out), "--steps", "3",
                          "--image-every", "2", "--kl-beta", "0.04", "--micro-batch-size", "2"])
     lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [x["step"] for x in lines] == [0, 1, 2] and [x["prompts"] for x in lines] == [[0], [1], [0]]
+    assert [x["step"] for x in lines] == [1, 2, 3] and [x["prompts"] for x in lines] == [[0], [1], [0]]
     for key in ["reward_mean", "reward_std", "loss", "kl", "clip_frac", "ratio_min", "ratio_max", "sec_sample",
                 "sec_decode", "sec_train", "distinct_in_group", "sampler_gap"]:
         assert all(math.isfinite(x[key]) for x in lines), key
     assert lines[0]["ratio_min"] == lines[0]["ratio_max"] == 1.0
-    assert sorted(p.name for p in (out / "images").iterdir()) == ["step_00000.png", "step_00002.png"]
+    assert sorted(p.name for p in (out / "images").iterdir()) == ["step_00001.png", "step_00003.png"]
     # 3 steps: a quarter is 1 step, shorter than a pass over the 2 prompts, so the first and the last step's rewards
     assert summary == {"reward_first": lines[0]["reward_mean"], "reward_last": lines[-1]["reward_mean"], "skipped": 0}
     from transformers import GlmImageForConditionalGeneration
@@ -164,7 +164,7 @@ def test_main_editing(tmp_path):
     grpo.main([*common, "--out", str(tmp_path / "whole"), "--steps", "3"])
     first = run_record(tmp_path / "whole")[0]
     assert first["ratio_min"] == first["ratio_max"] == 1.0 and first["sampler_gap"] <= 1e-5
-    grid = Image.open(tmp_path / "whole" / "images" / "step_00000.png")
+    grid = Image.open(tmp_path / "whole" / "images" / "step_00001.png")
     # per prompt a title strip, then source, target and the 4 samples (64 pixels shown at 128), then the rewards
     assert grid.size == ((2 + 4) * 128, 2 * (14 + 128 + 14))
     shown = np.asarray(grid)[14:142:2, :128:2].astype(float)  # the first tile, back at 64x64
@@ -330,12 +330,13 @@ with parallel.unsharded(policy):
     r = grpo.sample_groups(pipe, ["a cat"], 4, 64, 64, 0.9, [rank])[0]
 sampling = dict(counts)
 counts.update(all_gather=0, reduce_scatter=0)
-loss = functools.partial(grpo.micro_batch_loss, clip_eps=0.2, kl_beta=0.0)
-grpo.train_step(policy, opt, grpo.micro_batches([r], advantages[rank:rank + 1], 1), None, loss, temperature=0.9, mu=1,
-                max_grad_norm=math.inf)
+settings = grpo.LossSettings(clip_eps=0.2, kl_beta=0.0)
+grpo.train_step(policy, opt, grpo.micro_batches([r], advantages[rank:rank + 1], 1), None, grpo.micro_batch_loss,
+                settings, temperature=0.9, mu=1, max_grad_norm=math.inf)
 training = dict(counts)
 grpo.train_step(reference, torch.optim.SGD([p for p in reference.parameters() if p.requires_grad], lr=0.0),
-                grpo.micro_batches(both, advantages, 1), None, loss, temperature=0.9, mu=1, max_grad_norm=math.inf)
+                grpo.micro_batches(both, advantages, 1), None, grpo.micro_batch_loss, settings, temperature=0.9, mu=1,
+                max_grad_norm=math.inf)
 want = {{n: p.grad for n, p in reference.named_parameters() if p.grad is not None}}
 got = {{n: p.grad.full_tensor() for n, p in policy.named_parameters() if p.grad is not None}}
 norm = torch.sqrt(sum((g ** 2).sum() for g in want.values()))
@@ -373,14 +374,14 @@ def test_main_each_reward_logged(tmp_path):
     grpo.main([*TINY, "--prompts", str(prompts), "--out", str(out), "--steps", "2", "--reward", "ssim=1,mse=0.5",
                "--image-every", "1", "--temperature", "2.0"])
     rows = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
-    assert [(r["step"], r["sample"]) for r in rows] == [(s, i) for s in (0, 1) for i in range(4)]
+    assert [(r["step"], r["sample"]) for r in rows] == [(s, i) for s in (1, 2) for i in range(4)]
     assert set(rows[0]) == {"step", "group", "prompt", "sample", "reward", "ssim", "mse", "advantage"}
     assert rows[0]["prompt"] == "a red circle" and rows[4]["prompt"] == "two blue squares"
     assert all(abs(r["reward"] - (r["ssim"] + 0.5 * r["mse"])) < 1e-6 for r in rows)
     line = run_record(out)[0]
     assert np.mean([r["reward"] for r in rows[:4]]) == pytest.approx(line["reward_mean"], abs=1e-6)
     assert max(r["advantage"] for r in rows[:4]) == pytest.approx(line["advantage/max"], abs=1e-6)
-    grid = Image.open(out / "images" / "step_00000.png")
+    grid = Image.open(out / "images" / "step_00001.png")
     assert grid.size == (5 * 128, 14 + 128 + 3 * 14)  # target + 4 samples; under each: the sum, ssim, mse
 
 

@@ -3,7 +3,6 @@
 bookkeeping at the real model's sizes (N = 1280 tokens, K = 16384 codes). About 2 minutes on 2 cores."""
 
 import copy
-import functools
 import math
 
 import pytest
@@ -47,10 +46,10 @@ def test_real_resolution_parity(real_size_rollout, sharp_pipe):
     policy = copy.deepcopy(ar)
     opt = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=1e-3)
     before = policy.lm_head.weight.detach().clone()
-    loss = functools.partial(grpo.micro_batch_loss, clip_eps=0.2, kl_beta=0.0)
     readings = diagnostics.reader(grpo.parse_config([]), ar.config.vq_config.num_embeddings)
-    m = grpo.train_step(policy, opt, grpo.micro_batches([r], torch.tensor([[1.0, -1.0]]), 1), None, loss,
-                        temperature=T, mu=1, max_grad_norm=1.0, readings=readings)
+    m = grpo.train_step(policy, opt, grpo.micro_batches([r], torch.tensor([[1.0, -1.0]]), 1), None,
+                        grpo.micro_batch_loss, grpo.LossSettings(clip_eps=0.2, kl_beta=0.0), temperature=T, mu=1,
+                        max_grad_norm=1.0, readings=readings)
     assert m["ratio_min"] == m["ratio_max"] == 1.0 and m["sampler_gap"] <= 2 * PARITY and m["skipped"] == 0
     assert not torch.equal(before, policy.lm_head.weight)
 
@@ -83,9 +82,9 @@ def test_corrections_real_size():
                 x = logits.clone().requires_grad_()
                 distribution = grpo.code_logprobs(x, T, K, support=trained.support)
                 old = grpo.logprob_of(distribution, trained.tokens).detach()
-                lesson = functools.partial(grpo.micro_batch_loss, clip_eps=0.2, kl_beta=0.0, correction=mode)
-                loss, _ = variants.variant_loss(distribution, trained, old, None, lesson_loss=lesson, cfg=cfg,
-                                                threshold=None)
+                settings = grpo.LossSettings(clip_eps=0.2, kl_beta=0.0, correction=mode)
+                loss, _ = variants.variant_loss(distribution, trained, old, None, settings,
+                                                lesson_loss=grpo.micro_batch_loss, cfg=cfg, threshold=None)
                 loss.backward()
                 norms[top_p, dist, weight, mode] = x.grad.norm().item()
             m = diagnostics.mismatch(old, trained.sampler_logprobs, "token_truncate", 2.0)

@@ -341,7 +341,7 @@ def test_main_custom_reward_without_targets(tmp_path, monkeypatch):
     lines = run_record(tmp_path / "run")
     assert [x["prompts"] for x in lines] == [[0], [1]] and summary["skipped"] == 0
     assert all(abs(x["reward_mean"] - 2 * x["reward/brightness:reward"]) < 1e-6 for x in lines)
-    assert sorted(p.name for p in (tmp_path / "run" / "images").iterdir()) == ["step_00000.png", "step_00001.png"]
+    assert sorted(p.name for p in (tmp_path / "run" / "images").iterdir()) == ["step_00001.png", "step_00002.png"]
 
 
 def test_prepare_bad_input(tmp_path, capsys):
@@ -436,7 +436,8 @@ def test_checkpoints_roll_back(tmp_path, capsys):
     from transformers import GlmImageForConditionalGeneration
     tiny_run(tmp_path, tmp_path / "whole", "--steps", "5", "--kl-beta", "0.04")
     out = tmp_path / "run"
-    tiny_run(tmp_path, out, "--steps", "5", "--kl-beta", "0.04", "--save-every", "1", "--save-total-limit", "3")
+    tiny_run(tmp_path, out, "--steps", "5", "--kl-beta", "0.04", "--save-every", "1", "--save-total-limit", "3",
+             "--image-every", "1")
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-3", "step-4", "step-5"]  # 5 saves, 3 kept
     assert run_record(out) == run_record(tmp_path / "whole")
     ar = GlmImageForConditionalGeneration.from_pretrained(out / "checkpoints" / "step-5")
@@ -447,10 +448,11 @@ def test_checkpoints_roll_back(tmp_path, capsys):
     err = expect_exit(back, 2, "has later checkpoints (step-4, step-5) and final/", capsys)
     assert "goes back to step 3" in err and "--overwrite" in err
     assert snapshot(out) == before
-    grpo.main([*back, "--overwrite", "--save-every", "2", "--image-every", "1", "--eval-every", "3"])
+    grpo.main([*back, "--overwrite", "--save-every", "2", "--image-every", "2", "--eval-every", "3"])
     assert run_record(out) == run_record(tmp_path / "whole")
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-3", "step-4", "step-5"]
-    assert sorted(p.name for p in (out / "images").iterdir()) == ["step_00003.png", "step_00004.png"]
+    # the steps up to 3 keep their grids; the discarded step 4's goes, and the redone step 5 draws its own
+    assert sorted(p.name for p in (out / "images").iterdir()) == [f"step_0000{s}.png" for s in (1, 2, 3, 5)]
     again = GlmImageForConditionalGeneration.from_pretrained(out / "final")
     assert all(torch.equal(p, q) for p, q in zip(ar.parameters(), again.parameters()))
     assert json.loads((out / "config.json").read_text())["save_every"] == 2  # bookkeeping: changed
@@ -648,7 +650,7 @@ def test_resume_damaged_run(tmp_path, capsys):
     # a last metrics line cut off by a kill is dropped, and the run continues
     (run / "metrics.jsonl").write_bytes(good[run / "metrics.jsonl"] + b'{"step": 2, "rew')
     grpo.main(["--resume", str(run), "--steps", "3"])
-    assert [r["step"] for r in run_record(run)] == [0, 1, 2]
+    assert [r["step"] for r in run_record(run)] == [1, 2, 3]
 
 
 def test_out_not_usable(tmp_path, capsys, monkeypatch):
@@ -877,7 +879,7 @@ def test_torchrun_interrupt(tmp_path):
     done = latest_state(out)["step"]
     assert done == len(run_record(out)) >= 2
     assert torchrun("--resume", str(out), "--steps", str(done + 1)).returncode == 0
-    assert [r["step"] for r in run_record(out)] == list(range(done + 1))
+    assert [r["step"] for r in run_record(out)] == list(range(1, done + 2))
 
 
 def test_decoder_on():

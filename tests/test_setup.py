@@ -5,7 +5,6 @@
 
 import copy
 import dataclasses
-import functools
 
 import torch
 
@@ -35,9 +34,10 @@ def test_apply_lora():
     assert (grpo.reference_logprobs(ref, batches[0], T) - base_lp[:2]).abs().max() <= 1e-5  # the adapter off
     assert (base_lp - r.q_logprobs).abs().max() > 1e-3  # the adapter matters
     opt = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=1e-3)
-    loss = functools.partial(grpo.micro_batch_loss, clip_eps=0.2, kl_beta=0.04)
+    settings = grpo.LossSettings(clip_eps=0.2, kl_beta=0.04)
     readings = diagnostics.reader(grpo.parse_config([]), codebook(policy))
-    m = grpo.train_step(policy, opt, batches, ref, loss, temperature=T, mu=1, max_grad_norm=1.0, readings=readings)
+    m = grpo.train_step(policy, opt, batches, ref, grpo.micro_batch_loss, settings, temperature=T, mu=1,
+                        max_grad_norm=1.0, readings=readings)
     assert m["ratio_min"] == m["ratio_max"] == 1 and m["sampler_gap"] <= 1e-5 and m["kl"] > 0
     assert all(p.grad is None for n, p in policy.named_parameters() if "lora_" not in n)
     adapters = [setup.apply_lora(fresh_pipe().vision_language_encoder, 4, seed) for seed in (0, 0, 1)]

@@ -63,9 +63,10 @@ def sample_group(pipe, prompt, group_size, height, width, temperature, seed, top
 def train_step(policy, opt, rollouts, advantages, ref, micro_batch_size, kl_beta):
     """grpo.train_step as grpo.main calls it: the rollouts' micro-batches, the lesson's loss (clip 0.2, one update)."""
     batches = grpo.micro_batches(rollouts, advantages, micro_batch_size)
-    loss = functools.partial(grpo.micro_batch_loss, clip_eps=0.2, kl_beta=kl_beta)
+    settings = grpo.LossSettings(clip_eps=0.2, kl_beta=kl_beta)
     readings = diagnostics.reader(grpo.parse_config([]), policy.config.vq_config.num_embeddings)
-    return grpo.train_step(policy, opt, batches, ref, loss, temperature=T, mu=1, max_grad_norm=1.0, readings=readings)
+    return grpo.train_step(policy, opt, batches, ref, grpo.micro_batch_loss, settings, temperature=T, mu=1,
+                           max_grad_norm=1.0, readings=readings)
 
 
 def timed(fn, repeats=3):
