@@ -794,7 +794,7 @@ def step_record(step: int, prompts: list[int], reward: torch.Tensor, each: dict,
     distinct = gather_rows(torch.tensor([[len({tuple(t) for t in s.flatten(1).tolist()})] for s in samples]))
     codes = code_health(samples) if samples and not samples[0].is_floating_point() else {}
     return {"step": step, "prompts": prompts, "reward_mean": reward.mean().item(),
-            "reward_std": reward.std(dim=-1, unbiased=False).mean().item(),  # within groups
+            "reward_std": reward.std(dim=-1, unbiased=False).mean().item() if reward.numel() else math.nan,  # in groups
             **{f"reward/{name}": gather_rows(value).mean().item() for name, value in each.items()},
             "advantage/max": advantages.max().item(), "advantage/min": advantages.min().item(),
             "advantage/abs_mean": advantages.abs().mean().item(),

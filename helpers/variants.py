@@ -123,13 +123,15 @@ def normalize_then_sum(each: dict, weights: dict) -> torch.Tensor:
     computes them: each reward's (P, G) values z-scored within its group, (r - mean) / (std + 1e-4); their weighted
     sum S; then S normalised over the step's whole batch, every group of every process: (S - mean) / (std + 1e-4).
     Both stds divide by n - 1, as TRL's. A reward of weight 0 is left out (TRL would sum 0 * its z-score)."""
-    S = 0.0
+    S = torch.zeros_like(next(iter(each.values())))  # (P, G); P may be 0: a process with no group left
     for name, weight in weights.items():
-        if weight != 0:
+        if weight != 0 and len(S):
             values = each[name]
             std = values.std(dim=-1, keepdim=True) if values.shape[-1] > 1 else torch.zeros_like(values[..., :1])
             S = S + weight * (values - values.mean(dim=-1, keepdim=True)) / (std + 1e-4)
     batch = gather_rows(S).flatten()  # every process's groups
+    if batch.numel() < 2:  # as TRL: no std of one value
+        return S - batch.sum()
     return (S - batch.mean()) / (batch.std() + 1e-4)
 
 
@@ -146,11 +148,14 @@ def repeats(grids: list[torch.Tensor]) -> torch.Tensor:
 def rescaled(advantages: torch.Tensor, rewards: torch.Tensor, scale: str) -> torch.Tensor:
     """z-scores (R - mean) / std_group -> (R - mean) / std of every group of the step, on every
     process ("batch"), or R - mean ("none": Dr. GRPO, in reward units). A group without spread
-    stays 0."""
+    stays 0. A process with no group (rewards (0, G)) still joins the step's gather."""
+    everything = gather_rows(rewards) if scale == "batch" else rewards  # the step's, over all processes
+    if not rewards.numel() or not everything.numel():  # no group left here, or anywhere
+        return advantages
     group_std = rewards.std(dim=-1, unbiased=False, keepdim=True)
     if scale == "none":
         return advantages * group_std
-    step_std = gather_rows(rewards).std(unbiased=False)  # the step's, over all processes
+    step_std = everything.std(unbiased=False)
     return advantages * group_std / step_std.clamp_min(torch.finfo(step_std.dtype).tiny)
 
 

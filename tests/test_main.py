@@ -210,8 +210,8 @@ def test_main_nonfinite_reward(tmp_path, monkeypatch, capsys):
     grpo.main([*common, "--out", str(tmp_path / "one"), "--steps", "1"])
     line, = run_record(tmp_path / "one")
     warnings = [w for w in capsys.readouterr().err.splitlines() if "not finite" in w]
-    assert warnings == ["warning: step 0: reward 'flaky' is not finite for 'two blue squares' (" + str(prompts) +
-                        ":2); its group is left out of this step"]
+    assert warnings == ["warning: step 1: reward 'flaky' is not finite for 'two blue squares' (" + str(prompts) +
+                        ":2); its group is left out of this step's loss"]
     assert line["dropped_groups"] == 1 and line["skipped"] == 0 and math.isfinite(line["reward_mean"])
     assert math.isfinite(line["loss"]) and line["zero_std_groups"] == 0  # the good group alone, with its spread
     flaky.everywhere = True  # and with a KL: its progress bar shows the KL of a step that has none
@@ -219,6 +219,23 @@ def test_main_nonfinite_reward(tmp_path, monkeypatch, capsys):
     lines = run_record(tmp_path / "none")
     assert [x["dropped_groups"] for x in lines] == [2, 2] and [x["skipped"] for x in lines] == [2, 2]
     assert lines[-1]["skipped_total"] == 4 and "no group left" in capsys.readouterr().err
+    # with every advantage variant on, a step with no group is skipped as cleanly (no torch.stack of nothing)
+    every = ["--diversity", "0.2", "--unlikeliness", "0.5", "--entropy-bonus", "0.1", "--clip-eps-high", "0.28",
+             "--kl-on", "above_mean", "--mu", "2", "--kl-beta", "0.1"]
+    for variant in (["--scale-rewards", "batch"], ["--reward-aggregation", "normalize"]):
+        grpo.main([*common, "--out", str(tmp_path / f"variants{variant[0]}"), "--steps", "1", *every, *variant])
+        line, = run_record(tmp_path / f"variants{variant[0]}")
+        assert line["dropped_groups"] == 2 and line["skipped"] == 2, variant
+    # a reward of weight 0 is only logged: its NaN is named, and every group trains
+    flaky.everywhere = False
+    capsys.readouterr()
+    grpo.main([*common, "--reward", "ssim=1,flaky=0", "--out", str(tmp_path / "logged"), "--steps", "1"])
+    line, = run_record(tmp_path / "logged")
+    assert line["dropped_groups"] == 0 and line["skipped"] == 0 and math.isfinite(line["loss"])
+    assert math.isnan(line["reward/flaky"]) and math.isfinite(line["reward_mean"])
+    warnings = [w for w in capsys.readouterr().err.splitlines() if "not finite" in w]
+    assert warnings == ["warning: step 1: reward 'flaky' (weight 0, logged only) is not finite for 'two blue squares' "
+                        f"({prompts}:2); the group trains on the others"]
 
 
 def test_main_zero_spread_group(tmp_path, monkeypatch):
@@ -348,6 +365,28 @@ if rank == 0:
                       "same_params": got.keys() == want.keys(), "grad_error": error.item()}}))
 parallel.stop_processes()  # a gloo thread alive at exit can abort a process ("terminate called ..."; seen in CI)
 """
+
+
+def test_torchrun_nonfinite_reward(tmp_path, monkeypatch):
+    """Under torchrun a group with a NaN reward leaves the loss while its process joins every collective: process 1's
+    group is NaN at every step, process 0's trains, and the run equals one process training the same two groups
+    (the NaN one out of the loss): the same metrics and the same final weights, KL and variants on."""
+    (tmp_path / "flaky_reward.py").write_text(
+        "import math\n\ndef reward(images, example):\n    values = images.mean(dim=(1, 2, 3))\n"
+        "    if example['prompt'] == 'another':\n        values[1] = math.nan\n    return values\n")
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    prompts = write_example(tmp_path, ["a gray square | t.png", "another | t.png"])
+    common = [*TINY_CPU, "--prompts", str(prompts), "--steps", "2", "--image-every", "0", "--temperature", "2.0",
+              "--reward", "ssim=1,flaky_reward:reward=0.5", "--kl-beta", "0.04", "--mu", "2", "--diversity", "0.1",
+              "--scale-rewards", "batch", "--entropy-bonus", "0.1"]
+    assert torchrun(*common, "--out", str(tmp_path / "one"), "--prompts-per-step", "2", nproc=1).returncode == 0
+    proc = torchrun(*common, "--out", str(tmp_path / "two"), "--prompts-per-step", "1")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = run_record(tmp_path / "two")
+    assert [x["dropped_groups"] for x in lines] == [1, 1] and [x["skipped"] for x in lines] == [0, 0]
+    assert all(math.isfinite(x["loss"]) and x["kl"] > 0 for x in lines[1:])
+    assert_same_metrics(tmp_path / "one", tmp_path / "two")
+    assert_same_weights(tmp_path / "one" / "final", tmp_path / "two" / "final")
 
 
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
