@@ -735,6 +735,31 @@ def test_train_step_mu(random_pipe):
     assert (m["ratio_max"] > 1.2 or m["ratio_min"] < 0.8) and m["clip_frac"] > 0
 
 
+def test_train_step_in_loss(pipe):
+    """A micro-batch out of the loss (its group's reward was not finite: in_loss False) runs but adds nothing, its KL
+    included: the gradient and the metrics equal those of the step without it; with none in the loss the step is
+    skipped."""
+    rollouts = [sample_group(pipe, p, 4, 64, 64, T, seed=s) for s, p in enumerate(["a cat", "a dog"])]
+    advantages = torch.tensor([[1.0, -1.0, 0.5, -0.5], [0.0, 0.0, 0.0, 0.0]])
+    ref = copy.deepcopy(pipe.vision_language_encoder).requires_grad_(False)
+    with torch.no_grad():
+        ref.lm_head.weight.mul_(2.0)  # a reference apart from the policy: a KL from the first update on
+
+    def step(batches):
+        policy = copy.deepcopy(pipe.vision_language_encoder)
+        opt = torch.optim.SGD([p for p in policy.parameters() if p.requires_grad], lr=0.0)
+        m = grpo.train_step(policy, opt, batches, ref, grpo.micro_batch_loss, loss_settings(kl_beta=0.1),
+                            temperature=T, mu=1, max_grad_norm=math.inf)
+        return {n: p.grad.clone() for n, p in policy.named_parameters() if p.grad is not None}, m
+
+    both, m_both = step(grpo.micro_batches(rollouts, advantages, 2, torch.tensor([True, False])))
+    alone, m_alone = step(grpo.micro_batches(rollouts[:1], advantages[:1], 2))
+    assert m_both["kl"] > 1e-4 and relative_difference(alone, both) < 1e-6
+    assert m_both == pytest.approx(m_alone, rel=1e-5)
+    none = grpo.micro_batches(rollouts, advantages, 2, torch.tensor([False, False]))
+    assert step(none)[1] == {"skipped": 1}
+
+
 def test_train_step_nonfinite(pipe):
     """A NaN loss skips the update (counted) and leaves the weights as they were; no micro-batch at all (every group
     left out) skips the step's updates."""
