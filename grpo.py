@@ -346,8 +346,9 @@ def rope_positions(input_ids: torch.Tensor, image_grid_thw: torch.Tensor, num_to
 @torch.no_grad()
 def generate(model, group: "Prompt", temperature: float, seed: int, top_k: int = 0,
              top_p: float = 1.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The AR's decode loop, as gpt-fast's generate: `prefill` the prompt once, then N steps of
-    `decode_one_token` (logits -> code_logprobs -> draw -> feed), a KV cache holding the past.
+    """The AR's decode loop, in the shape of gpt-fast's generate: `prefill` the prompt once, then
+    N steps of `decode_one_token` (logits -> code_logprobs -> draw -> feed), a KV cache holding the
+    past.
     Returns (G, N) codes, their log-probs under q (what the draw used: top-k / top-p) and under p
     (the whole softmax). Needs `code_logprobs` and `rope_positions` (and a `group` with .inputs,
     .preview_hw and .large_hw: a Prompt)."""
@@ -772,14 +773,15 @@ def main(argv: list[str] | None = None) -> dict:
                     for ex, rollout in zip(batch, rollouts)]
             with run.timed(seconds, "reward", cfg):
                 reward, each = group_rewards(images, batch, rewards)  # 6. score them: (P, G)
-                # (P,) bool: False for a group with a NaN / inf reward (warned): A = 0, out of the loss
+                # (P,) bool, False for a group with a NaN / inf reward (warned): A 0, loss out
                 in_loss = run.finite_groups(r, step, reward, each, batch)
                 advantages = variants.advantages(  # 7. z-scores within each group (and the seam)
                     group_advantages(reward), rollouts, reward, each, in_loss, cfg)
             with interrupts_held():  # an update and its log line land together (or not at all)
                 with run.timed(seconds, "train", cfg), r.autocast:  # 8.-9. the clipped update
                     batches = micro_batches(rollouts, advantages, cfg.micro_batch_size, in_loss)
-                    batches, loss_fn = variants.update(batches, micro_batch_loss, policy, cfg)  # seam
+                    # the seam of sections 8-9: the variants' micro-batches and loss (else as given)
+                    batches, loss_fn = variants.update(batches, micro_batch_loss, policy, cfg)
                     metrics = train_step(policy, optimizer, batches, ref_model, loss_fn, settings,
                                          temperature=cfg.temperature, mu=cfg.mu,
                                          max_grad_norm=cfg.max_grad_norm, readings=readings)

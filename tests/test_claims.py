@@ -171,3 +171,40 @@ def test_schulman_k3_unbiased():
     elsewhere = torch.multinomial(other, 200_000, replacement=True, generator=g)
     d = ref.log()[elsewhere] - pi.log()[elsewhere]
     assert abs((torch.exp(d) - d - 1).mean().item() - exact) > 0.05
+
+
+def test_transformers_warpers():
+    """grpo.code_logprobs' top-k and top-p cut the codes as transformers' TopKLogitsWarper and TopPLogitsWarper do
+    (the same codes kept, ties and the always-kept most likely code included), then renormalise."""
+    from transformers import TopKLogitsWarper, TopPLogitsWarper
+    g = torch.Generator().manual_seed(6)
+    logits = torch.randn(5, 40, generator=g) * 2
+    logits[0, :4] = 3.0  # ties at the top
+    for top_k, top_p in [(7, 1.0), (0, 0.75), (0, 0.3), (0, 0.999), (12, 0.6)]:
+        scores = logits / 0.9
+        if top_k:
+            scores = TopKLogitsWarper(top_k)(None, scores)
+        if top_p < 1:
+            scores = TopPLogitsWarper(top_p)(None, scores)
+        want = torch.log_softmax(scores, dim=-1)
+        got = grpo.code_logprobs(logits, 0.9, 40, top_k, top_p)
+        assert torch.equal(got.isfinite(), want.isfinite()), (top_k, top_p)
+        assert torch.allclose(got[got.isfinite()], want[want.isfinite()], atol=1e-6), (top_k, top_p)
+
+
+def test_k3_gradient():
+    """grpo_loss's KL term (k3, on tokens drawn from pi) has, in expectation, the gradient of KL(ref || pi) with
+    respect to pi's logits: sum_x pi(x) d k3(x) = sum_x (pi - ref)(x) d log pi(x) = d KL(ref || pi)."""
+    g = torch.Generator().manual_seed(7)
+    logits = torch.randn(6, generator=g, requires_grad=True)
+    ref = torch.softmax(torch.randn(6, generator=g), 0)
+    logp = torch.log_softmax(logits, 0)
+    d = ref.log() - logp
+    k3 = torch.exp(d) - d - 1  # every code's k3; the expectation weighs it by pi, held fixed (the draws)
+    (expected,) = torch.autograd.grad((logp.exp().detach() * k3).sum(), logits)
+    kl_ref_pi = (ref * (ref.log() - torch.log_softmax(logits, 0))).sum()
+    (want,) = torch.autograd.grad(kl_ref_pi, logits)
+    assert torch.allclose(expected, want, atol=1e-6)
+    kl_pi_ref = (torch.softmax(logits, 0) * (torch.log_softmax(logits, 0) - ref.log())).sum()
+    (other,) = torch.autograd.grad(kl_pi_ref, logits)
+    assert not torch.allclose(expected, other, atol=1e-3)  # not KL(pi || ref)'s

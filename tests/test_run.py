@@ -308,9 +308,10 @@ def test_main_report_to(tmp_path, monkeypatch):
     tiny_run(tmp_path, tmp_path / "tb", "--steps", "2", "--report-to", "tensorboard", "--image-every", "1", *evals)
     assert calls[0] == ("open", str(tmp_path / "tb" / "tensorboard")) and calls[-1] == ("close",)
     scalars = {(c[1], c[2]) for c in calls if c[0] == "scalar"}
-    assert {("reward_mean", 0), ("reward_mean", 1), ("eval/reward", 0), ("eval/reward", 2), ("loss", 1),
-            ("sampling/k3_kl", 0)} <= scalars
-    assert {(c[1], c[2]) for c in calls if c[0] == "image"} == {("samples", 0), ("samples", 1), ("eval", 0),
+    # steps count from 1: the training lines at 1 and 2, the evaluations after 0 and 2 updates
+    assert {("reward_mean", 1), ("reward_mean", 2), ("eval/reward", 0), ("eval/reward", 2), ("loss", 2),
+            ("sampling/k3_kl", 1)} <= scalars
+    assert {(c[1], c[2]) for c in calls if c[0] == "image"} == {("samples", 1), ("samples", 2), ("eval", 0),
                                                                  ("eval", 1), ("eval", 2)}
     tiny_run(tmp_path, tmp_path / "plain", "--steps", "2", "--image-every", "1", *evals)
     assert run_record(tmp_path / "tb") == run_record(tmp_path / "plain")

@@ -76,7 +76,9 @@ def test_given_and_validate():
     assert variants.given(cfg_with()) == [] and variants.given(cfg_with(diversity=0.2, kl_on="above_mean")) == [
         "--diversity", "--kl-on"]
     for options, message in [(dict(diversity=-1), "--diversity -1.0 is out of range"),
-                             (dict(clip_eps_high=0), "--clip-eps-high 0.0 is out of range")]:
+                             (dict(clip_eps_high=0), "--clip-eps-high 0.0 is out of range"),
+                             (dict(reward_aggregation="normalize", scale_rewards="none"),
+                              "--scale-rewards none does not apply with --reward-aggregation normalize")]:
         with pytest.raises(ValueError, match=message):
             variants.validate(cfg_with(**options))
 
@@ -131,7 +133,7 @@ def test_reward_aggregation():
     """--reward-aggregation normalize is TRL's normalize_then_sum (GDPO): each reward z-scored within its group, the
     weighted sum normalised over the whole batch. On two groups of two rewards, one where both agree and one where
     only one spreads, TRL keeps their difference (|A| 1.095 and 0.548), as we do; the plain sum z-scored per group
-    gives both 0.707. A reward's scale no longer weighs; a reward without spread adds nothing; a group left out (a
+    gives both the same (1.0 here; 0.707 with TRL's std over n - 1). A reward's scale no longer weighs; a reward without spread adds nothing; a group left out (a
     NaN) stays 0 and out of the batch's statistics; a weight-0 reward, even NaN, changes nothing."""
     a = torch.tensor([[0.0, 1.0], [0.0, 1.0]])
     b = torch.tensor([[0.0, 1.0], [0.5, 0.5]])
