@@ -15,6 +15,7 @@ import json
 import math
 import os
 import re
+import socket
 import sys
 import time
 from pathlib import Path
@@ -313,6 +314,29 @@ def validate(cfg) -> None:
                          "auto), or install a CUDA build of torch on a machine with a GPU")
 
 
+def check_model(model: str) -> None:
+    """--model, before anything is read or loaded: a shipped name, random[:L], a pipeline folder, or a hub id in the local
+    hub cache or on a hub this machine reaches. Raises ValueError naming the fix at once (not after the hub's retries,
+    nor after the prompts' notes)."""
+    if model in TINY_NAMES or model.split(":")[0] == "random":
+        return
+    path = Path(model).expanduser()
+    if path.exists() or model.startswith((".", "/", "~")) or model.count("/") != 1:
+        if not (path / "model_index.json").is_file():
+            raise ValueError(f"--model {model}: no pipeline folder there (a folder needs model_index.json, as "
+                             "GlmImagePipeline.save_pretrained writes it); give such a folder, a hub id, or tiny")
+        return
+    from huggingface_hub import constants, try_to_load_from_cache
+    if isinstance(try_to_load_from_cache(model, "model_index.json"), str):
+        return
+    host = constants.ENDPOINT.split("://")[-1].split("/")[0]
+    try:
+        socket.create_connection((host, 443), timeout=3).close()
+    except OSError:
+        raise ValueError(f"--model {model} is not in the hub cache and {host} cannot be reached (offline?); download it "
+                         f"where there is a network (hf download {model}), or use --model tiny or a local folder") from None
+
+
 def load_examples(examples: list[dict], rewards: dict, height: int, width: int) -> list[dict]:
     """Check that every reward has what it needs in every example, then read the images: "target" and "source"
     become (3, H, W) float32 tensors in [0, 1] (resized with a one-line note if their size differs)."""
@@ -418,6 +442,7 @@ def prepare(cfg, argv: list[str] | None, table: dict, train: str = "ar") -> Run:
                                  f"({', '.join(later)}){final} that the run would replace: keep a copy of what you "
                                  f"need, then add --overwrite to delete them (or resume the latest: --resume {out})")
         validate(cfg)
+        check_model(cfg.model)
         check_reporter(cfg.report_to)
         check_out_dir(out)
         rewards = parse_rewards(cfg.reward, table)
@@ -588,7 +613,9 @@ def loading(model: str):
     except torch.OutOfMemoryError:
         raise
     except Exception as error:
-        cause = (str(error).strip().splitlines() or [""])[0][:200]
+        cause = (str(error).strip().splitlines() or [""])[0]
+        if len(cause) > 240:  # cut at a word, and say so
+            cause = cause[:240].rsplit(" ", 1)[0] + " ..."
         hint = ("tools/train_tiny.py rebuilds it" if model == "tiny" else "tools/train_tiny_edit.py rebuilds it"
                 if model == "tiny-edit" else "offline? use --model tiny or a local path")
         fail(f"cannot load --model {model} ({type(error).__name__}: {cause}); {hint}")

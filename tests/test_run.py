@@ -345,9 +345,16 @@ def test_main_custom_reward_without_targets(tmp_path, monkeypatch):
     assert sorted(p.name for p in (tmp_path / "run" / "images").iterdir()) == ["step_00001.png", "step_00002.png"]
 
 
-def test_prepare_bad_input(tmp_path, capsys):
+def test_prepare_bad_input(tmp_path, capsys, monkeypatch):
     """Every bad input: exit code 2, one line naming the problem and the fix, nothing written to --out."""
     good = write_example(tmp_path, ["a | t.png"])
+    (tmp_path / "missing_source.jsonl").write_text('{"prompt": "add a red circle at the top left", "source": '
+                                                   '"nope.png"}\n')
+
+    def unreachable(*args, **kwargs):  # the hub, from a machine without a network
+        raise OSError("network is unreachable")
+
+    monkeypatch.setattr("socket.create_connection", unreachable)
     (tmp_path / "bad_line.txt").write_text("# c\nfine | t.png\nno target\n")
     (tmp_path / "empty.txt").write_text("\n# nothing\n")
     (tmp_path / "binary.txt").write_bytes(b"\xff\xfe\x00bad")
@@ -363,6 +370,11 @@ def test_prepare_bad_input(tmp_path, capsys):
     cases = [(P("nothere.txt"), "nothere.txt"), (["--prompts", str(tmp_path)], "--prompts"),
              (P("empty.txt"), "no examples"), (P("bad_line.txt"), "bad_line.txt:3"), (P("binary.txt"), "UTF-8"),
              (P("missing_target.txt"), "missing_target.txt:1: target .*nope.png does not exist"),
+             ([*P("missing_source.jsonl"), "--reward", "edit"], "missing_source.jsonl:1: source .*nope.png does not "
+                                                               "exist"),
+             (["--model", "someone/not-a-model"], "--model someone/not-a-model is not in the hub cache and .* cannot "
+                                                  "be reached"),
+             (["--model", str(tmp_path)], "no pipeline folder there"),
              (P("notimage.txt"), "notimage.txt:1: target .*not a readable image"),
              (P("corrupt.txt"), "corrupt.txt:1: target .*not a readable image"),
              (["--height", "50"], "multiple of 32"), (["--width", "-32"], "multiple of 32"),
