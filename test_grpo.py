@@ -68,6 +68,9 @@ def test_parse_config():
     assert cfg.model == "tiny" and (cfg.group_size, cfg.kl_beta, cfg.height, cfg.width) == (8, 0.04, 64, 96)
     real = grpo.parse_config(["--model", "zai-org/GLM-Image"])
     assert (real.height, real.top_p, real.lora_rank, real.mu, real.micro_batch_size) == (1024, 0.75, 16, 1, 1)
+    help_text = run.config_parser(type(cfg)).format_help()  # one default a flag: a preset's own, in its help
+    assert "(default: 8 tiny, 4 real)" in help_text and "(default: None)" not in help_text
+    assert "(default: 0.2)" in help_text  # a plain field's, from argparse
     flags = {"--" + f.name.replace("_", "-") for f in dataclasses.fields(type(cfg))}
     assert {"--group-size", "--clip-eps", "--kl-beta", "--top-p", "--out", "--resume", "--diversity",
             "--policy-dist"} <= flags  # the lesson's, the run's (helpers/run.py) and the variants' (variants.py)

@@ -218,7 +218,9 @@ def test_main_nonfinite_reward(tmp_path, monkeypatch, capsys):
     grpo.main([*common, "--out", str(tmp_path / "none"), "--steps", "2", "--mu", "2", "--kl-beta", "0.1"])
     lines = run_record(tmp_path / "none")
     assert [x["dropped_groups"] for x in lines] == [2, 2] and [x["skipped"] for x in lines] == [2, 2]
-    assert lines[-1]["skipped_total"] == 4 and "no group left" in capsys.readouterr().err
+    printed = capsys.readouterr()
+    assert lines[-1]["skipped_total"] == 4 and "no group left" in printed.err
+    assert "reward: no step had a finite reward (every group was left out)" in printed.out and "nan" not in printed.out
     # with every advantage variant on, a step with no group is skipped as cleanly (no torch.stack of nothing)
     every = ["--diversity", "0.2", "--unlikeliness", "0.5", "--entropy-bonus", "0.1", "--clip-eps-high", "0.28",
              "--kl-on", "above_mean", "--mu", "2", "--kl-beta", "0.1"]

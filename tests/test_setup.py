@@ -62,6 +62,9 @@ def test_results_load_with_standard_calls(tmp_path):
     final = out / "final"
     assert json.loads((final / "adapter_config.json").read_text())["base_model_name_or_path"] == str(grpo.TINY)
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-2", "step-3"]
+    card = (out / "checkpoints" / "step-2" / "README.md").read_text()  # ours, not peft's empty template
+    assert "checkpoint after step 2 of 3" in card and "library_name: peft" in card and "Model Card for" not in card
+    assert f"--resume {out / 'checkpoints' / 'step-2'}" in card
     trained = latest_state(out)["weights"]  # what the optimizer stepped: "...lora_A.default.weight"
     for folder in (final, out / "checkpoints" / "step-3"):
         loaded = fresh_pipe().vision_language_encoder
