@@ -288,45 +288,46 @@ def parse_config(argv: list[str]) -> DitConfig:
 def main(argv: list[str] | None = None) -> dict:
     """grpo.py's main with the DiT as the policy: the same checks, set-up, logging and checkpoints (helpers/run.py)."""
     argv = sys.argv[1:] if argv is None else argv
-    r = run.prepare(parse_config(argv), argv, grpo.REWARDS, train="dit")
-    cfg, rewards = r.cfg, r.rewards
-    run.start(r)
+    job = run.prepare(parse_config(argv), argv, grpo.REWARDS, grpo, train="dit")  # the Run
+    cfg = job.cfg
+    run.start(job)
     with run.timed({}, "load", cfg), run.loading(cfg.model):
-        pipe = grpo.load_glm_image(cfg.model, r.device, r.dtype)
+        pipe = grpo.load_glm_image(cfg.model, job.device, job.dtype)
     with run.timed({}, "setup", cfg):
-        policy, ref_model, optimizer = setup_training(pipe, cfg, r.dtype, r.world)
-        run.open_run(r, policy, optimizer)
+        policy, ref_model, optimizer = setup_training(pipe, cfg, job.dtype, job.world)
+        run.open_run(job, policy, optimizer)
 
     # the pipeline's ODE, as grpo.py evaluates
-    r.evaluate = run.evaluator(r, pipe, policy, (grpo.sample_groups, grpo.decode_images, grpo.group_rewards))
+    job.evaluate = run.evaluator(job, pipe, policy, (grpo.sample_groups, grpo.decode_images, grpo.group_rewards))
 
-    with run.training(r):
-        for step, groups, batch, seconds in run.steps(r):
-            seeds = [cfg.seed * 1_000_003 + g for g in groups]  # the AR's sample and the decoder's noise
-            with run.timed(seconds, "sample", cfg), r.autocast:  # 1. ONE token grid per prompt, shared by the group
-                tokens = grpo.sample_groups(pipe, [ex["prompt"] for ex in batch], 1, cfg.height, cfg.width,
-                                            cfg.temperature, seeds, None, cfg.top_k, cfg.top_p)
-            with run.timed(seconds, "decode", cfg), run.decoder_on(pipe, r.device, cfg.offload), unsharded(policy):
+    with run.training(job):
+        for step, group_ids, examples, seconds in run.steps(job):
+            seeds = [grpo.group_seed(cfg.seed, g) for g in group_ids]  # the AR's sample and the decoder's noise
+            with run.timed(seconds, "sample", cfg), job.autocast:  # 1. ONE token grid per prompt, shared by the group
+                tokens = grpo.sample_groups(pipe, prompts=[ex["prompt"] for ex in examples], group_size=1,
+                                            height=cfg.height, width=cfg.width, temperature=cfg.temperature,
+                                            seeds=seeds, top_k=cfg.top_k, top_p=cfg.top_p)
+            with run.timed(seconds, "decode", cfg), run.decoder_on(pipe, job.device, cfg.offload), unsharded(policy):
                 chains = [sample_chain(pipe, ex["prompt"], t.tokens.repeat(cfg.group_size, 1), t.large_hw, cfg.height,
                                        cfg.width, cfg.sde_steps or cfg.num_inference_steps, cfg.guidance_scale, s,
                                        cfg.sde_noise, cfg.sde_window)  # 2. G pictures by the SDE sampler
-                          for ex, t, s in zip(batch, tokens, seeds)]
+                          for ex, t, s in zip(examples, tokens, seeds)]
             with run.timed(seconds, "reward", cfg):  # 3.-4. as for the AR
-                reward, each = grpo.group_rewards([c.images for c in chains], batch, rewards)
-                in_loss = run.finite_groups(r, step, reward, each, batch)  # (P,): NaN / inf: A = 0, out, warned
+                reward, each = grpo.group_rewards([c.images for c in chains], examples, job.rewards)
+                in_loss = run.finite_groups(job, step, reward, each, examples)  # (P,): NaN / inf: A = 0, out, warned
                 advantages = variants.advantages(grpo.group_advantages(reward), [], reward, each, in_loss,
-                                                 cfg)  # --scale-rewards
+                                                 cfg, grpo)  # --scale-rewards
             with interrupts_held():
-                with run.timed(seconds, "train", cfg), r.autocast:  # 5. the update, each trained step a token
+                with run.timed(seconds, "train", cfg), job.autocast:  # 5. the update, each trained step a token
                     metrics = train_step(policy, optimizer, chains, advantages, ref_model, noise_level=cfg.sde_noise,
                                          steps=window(len(chains[0].timesteps), cfg.sde_window),
                                          clip_eps=cfg.clip_eps, clip_eps_high=cfg.clip_eps_high,
                                          kl_beta=cfg.kl_beta, micro_batch_size=cfg.micro_batch_size,
                                          max_grad_norm=cfg.max_grad_norm, in_loss=in_loss)
-                run.log_step(r, step, groups, reward, each, advantages, in_loss, [c.latents[:, -1] for c in chains],
-                             metrics, seconds)
-            run.after_step(r, step, batch, [c.images for c in chains], reward, each)
-    return run.finish(r)
+                run.log_step(job, step, group_ids, reward, each, advantages, in_loss,
+                             [c.latents[:, -1] for c in chains], metrics, seconds)
+            run.after_step(job, step, examples, [c.images for c in chains], reward, each)
+    return run.finish(job)
 
 
 if __name__ == "__main__":

@@ -11,6 +11,19 @@ score them (SSIM / -MSE to a target, or any function of the images) and maximise
 with r_it = pi(o_it | x, o_i<t) / pi_old(o_it | x, o_i<t), A_i = (R_i - mean(R)) / std(R) over the
 group and KL_it the k3 estimator exp(ref - logp) - (ref - logp) - 1 against a frozen reference.
 
+The symbols, as the code names them:
+  x       a prompt (and, to edit, its source image); in code a Prompt, its AR inputs (group_prompt)
+  o_i     sample i: the N codes the AR writes for x (a Rollout's tokens[i]), preview grid then large
+  G, P    samples per prompt (a group: --group-size), prompts (groups) per step: advantages (P, G)
+  N, K    codes per sample; the codebook's size (the codes the AR may draw; V >= K: its vocabulary)
+  p       the whole softmax(logits / temperature) over the K codes: the trained policy pi
+  q       p cut to top-k / top-p and renormalised: what the sampler draws from (q = p without them)
+  pi_old  p as the trainer's first forward computes it for the sampled codes (train_step)
+  ref     the frozen reference of the KL: the initial weights (with LoRA: the adapter off)
+  R, A    a sample's reward (group_rewards) and its advantage (group_advantages)
+  r       the ratio pi / pi_old of a sampled code
+A group is one prompt's G samples; a step samples P groups; the Run (helpers/run.py) is `job`.
+
 The sections: 1 config, 2 loading, 3 group sampling, 4 log-probs of given tokens, 5 decoding,
 6 rewards, 7 advantages, 8 loss, 9 update, 10 main (calling them in that order), 11 copied alone.
 
@@ -55,11 +68,13 @@ try:  # helpers/, beside this file: main's plumbing, fast decode, FSDP2, more re
     from helpers.parallel import (all_agree, interrupts_held, merge_metrics, rows_per_process,
                                   sync_gradients, unsharded)
     from helpers.rewards import MORE_REWARDS
-except ModuleNotFoundError as missing:  # copied alone: one process (see the end of this file)
+except ModuleNotFoundError as missing:  # copied alone: one process
     if missing.name != "helpers":
         raise
     diagnostics = fast_decode = run = setup = variants = None
     MORE_REWARDS = {}
+    # all_agree, sync_gradients, rows_per_process and merge_metrics, which train_step calls, become
+    # one-process stand-ins: section 11 at the end of this file defines them (plumbing, not lesson)
 
 
 # ---- 1. Config ----------------------------------------------------------------------------------
@@ -102,7 +117,8 @@ class Config:  # a field per flag (--group-size ...); helpers/ adds the run's an
     seed: int = arg(0, "seed of the AR sampling")
     # the model, the images, the data
     prompts: str = arg("prompts.txt", "'prompt | target.png' lines, or .jsonl (docs/editing.md)")
-    shuffle: bool | None = preset(False, True, "the prompts in a new order each epoch, drawn from --seed")
+    shuffle: bool | None = preset(False, True, "the prompts in a new order each epoch, drawn from "
+                                               "--seed")
     model: str = arg("tiny", "hub id, folder, tiny, tiny-edit, or random (published configs)")
     height: int | None = preset(96, 1024, "image height")
     width: int | None = preset(96, 1024, "image width")
@@ -344,20 +360,20 @@ def rope_positions(input_ids: torch.Tensor, image_grid_thw: torch.Tensor, num_to
 
 
 @torch.no_grad()
-def generate(model, group: "Prompt", temperature: float, seed: int, top_k: int = 0,
+def generate(model, prompt: "Prompt", temperature: float, seed: int, top_k: int = 0,
              top_p: float = 1.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The AR's decode loop, in the shape of gpt-fast's generate: `prefill` the prompt once, then
     N steps of `decode_one_token` (logits -> code_logprobs -> draw -> feed), a KV cache holding the
     past.
     Returns (G, N) codes, their log-probs under q (what the draw used: top-k / top-p) and under p
-    (the whole softmax). Needs `code_logprobs` and `rope_positions` (and a `group` with .inputs,
-    .preview_hw and .large_hw: a Prompt)."""
+    (the whole softmax). Needs `code_logprobs` and `rope_positions` (and a `prompt` with .inputs,
+    .preview_hw and .large_hw: a Prompt, group_prompt's)."""
     from transformers import DynamicCache
-    ids = group.inputs["input_ids"]  # (G, L): one L-token prompt, G times
+    ids = prompt.inputs["input_ids"]  # (G, L): one L-token prompt, G times
     G, L = ids.shape
-    N = math.prod(group.preview_hw) + math.prod(group.large_hw)  # the tokens to draw
+    N = math.prod(prompt.preview_hw) + math.prod(prompt.large_hw)  # the tokens to draw
     K, V = model.config.vq_config.num_embeddings, model.lm_head.out_features
-    grids = group.inputs["image_grid_thw"][:int(group.inputs["images_per_sample"][0])]
+    grids = prompt.inputs["image_grid_thw"][:int(prompt.inputs["images_per_sample"][0])]
     positions = rope_positions(ids[0], grids, N, model.config.image_start_token_id,
                                model.config.image_end_token_id).expand(-1, G, -1)  # (3, G, L+N-1)
     generator = torch.Generator(ids.device).manual_seed(seed)
@@ -381,6 +397,14 @@ def generate(model, group: "Prompt", temperature: float, seed: int, top_k: int =
     return torch.cat(tokens, dim=1), torch.cat(q_logprobs, dim=1), torch.cat(p_logprobs, dim=1)
 
 
+def group_seed(run_seed: int, group_id: int) -> int:
+    """The sampling seed of the group numbered `group_id` (over the whole run: step, process and
+    prompt) in the run seeded `run_seed` (--seed). 1_000_003 is a prime above any run's number of
+    groups, so runs of different seeds never share a group's seed, and a resumed run redraws a
+    group exactly."""
+    return run_seed * 1_000_003 + group_id
+
+
 @torch.no_grad()
 def sample_groups(pipe, prompts: list[str], group_size: int, height: int, width: int,
                   temperature: float, seeds: list[int], sources: list | None = None, top_k: int = 0,
@@ -388,19 +412,19 @@ def sample_groups(pipe, prompts: list[str], group_size: int, height: int, width:
     """G samples for each of P prompts (and sources to edit), group p from seeds[p]: `generate` a
     group at a time, or helpers/fast_decode.py's same tokens, faster (all in one padded decode)."""
     model = pipe.vision_language_encoder.eval()  # no dropout: one distribution
-    groups = [group_prompt(pipe, prompt, group_size, height, width, source)
-              for prompt, source in zip(prompts, sources or [None] * len(prompts))]
+    encoded = [group_prompt(pipe, text, group_size, height, width, source)  # one Prompt each
+               for text, source in zip(prompts, sources or [None] * len(prompts))]
     rollouts = []
     if fast_decode is None:  # grpo.py copied alone: the lesson's loop
-        for group, seed in zip(groups, seeds):
-            tokens, q_logprobs, p_logprobs = generate(model, group, temperature, seed, top_k, top_p)
-            rollouts.append(Rollout(tokens, q_logprobs, p_logprobs, **group._asdict()))
+        for prompt, seed in zip(encoded, seeds):
+            tokens, q_logprobs, p_logprobs = generate(model, prompt, temperature, seed, top_k, top_p)
+            rollouts.append(Rollout(tokens, q_logprobs, p_logprobs, **prompt._asdict()))
         return rollouts
-    drawn = fast_decode.sample_groups(model, groups, temperature, seeds, top_k, top_p, prompts,
+    drawn = fast_decode.sample_groups(model, encoded, temperature, seeds, top_k, top_p, prompts,
                                       code_logprobs, rope_positions)
-    for group, draws in zip(groups, drawn):
-        rollouts.append(Rollout(draws.tokens, draws.q_logprobs, draws.p_logprobs, **group._asdict(),
-                                support=draws.support))
+    for prompt, draws in zip(encoded, drawn):
+        rollouts.append(Rollout(draws.tokens, draws.q_logprobs, draws.p_logprobs,
+                                **prompt._asdict(), support=draws.support))
     return rollouts
 
 
@@ -545,22 +569,22 @@ def grpo_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, ref_logprobs: 
               advantages: torch.Tensor, clip_eps: float | torch.Tensor,
               kl_beta: float | torch.Tensor, weights: float | torch.Tensor = 1.0
               ) -> tuple[torch.Tensor, dict]:
-    """The GRPO loss of S sampled sequences of T tokens each:
+    """The GRPO loss of S sampled sequences of n loss tokens each:
 
-        loss = -1/S sum_i 1/T sum_t [ w_it min(r_it A_i, clip(r_it, 1 - eps, 1 + eps) A_i)
+        loss = -1/S sum_i 1/n sum_t [ w_it min(r_it A_i, clip(r_it, 1 - eps, 1 + eps) A_i)
                                       - beta KL_it ]
 
-    r_it = pi / pi_old = exp(logprobs - old_logprobs), (S, T); A_i = advantages, (S,); KL_it the k3
+    r_it = pi / pi_old = exp(logprobs - old_logprobs), (S, n); A_i = advantages, (S,); KL_it the k3
     estimator of KL(pi || ref) per token (0 without a reference); w_it TRL's mismatch weights
     (sampler_correction: 1 for an exact sampler). Returns the loss (differentiable in logprobs)
     and its metrics. The symbols may vary by sequence or token: A, eps, beta and w may be tensors
-    that broadcast to (S, T) (helpers/variants.py passes them so).
+    that broadcast to (S, n) (helpers/variants.py passes them so).
 
-    A copier's notes: every sequence here has T tokens (GLM-Image's samples of a prompt all fill the
+    A copier's notes: every sequence here has n tokens (GLM-Image's samples of a prompt all fill the
     same grids), so the mean over each sequence's tokens and then over sequences (the paper's
-    1/G sum_i 1/|o_i| sum_t) equals the mean over all S*T tokens. For an LLM, whose completions
+    1/G sum_i 1/|o_i| sum_t) equals the mean over all S*n tokens. For an LLM, whose completions
     differ in length, the two differ: take the token-level mean over the batch, sum(m * term) /
-    sum(m) with a (S, T) 0/1 padding mask m, as TRL's default loss_type "dapo" does; the
+    sum(m) with a (S, n) 0/1 padding mask m, as TRL's default loss_type "dapo" does; the
     per-sequence mean weighs a short answer's tokens more (the length bias Dr. GRPO points out).
     k3 (Schulman) = exp(d) - d - 1, d = ref - logp: >= 0, unbiased for KL(pi || ref) when the
     tokens are drawn from pi itself. Here they are drawn by the sampler (pi_old; at mu > 1 pi has
@@ -568,14 +592,14 @@ def grpo_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, ref_logprobs: 
     expression, blind to the codes the nucleus cut (docs/healthy_training.md). Its gradient is
     KL(ref || pi)'s. d is capped at +-20 so that exp stays finite (tools/bench_kl_cap.py)."""
     A = advantages.reshape(len(advantages), -1).to(logprobs)  # (S, 1): A_i on each of its tokens
-    ratio = torch.exp(logprobs - old_logprobs)  # (S, T)
+    ratio = torch.exp(logprobs - old_logprobs)  # (S, n)
     clipped_ratio = torch.clamp(ratio, 1 - clip_eps, 1 + clip_eps)
     surrogate = torch.min(ratio * A, clipped_ratio * A)  # the pessimistic bound of PPO
     kl = torch.zeros_like(logprobs)
     if ref_logprobs is not None:
         d = (ref_logprobs - logprobs).clamp(-20.0, 20.0)
         kl = (torch.exp(d) - d - 1).clamp_min(0)  # the clamp only removes rounding below 0
-    per_token = weights * surrogate - kl_beta * kl  # (S, T)
+    per_token = weights * surrogate - kl_beta * kl  # (S, n)
     loss = -per_token.mean(dim=1).mean()  # 1/|o_i| within a sequence, then 1/G over sequences
     with torch.no_grad():  # the clip stops the gradient: r > 1+eps with A > 0, r < 1-eps with A < 0
         clipped = ((ratio > 1 + clip_eps) & (A > 0)) | ((ratio < 1 - clip_eps) & (A < 0))
@@ -743,52 +767,57 @@ def optimizer_step(optimizer, parts: list[tuple[dict, float]], max_grad_norm: fl
 
 def main(argv: list[str] | None = None) -> dict:
     """The command line's run: sections 3-9 at each step, the plumbing (helpers/run.py) around."""
-    r = run.prepare(parse_config(argv), argv, REWARDS)  # every input checked, nothing written yet
-    cfg, rewards = r.cfg, r.rewards
-    run.start(r)  # torchrun: one process per GPU (else rank 0 of 1), the device and dtype
+    lesson = sys.modules[__name__]  # this file: helpers/ takes what it needs of it as an argument
+    job = run.prepare(parse_config(argv), argv, REWARDS, lesson)  # all input checked, none written
+    cfg = job.cfg
+    run.start(job)  # torchrun: one process per GPU (else rank 0 of 1), the device and dtype
     with run.timed({}, "load", cfg), run.loading(cfg.model):
-        pipe = load_glm_image(cfg.model, r.device, r.dtype)
+        pipe = load_glm_image(cfg.model, job.device, job.dtype)
     with run.timed({}, "setup", cfg):
         policy, ref_model, optimizer = setup.setup_training(  # the AR: LoRA, FSDP2, AdamW
-            pipe, cfg, r.dtype, r.world, reference_model)
-        run.open_run(r, policy, optimizer)  # --resume's checkpoint; the run directory
+            pipe, cfg, job.dtype, job.world, reference_model)
+        run.open_run(job, policy, optimizer)  # --resume's checkpoint; the run directory
     # the before / after grids and --eval-prompts: sections 3-6 on fixed seeds (helpers/run.py)
-    r.evaluate = run.evaluator(r, pipe, policy, (sample_groups, decode_images, group_rewards))
+    job.evaluate = run.evaluator(job, pipe, policy, (sample_groups, decode_images, group_rewards))
     settings = LossSettings(clip_eps=cfg.clip_eps, kl_beta=cfg.kl_beta,
                             correction=cfg.sampler_correction, cap=cfg.sampler_cap)
     # docs/healthy_training.md's measurements, beside the loss
-    readings = diagnostics.reader(cfg, policy.config.vq_config.num_embeddings)
-    with run.training(r):  # Ctrl-C: a checkpoint, exit 130; a full disk: one line, exit 1
-        for step, groups, batch, seconds in run.steps(r):  # a group's number: its prompt and seed
-            seeds = [cfg.seed * 1_000_003 + g for g in groups]  # a group's own; no other run's
-            with run.timed(seconds, "sample", cfg), r.autocast, unsharded(policy):
+    readings = diagnostics.reader(cfg, policy.config.vq_config.num_embeddings, lesson)
+    with run.training(job):  # Ctrl-C: a checkpoint, exit 130; a full disk: one line, exit 1
+        # each step: P examples (prompts, targets, sources), numbered over the run by group_ids
+        for step, group_ids, examples, seconds in run.steps(job):
+            with run.timed(seconds, "sample", cfg), job.autocast, unsharded(policy):
                 rollouts = sample_groups(  # 3. sample a group of token grids per prompt
-                    pipe, [ex["prompt"] for ex in batch], cfg.group_size, cfg.height, cfg.width,
-                    cfg.temperature, seeds, [ex.get("source") for ex in batch], cfg.top_k,
-                    cfg.top_p)
-            with run.timed(seconds, "decode", cfg), run.decoder_on(pipe, r.device, cfg.offload):
+                    pipe, prompts=[ex["prompt"] for ex in examples], group_size=cfg.group_size,
+                    height=cfg.height, width=cfg.width, temperature=cfg.temperature,
+                    seeds=[group_seed(cfg.seed, g) for g in group_ids],
+                    sources=[ex.get("source") for ex in examples], top_k=cfg.top_k,
+                    top_p=cfg.top_p)
+            with run.timed(seconds, "decode", cfg), run.decoder_on(pipe, job.device, cfg.offload):
                 images = [decode_images(  # 5. decode the tokens to pictures
-                    pipe, ex["prompt"], rollout.tokens, rollout.large_hw, cfg.height, cfg.width,
-                    cfg.num_inference_steps, cfg.decode_seed, cfg.guidance_scale, rollout.source)
-                    for ex, rollout in zip(batch, rollouts)]
+                    pipe, prompt=ex["prompt"], tokens=rollout.tokens, large_hw=rollout.large_hw,
+                    height=cfg.height, width=cfg.width, num_inference_steps=cfg.num_inference_steps,
+                    seed=cfg.decode_seed, guidance_scale=cfg.guidance_scale, source=rollout.source)
+                    for ex, rollout in zip(examples, rollouts)]
             with run.timed(seconds, "reward", cfg):
-                reward, each = group_rewards(images, batch, rewards)  # 6. score them: (P, G)
+                reward, each = group_rewards(images, examples, job.rewards)  # 6. score: (P, G)
                 # (P,) bool, False for a group with a NaN / inf reward (warned): A 0, loss out
-                in_loss = run.finite_groups(r, step, reward, each, batch)
+                in_loss = run.finite_groups(job, step, reward, each, examples)
                 advantages = variants.advantages(  # 7. z-scores within each group (and the seam)
-                    group_advantages(reward), rollouts, reward, each, in_loss, cfg)
+                    group_advantages(reward), rollouts, reward, each, in_loss, cfg, lesson)
             with interrupts_held():  # an update and its log line land together (or not at all)
-                with run.timed(seconds, "train", cfg), r.autocast:  # 8.-9. the clipped update
-                    batches = micro_batches(rollouts, advantages, cfg.micro_batch_size, in_loss)
+                with run.timed(seconds, "train", cfg), job.autocast:  # 8.-9. the clipped update
                     # the seam of sections 8-9: the variants' micro-batches and loss (else as given)
-                    batches, loss_fn = variants.update(batches, micro_batch_loss, policy, cfg)
-                    metrics = train_step(policy, optimizer, batches, ref_model, loss_fn, settings,
+                    micro, loss_fn = variants.update(
+                        micro_batches(rollouts, advantages, cfg.micro_batch_size, in_loss),
+                        micro_batch_loss, policy, cfg, lesson)
+                    metrics = train_step(policy, optimizer, micro, ref_model, loss_fn, settings,
                                          temperature=cfg.temperature, mu=cfg.mu,
                                          max_grad_norm=cfg.max_grad_norm, readings=readings)
-                run.log_step(r, step, groups, reward, each, advantages, in_loss, rollouts, metrics,
-                             seconds)
-            run.after_step(r, step, batch, images, reward, each)  # grids, checkpoints, evaluations
-    return run.finish(r)  # the last checkpoint, final/, curves.png, the after grid, the summary
+                run.log_step(job, step, group_ids, reward, each, advantages, in_loss, rollouts,
+                             metrics, seconds)
+            run.after_step(job, step, examples, images, reward, each)  # grids, checkpoints, evals
+    return run.finish(job)  # the last checkpoint, final/, curves.png, the after grid, the summary
 
 
 # ---- 11. Copied alone ---------------------------------------------------------------------------
@@ -815,7 +844,6 @@ if run is None:
 
 
 if __name__ == "__main__":
-    sys.modules["grpo"] = sys.modules["__main__"]  # helpers/variants.py imports grpo: this module
     try:
         main()
     except KeyboardInterrupt:  # Ctrl-C while loading or checking (training handles its own)

@@ -329,6 +329,13 @@ def test_generate_exact(random_pipe, lesson, attention):
         assert (r.p_logprobs <= r.q_logprobs + 1e-6).all()  # log p - log q = log of the nucleus' mass <= 0
 
 
+def test_group_seed():
+    """A group's seed: --seed * 1_000_003 + its number; the runs of two seeds never share one (groups < 1_000_003),
+    and the same run and group always draw from the same seed."""
+    first, second = ({grpo.group_seed(seed, g) for g in range(100_000)} for seed in (0, 1))
+    assert not first & second and grpo.group_seed(1, 5) == 1_000_008 == grpo.group_seed(1, 5)
+
+
 def test_sample_groups(random_pipe, lesson):
     """One Rollout per prompt: exactly N codes, no image-end, group p drawn from seeds[p] as it is alone, with its
     own inputs and source; the caller's random state untouched."""
@@ -936,6 +943,19 @@ def test_functions_copied_alone(tmp_path, pipe):
     group = grpo.group_prompt(pipe, "a cat", 2, 64, 64)
     tokens = namespace["generate"](pipe.vision_language_encoder, group, T, 3)[0]
     assert torch.equal(tokens, grpo.generate(pipe.vision_language_encoder, group, T, 3)[0])
+
+
+def test_imports_one_way():
+    """Imports run one way, tools -> dit_grpo -> grpo -> helpers: no module under helpers/ imports grpo or dit_grpo
+    (at the top or inside a function), and grpo.py registers no alias of itself in sys.modules."""
+    backwards = []
+    for path in sorted((ROOT / "helpers").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            backwards += [f"{path.name}:{node.lineno} {n}" for n in names if n.split(".")[0] in ("grpo", "dit_grpo")]
+    assert not backwards, backwards
+    assert "sys.modules[" not in (ROOT / "grpo.py").read_text().replace("sys.modules[__name__]", "")
 
 
 def test_grpo_layout():

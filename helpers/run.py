@@ -53,6 +53,7 @@ class Run:
     examples: list[dict]  # the prompts file, images loaded (on the device once `open_run` ran)
     rewards: dict  # --reward: {name: (fn, weight)}
     evals: tuple | None  # --eval-prompts: (examples, rewards), or None
+    lesson: object  # grpo.py itself (its TINY_MODELS, load_glm_image): passed in, never imported
     rank: int = 0  # this process, of `world` (torchrun)
     world: int = 1
     device: str = "cpu"
@@ -315,9 +316,9 @@ def validate(cfg) -> None:
 
 
 def check_model(model: str) -> None:
-    """--model, before anything is read or loaded: a shipped name, random[:L], a pipeline folder, or a hub id in the local
-    hub cache or on a hub this machine reaches. Raises ValueError naming the fix at once (not after the hub's retries,
-    nor after the prompts' notes)."""
+    """--model, before anything is read or loaded: a shipped name, random[:L], a pipeline folder, or a hub id in the
+    local hub cache or on a hub this machine reaches. Raises ValueError naming the fix at once (not after the hub's
+    retries, nor after the prompts' notes)."""
     if model in TINY_NAMES or model.split(":")[0] == "random":
         return
     path = Path(model).expanduser()
@@ -333,8 +334,9 @@ def check_model(model: str) -> None:
     try:
         socket.create_connection((host, 443), timeout=3).close()
     except OSError:
-        raise ValueError(f"--model {model} is not in the hub cache and {host} cannot be reached (offline?); download it "
-                         f"where there is a network (hf download {model}), or use --model tiny or a local folder") from None
+        raise ValueError(f"--model {model} is not in the hub cache and {host} cannot be reached (offline?); download "
+                         f"it where there is a network (hf download {model}), or use --model tiny or a local "
+                         "folder") from None
 
 
 def load_examples(examples: list[dict], rewards: dict, height: int, width: int) -> list[dict]:
@@ -398,10 +400,11 @@ def load_evals(cfg, rewards: dict, table: dict) -> tuple[list[dict], dict] | Non
     return examples, eval_rewards
 
 
-def prepare(cfg, argv: list[str] | None, table: dict, train: str = "ar") -> Run:
+def prepare(cfg, argv: list[str] | None, table: dict, lesson, train: str = "ar") -> Run:
     """Check everything before anything is written: the config (`cfg`, parsed from the command line `argv`; with
     --resume the saved config instead), the prompts and their images, the rewards (names from `table`), --out or
-    --resume, and that `train` (ar: grpo.py, dit: dit_grpo.py) is what this script trains. Returns the Run."""
+    --resume, and that `train` (ar: grpo.py, dit: dit_grpo.py) is what this script trains; `lesson` is grpo.py (the
+    module), which the run's end needs (its model folders, its loader). Returns the Run."""
     PROG["name"] = SCRIPTS[train]
     out, start, trains, state = Path(cfg.resume or cfg.out), 0, cfg.train, None
     try:
@@ -461,7 +464,7 @@ def prepare(cfg, argv: list[str] | None, table: dict, train: str = "ar") -> Run:
         print(f"{out} has done all {start} steps of --steps {cfg.steps}: nothing to do (pass a larger --steps to "
               "train on)")
         raise SystemExit(0)  # (a run that stopped while writing final/ has no step to do, then its end again)
-    return Run(cfg, out, start, state, examples, rewards, evals)
+    return Run(cfg, out, start, state, examples, rewards, evals, lesson)
 
 
 def finished(out: Path) -> int | None:
@@ -1045,18 +1048,17 @@ def save_run(r: Run, step: int) -> None:
     model_weights = final_weights(r.policy)
     if r.rank == 0:
         save_checkpoint(r.out / "checkpoints" / f"step-{step}", r.policy, model_weights, weights, optimizer_state,
-                        step, r.cfg, r.world, base_model(r.cfg.model))
+                        step, r.cfg, r.world, base_model(r.cfg.model, r.lesson.TINY_MODELS))
         prune_checkpoints(r.out, r.cfg.save_total_limit)
     r.saved = step
 
 
-def base_model(model: str) -> str:
+def base_model(model: str, tiny_models: dict) -> str:
     """What a saved adapter names as its base (adapter_config.json, the model card): a hub id as given, a folder as
     its absolute path (the tiny models' included), nothing for random weights (they cannot be loaded again)."""
-    import grpo  # here, not above: grpo.py imports this file
     if model.split(":")[0] == "random":
         return ""
-    folder = Path(grpo.TINY_MODELS.get(model, model))
+    folder = Path(tiny_models.get(model, model))
     return str(folder.resolve()) if folder.is_dir() else model
 
 
@@ -1069,7 +1071,8 @@ def finish(r: Run) -> dict:
         save_run(r, r.cfg.steps)
         weights = final_weights(r.policy)  # every process takes part; only rank 0 gets the tensors
         if r.rank == 0:
-            atomic_folder(r.out / "final", lambda tmp: save_trained(r.policy, tmp, weights, base_model(r.cfg.model)))
+            base = base_model(r.cfg.model, r.lesson.TINY_MODELS)
+            atomic_folder(r.out / "final", lambda tmp: save_trained(r.policy, tmp, weights, base))
     except OSError as error:
         fail(f"cannot write {error.filename or r.out} ({error.strerror or error}); make room, then run --resume "
              f"{r.out} --steps {r.cfg.steps} again", code=1)
@@ -1085,7 +1088,7 @@ def finish(r: Run) -> dict:
     if r.rank == 0:
         write_model_card(r, summary)
         if r.cfg.save_merged:
-            save_merged(r.cfg, r.out, r.dtype)
+            save_merged(r.cfg, r.out, r.dtype, r.lesson.load_glm_image)
         with contextlib.suppress(OSError):  # final/ is complete: a --resume with no step to do has nothing to do
             record = json.dumps({"steps": r.cfg.steps, **summary}).encode()
             atomic_write(r.out / "final" / "run.json", lambda f: f.write(record))
@@ -1096,7 +1099,7 @@ def write_model_card(r: Run, summary: dict) -> None:
     """final/README.md: the base model, what was trained on which reward and flags, the numbers (training, before /
     after, held-out), the before / after picture (--before-after, copied beside it) and the lines that load it. A card
     that cannot be written only warns: the model is saved."""
-    cfg, final, base = r.cfg, r.out / "final", base_model(r.cfg.model)
+    cfg, final, base = r.cfg, r.out / "final", base_model(r.cfg.model, r.lesson.TINY_MODELS)
     trained = {"ar": "the AR (vision_language_encoder)", "dit": "the DiT (transformer)"}[cfg.train]
     how = f"LoRA r={cfg.lora_rank}" if cfg.lora_rank else "every weight"
     library = "diffusers" if cfg.train == "dit" else "peft" if cfg.lora_rank else "transformers"
@@ -1164,15 +1167,14 @@ def usage(cfg, base: str, final: Path, prompt: str) -> list[str]:
     return lines
 
 
-def save_merged(cfg, out: Path, dtype: torch.dtype) -> None:
+def save_merged(cfg, out: Path, dtype: torch.dtype, load_pipeline) -> None:
     """--save-merged (or tools/merge.py, after a run): out/final/pipeline/, the whole GlmImagePipeline with the trained
     part in it (LoRA merged into its weights), which GlmImagePipeline.from_pretrained(folder) loads alone. Built as a
     user would: the base pipeline (`cfg.model`) loaded again on the CPU in `dtype`, final/ loaded into it with the
-    standard calls, merged, saved (whole or not at all)."""
-    import grpo  # here, not above: grpo.py imports this file
+    standard calls, merged, saved (whole or not at all). `load_pipeline`: grpo.load_glm_image."""
     final = out / "final"
     with loading(cfg.model):
-        pipe = grpo.load_glm_image(cfg.model, "cpu", dtype)
+        pipe = load_pipeline(cfg.model, "cpu", dtype)
     if cfg.train == "ar" and cfg.lora_rank:
         from peft import PeftModel
         pipe.vision_language_encoder = PeftModel.from_pretrained(pipe.vision_language_encoder, final).merge_and_unload()

@@ -10,9 +10,9 @@ method people reach for. They reach grpo.py through two seams in its `main`, eac
 
 and through grpo_loss' symbols, which may vary by sample or token. With none of the options on,
 both seams return what they were given: the lesson runs as written. Each builds on grpo.py's
-functions, never a copy: it imports grpo inside its functions (grpo.py imports this file; run as a
-script, grpo.py registers itself as `grpo` first). The flags: `VariantSettings`, which
-helpers/run.py adds to grpo.py's command line.
+functions, never a copy: they arrive as an argument, `lesson` (grpo.py itself), since imports run
+one way (grpo.py -> helpers/, never back). The flags: `VariantSettings`, which helpers/run.py adds
+to grpo.py's command line.
 """
 
 import dataclasses
@@ -83,15 +83,15 @@ def validate(cfg) -> None:
 # ---- Section 7: the advantages ------------------------------------------------------------------
 
 def advantages(z_scores: torch.Tensor, rollouts: list, reward: torch.Tensor, each: dict,
-               in_loss: torch.Tensor, cfg) -> torch.Tensor:
+               in_loss: torch.Tensor, cfg, lesson) -> torch.Tensor:
     """The seam of section 7: grpo.group_advantages' (P, G) z-scores of the step's rewards (`rollouts`: its groups;
     `reward`, `each`: the (P, G) weighted sum and each reward's; `in_loss`: (P,) bool, False for a group with a
     non-finite reward) -> the (P, G) advantages with the options on: TRL's normalize_then_sum
     (--reward-aggregation normalize), or the z-scores of the rewards plus the --diversity bonus, scaled by the
     step's std or by none (--scale-rewards); then each group's best samples' credit moved toward the least likely
     (--unlikeliness). The groups out of the loss stay 0; a step with none in it gives zeros (and, under torchrun,
-    joins the other processes' collectives). None on: `z_scores` itself."""
-    import grpo
+    joins the other processes' collectives). None on: `z_scores` itself. `lesson`: grpo.py (its
+    group_advantages z-scores the shaped rewards)."""
     options = (cfg.reward_aggregation != "sum", cfg.diversity > 0, cfg.scale_rewards != "group", cfg.unlikeliness > 0)
     if not any(options):
         return z_scores
@@ -103,7 +103,7 @@ def advantages(z_scores: torch.Tensor, rollouts: list, reward: torch.Tensor, eac
     if cfg.diversity > 0 and kept:
         bonus = 1 / repeats(large_grids(kept)).to(reward)
         shaped = shaped + cfg.diversity * bonus
-        A = grpo.group_advantages(shaped)
+        A = lesson.group_advantages(shaped)
     if cfg.reward_aggregation == "normalize":  # a reward's scale no longer weighs: each has std 1
         from helpers.run import reward_weights
         # the diversity bonus joins as one more reward, of weight --diversity
@@ -182,11 +182,11 @@ def credit_to_unlikely(reward: torch.Tensor, loglik: torch.Tensor, unlikeliness:
 
 # ---- Sections 8-9: the micro-batches and their loss ---------------------------------------------
 
-def update(batches: list, loss_fn, policy, cfg) -> tuple[list, object]:
+def update(batches: list, loss_fn, policy, cfg, lesson) -> tuple[list, object]:
     """The seam of sections 8-9: grpo.micro_batches' MicroBatches and `loss_fn` (grpo.micro_batch_loss, or any
     function of its signature) -> those train_step uses: the micro-batches on the sampler's truncation
     (--policy-dist truncated) and the loss with the options on (`variant_loss`, around `loss_fn`). None on: both as
-    given."""
+    given. `lesson`: grpo.py (the entropy bonus's threshold reads the policy through it)."""
     if cfg.policy_dist == "truncated":
         truncating = 0 < cfg.top_k or cfg.top_p < 1
         K = policy.config.vq_config.num_embeddings
@@ -197,7 +197,7 @@ def update(batches: list, loss_fn, policy, cfg) -> tuple[list, object]:
         return batches, loss_fn
     threshold = None
     if cfg.entropy_bonus > 0:  # the step's, before any update, kept for all mu updates
-        threshold = mean_entropy(policy, batches, cfg.temperature, cfg.train_tokens)
+        threshold = mean_entropy(policy, batches, cfg.temperature, cfg.train_tokens, lesson)
     return batches, functools.partial(variant_loss, lesson_loss=loss_fn, cfg=cfg, threshold=threshold)
 
 
@@ -218,19 +218,18 @@ def on_truncation(mb, codebook_size: int, truncating: bool = True):
 
 
 @torch.no_grad()
-def mean_entropy(policy, batches: list, temperature: float, train_tokens: str) -> float:
+def mean_entropy(policy, batches: list, temperature: float, train_tokens: str, lesson) -> float:
     """--entropy-bonus' threshold: the mean entropy (nats) of the trained distribution over the
     step's loss tokens, on every process, before any update (one no-grad forward per
     micro-batch, those out of the loss too: under FSDP every process joins each forward): the
-    same whatever the micro-batches."""
-    import grpo
+    same whatever the micro-batches. `lesson`: grpo.py (token_logits, code_logprobs)."""
     K = policy.config.vq_config.num_embeddings
     total, count = 0.0, 0
     for mb in batches:
-        logits = grpo.token_logits(policy, mb.inputs, mb.tokens)
+        logits = lesson.token_logits(policy, mb.inputs, mb.tokens)
         if not mb.in_loss:
             continue
-        H = entropy(grpo.code_logprobs(logits, temperature, K, support=mb.support))
+        H = entropy(lesson.code_logprobs(logits, temperature, K, support=mb.support))
         H = H[:, loss_tokens(mb, train_tokens)]
         total, count = total + H.sum().item(), count + H.numel()
     both = gather_rows(torch.tensor([[total, count]], dtype=torch.float64)).sum(dim=0)

@@ -17,7 +17,7 @@ from helpers import diagnostics
 def readings(logits, mb, old, ref, **settings):
     """diagnostics.readings with the tiny defaults' settings (K from the logits)."""
     kw = dict(codebook_size=logits.shape[-1], temperature=T, top_k=0, top_p=0.75, clip_eps=0.2, kl_beta=0.04,
-              correction="token_truncate", cap=2.0)
+              correction="token_truncate", cap=2.0, lesson=grpo)
     return diagnostics.readings(logits, mb, old, ref, **(kw | settings))
 
 
@@ -54,7 +54,7 @@ def test_mismatch():
     sampled = torch.tensor([[-1.5, -1.0, -0.5], [-2.0, -1.0, -math.inf]])
     d = torch.tensor([[0.5, -1.0, 0.0], [1.0, 0.0, 0.0]])  # old - sampled, 0 where not finite
     cap = 1.5
-    m = diagnostics.mismatch(old, sampled, "token_truncate", cap)
+    m = diagnostics.mismatch(old, sampled, "token_truncate", cap, grpo)
     assert m["sampling/sampling_logp_difference/max"] == 1.0
     assert m["sampling/sampling_logp_difference/mean"] == pytest.approx(2.5 / 6)
     assert m["sampling/raw_importance_sampling_ratio/max"] == pytest.approx(math.e)  # before the cap
@@ -63,6 +63,6 @@ def test_mismatch():
     assert m["sampling/importance_sampling_ratio/min"] == pytest.approx(math.exp(-1))
     assert m["sampling/k3_kl"] == pytest.approx(((d.exp() - 1 - d).sum() / 6).item())
     assert m["sampling/capped_frac"] == pytest.approx(2 / 6)  # e^0.5 and e^1 exceed 1.5
-    seq = diagnostics.mismatch(old, sampled, "sequence_mask", cap)
+    seq = diagnostics.mismatch(old, sampled, "sequence_mask", cap, grpo)
     assert seq["sampling/raw_importance_sampling_ratio/max"] == pytest.approx(math.e)  # the sequence's product
     assert seq["sampling/importance_sampling_ratio/max"] == pytest.approx(math.exp(-0.5))  # e is masked to 0

@@ -46,7 +46,7 @@ def test_real_resolution_parity(real_size_rollout, sharp_pipe):
     policy = copy.deepcopy(ar)
     opt = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=1e-3)
     before = policy.lm_head.weight.detach().clone()
-    readings = diagnostics.reader(grpo.parse_config([]), ar.config.vq_config.num_embeddings)
+    readings = diagnostics.reader(grpo.parse_config([]), ar.config.vq_config.num_embeddings, grpo)
     m = grpo.train_step(policy, opt, grpo.micro_batches([r], torch.tensor([[1.0, -1.0]]), 1), None,
                         grpo.micro_batch_loss, grpo.LossSettings(clip_eps=0.2, kl_beta=0.0), temperature=T, mu=1,
                         max_grad_norm=1.0, readings=readings)
@@ -87,7 +87,7 @@ def test_corrections_real_size():
                                                 lesson_loss=grpo.micro_batch_loss, cfg=cfg, threshold=None)
                 loss.backward()
                 norms[top_p, dist, weight, mode] = x.grad.norm().item()
-            m = diagnostics.mismatch(old, trained.sampler_logprobs, "token_truncate", 2.0)
+            m = diagnostics.mismatch(old, trained.sampler_logprobs, "token_truncate", 2.0, grpo)
             assert m["sampling/sampling_logp_difference/max"] <= 1e-5, (top_p, dist, weight)
             assert abs(m["sampling/importance_sampling_ratio/mean"] - 1) <= 1e-4, (top_p, dist, weight)
     for (top_p, dist, weight, mode), norm in norms.items():

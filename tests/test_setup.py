@@ -35,7 +35,7 @@ def test_apply_lora():
     assert (base_lp - r.q_logprobs).abs().max() > 1e-3  # the adapter matters
     opt = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=1e-3)
     settings = grpo.LossSettings(clip_eps=0.2, kl_beta=0.04)
-    readings = diagnostics.reader(grpo.parse_config([]), codebook(policy))
+    readings = diagnostics.reader(grpo.parse_config([]), codebook(policy), grpo)
     m = grpo.train_step(policy, opt, batches, ref, grpo.micro_batch_loss, settings, temperature=T, mu=1,
                         max_grad_norm=1.0, readings=readings)
     assert m["ratio_min"] == m["ratio_max"] == 1 and m["sampler_gap"] <= 1e-5 and m["kl"] > 0

@@ -40,7 +40,7 @@ def cfg_with(**options):
 def seam(z_scores, reward, rollouts, cfg, each=None):
     """variants.advantages on every group kept, `each` one reward (the sum itself) unless given."""
     kept = torch.ones(len(reward), dtype=torch.bool)
-    return variants.advantages(z_scores, rollouts, reward, each or {"ssim": reward}, kept, cfg)
+    return variants.advantages(z_scores, rollouts, reward, each or {"ssim": reward}, kept, cfg, grpo)
 
 
 def rollout(tokens, q_logprobs=None, preview=0):
@@ -155,7 +155,7 @@ def test_reward_aggregation():
     def normalized(weights: str, each: dict) -> torch.Tensor:
         cfg = cfg_with(reward=weights, reward_aggregation="normalize")
         total = sum(w * each[n] for n, w in run.reward_weights(weights).items() if w != 0)
-        return variants.advantages(grpo.group_advantages(total), [], total, each, in_loss, cfg)
+        return variants.advantages(grpo.group_advantages(total), [], total, each, in_loss, cfg, grpo)
 
     want = trl_normalize_then_sum(torch.stack([ocr[in_loss].flatten(), aesthetic[in_loss].flatten()], dim=1),
                                   torch.tensor([1.0, 0.2]), 4).view(2, 4)
@@ -235,7 +235,7 @@ def test_main_unlikeliness(tmp_path, monkeypatch):
     prompts = write_example(tmp_path, ["a red circle"])
     grpo.main([*TINY, "--prompts", str(prompts), "--out", str(tmp_path / "run"), "--steps", "1", "--reward", "flat",
                "--unlikeliness", "0.5", "--image-every", "0"])
-    ((_, rollouts, _, _, _, _), adv), = calls
+    ((_, rollouts, *_), adv), = calls
     loglik = variants.grid_logprob(rollouts[0])  # (G,)
     order = sorted(range(len(loglik)), key=lambda i: (loglik[i].item(), i))  # the least likely first
     assert torch.allclose(adv[0][order], -0.5 * (torch.arange(4) / 3 - 0.5)) and adv[0].sum().abs() < 1e-6
@@ -256,7 +256,7 @@ def loss_of(distribution, mb, old, ref, cfg, threshold=None):
 def test_update_none_on(pipe):
     """With no option on, the seam returns the micro-batches and the loss it was given."""
     batches, loss = [object()], object()
-    assert variants.update(batches, loss, pipe.vision_language_encoder, cfg_with()) == (batches, loss)
+    assert variants.update(batches, loss, pipe.vision_language_encoder, cfg_with(), grpo) == (batches, loss)
 
 
 def test_clip_range():
@@ -354,8 +354,8 @@ def test_mean_entropy_any_micro_batch(random_pipe):
     for size in (4, 1):
         policy = copy.deepcopy(random_pipe.vision_language_encoder)
         batches = grpo.micro_batches(rollouts, advantages, size)
-        batches, loss = variants.update(batches, grpo.micro_batch_loss, policy, cfg)
-        thresholds.append(variants.mean_entropy(policy, batches, T, cfg.train_tokens))
+        batches, loss = variants.update(batches, grpo.micro_batch_loss, policy, cfg, grpo)
+        thresholds.append(variants.mean_entropy(policy, batches, T, cfg.train_tokens, grpo))
         opt = torch.optim.SGD([p for p in policy.parameters() if p.requires_grad], lr=0.0)
         grpo.train_step(policy, opt, batches, None, loss, grpo.LossSettings(clip_eps=0.2, kl_beta=0.0), temperature=T,
                         mu=1, max_grad_norm=math.inf)
@@ -407,8 +407,8 @@ def step_gradients(pipe, rollouts, advantages, cfg, micro_batch_size=2, lr=1.0):
     settings = grpo.LossSettings(clip_eps=cfg.clip_eps, kl_beta=cfg.kl_beta, correction=cfg.sampler_correction,
                                  cap=cfg.sampler_cap)
     batches = grpo.micro_batches(rollouts, advantages, micro_batch_size)
-    batches, loss = variants.update(batches, grpo.micro_batch_loss, policy, cfg)
-    readings = diagnostics.reader(cfg, policy.config.vq_config.num_embeddings)
+    batches, loss = variants.update(batches, grpo.micro_batch_loss, policy, cfg, grpo)
+    readings = diagnostics.reader(cfg, policy.config.vq_config.num_embeddings, grpo)
     m = grpo.train_step(policy, opt, batches, ref, loss, settings, temperature=T, mu=cfg.mu, max_grad_norm=math.inf,
                         readings=readings)
     return {n: p.grad.clone() for n, p in policy.named_parameters() if p.grad is not None}, m

@@ -64,7 +64,7 @@ def train_step(policy, opt, rollouts, advantages, ref, micro_batch_size, kl_beta
     """grpo.train_step as grpo.main calls it: the rollouts' micro-batches, the lesson's loss (clip 0.2, one update)."""
     batches = grpo.micro_batches(rollouts, advantages, micro_batch_size)
     settings = grpo.LossSettings(clip_eps=0.2, kl_beta=kl_beta)
-    readings = diagnostics.reader(grpo.parse_config([]), policy.config.vq_config.num_embeddings)
+    readings = diagnostics.reader(grpo.parse_config([]), policy.config.vq_config.num_embeddings, grpo)
     return grpo.train_step(policy, opt, batches, ref, grpo.micro_batch_loss, settings, temperature=T, mu=1,
                            max_grad_norm=1.0, readings=readings)
 
@@ -419,7 +419,7 @@ def float32_logits(head, args, logits):
 
 def mismatch(trainer: torch.Tensor, sampled: torch.Tensor) -> dict:
     """TRL's mismatch metrics of the default correction (token_truncate at 2), as a run logs them."""
-    return diagnostics.mismatch(trainer, sampled, "token_truncate", 2.0)
+    return diagnostics.mismatch(trainer, sampled, "token_truncate", 2.0, grpo)
 
 
 def gap_rows(pipe, name, group, size, top_p, emit_row, train_tokens="large"):

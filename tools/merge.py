@@ -14,6 +14,7 @@ from types import SimpleNamespace
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+import grpo  # noqa: E402
 from helpers import run  # noqa: E402
 
 
@@ -35,7 +36,7 @@ def main() -> None:
         run.fail("random weights cannot be loaded again to merge into; final/ holds what was trained")
     dtype = run.compute_settings("cuda", args.dtype or saved.get("dtype", "auto"), cfg.model)  # a GPU run's dtype
     run.quiet_libraries()
-    run.save_merged(cfg, args.run, dtype)
+    run.save_merged(cfg, args.run, dtype, grpo.load_glm_image)
 
 
 if __name__ == "__main__":
