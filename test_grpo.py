@@ -136,7 +136,7 @@ def test_disable_dropout():
 
 def test_active_dropout(pipe):
     """The modules that drop out now: an attention dropout or a LoRA-style nn.Dropout with p > 0, in train mode only;
-    and train_step refuses to run on such a policy, in one line (with dropout pi would not be pi_old at update 2)."""
+    disable_dropout leaves none."""
     ar = copy.deepcopy(pipe.vision_language_encoder)
     assert grpo.active_dropout(ar.train()) == []
     ar.model.language_model.layers[0].self_attn.attention_dropout = 0.3
@@ -144,13 +144,6 @@ def test_active_dropout(pipe):
     dropping = grpo.active_dropout(ar)
     assert dropping == ["model.language_model.layers.0.self_attn", "model.language_model.layers.1.mlp.lora_dropout"]
     assert grpo.active_dropout(ar.eval()) == []  # in eval mode nothing drops out
-    r = sample_group(pipe, "a cat", 2, 64, 64, T, seed=0)
-    ar.activation_checkpointing_enable()  # train_step puts a checkpointing model in train mode: dropout would act
-    opt = torch.optim.SGD([p for p in ar.parameters() if p.requires_grad], lr=0.0)
-    with pytest.raises(ValueError, match=r"^train_step: model.language_model.layers.0.self_attn drops out in train "
-                                         r"mode, so pi != pi_old; set its p to 0 \(disable_dropout\)"):
-        grpo.train_step(ar, opt, grpo.micro_batches([r], torch.tensor([[1.0, -1.0]]), 2), None, grpo.micro_batch_loss,
-                        loss_settings(), temperature=T, mu=2, max_grad_norm=1.0)
     grpo.disable_dropout(ar)  # zeroes nn.Dropout's p and the attention dropouts
     assert grpo.active_dropout(ar.train()) == []
 
@@ -743,6 +736,24 @@ def test_train_step_mu(random_pipe):
     _, m = gradients(copy.deepcopy(random_pipe.vision_language_encoder), [r], torch.tensor([[1.0, -1.0, 1.0, -1.0]]),
                      4, mu=3, lr=5.0)
     assert (m["ratio_max"] > 1.2 or m["ratio_min"] < 0.8) and m["clip_frac"] > 0
+
+
+def test_train_mode(pipe):
+    """train_step's mode: train mode only to checkpoint activations, eval otherwise; a dropout on in train mode is
+    refused in one line, by train_step too (with dropout pi would not be pi_old at update 2)."""
+    ar = copy.deepcopy(pipe.vision_language_encoder)
+    grpo.train_mode(ar)
+    assert not ar.training
+    ar.activation_checkpointing_enable()
+    grpo.train_mode(ar)
+    assert ar.training
+    ar.model.language_model.layers[0].self_attn.attention_dropout = 0.3
+    r = sample_group(pipe, "a cat", 2, 64, 64, T, seed=0)
+    opt = torch.optim.SGD([p for p in ar.parameters() if p.requires_grad], lr=0.0)
+    with pytest.raises(ValueError, match=r"^train_step: model.language_model.layers.0.self_attn drops out in train "
+                                         r"mode, so pi != pi_old; set its p to 0 \(disable_dropout\)"):
+        grpo.train_step(ar, opt, grpo.micro_batches([r], torch.tensor([[1.0, -1.0]]), 2), None, grpo.micro_batch_loss,
+                        loss_settings(), temperature=T, mu=2, max_grad_norm=1.0)
 
 
 def test_train_step_in_loss(pipe):
