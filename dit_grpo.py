@@ -190,10 +190,10 @@ def train_step(policy, optimizer, chains: list[Chain], advantages: torch.Tensor,
     closed-form KL to the reference's step (`ref_model`: a frozen copy, or the policy itself with its LoRA adapter
     switched off). The old policy is the current one (one update per batch of chains), so the first ratio is exactly
     1. The backward runs per micro-batch of samples and per denoising step (as Flow-GRPO loops over timesteps), each
-    piece weighted by its share of the P*G samples x S steps: the gradient is the full batch's, and the memory that of
+    piece weighted by its share of the samples in the loss (over every process) x S steps: the gradient is the full batch's, and the memory that of
     one step's graph for `micro_batch_size` samples, whatever the window. A group out of the loss (`in_loss` False:
     a non-finite reward) runs its pieces with their loss times 0 (under torchrun every process joins each
-    collective); a step with none in the loss, on any process, is skipped.
+    collective); the step is skipped only when no process has a group in the loss.
     """
     policy.eval()  # no dropout: the trainer's Gaussian must be the sampler's
     if in_loss is None:
@@ -220,14 +220,15 @@ def train_step(policy, optimizer, chains: list[Chain], advantages: torch.Tensor,
             kl = gaussian_kl(means[:, 0], ref_means[:, 0], stds[0].to(means.device))[:, None]  # (mb, 1)
             loss = loss + kl_beta * kl.mean()
         share = logp.shape[0] / n / S if keep else 0.0
-        finite = finite and bool(torch.isfinite(loss))
+        finite = finite and (bool(torch.isfinite(loss)) or not keep)
         sync_gradients(policy, k == len(pieces) - 1)  # FSDP + LoRA: reduce across processes after the last
         (loss * share * n / n_all).backward()  # one step's graph at a time: memory of one step, whatever the window
         gap = max(gap, (logp.detach()[:, 0] - chain.logprobs[rows][:, i]).abs().max().item())
         ratio_min, ratio_max = min(ratio_min, m["ratio_min"]), max(ratio_max, m["ratio_max"])
         for key, value in (("loss", loss.item()), ("policy_loss", m["policy_loss"]), ("kl", kl.mean().item()),
                            ("clip_frac", m["clip_frac"]), ("logprob", logp.mean().item())):
-            totals[key] = totals.get(key, 0.0) + value * share
+            if keep:  # a process whose groups all left the loss logs none of them
+                totals[key] = totals.get(key, 0.0) + value * share
     params = [p for group in optimizer.param_groups for p in group["params"]]
     totals["grad_norm"] = torch.nn.utils.clip_grad_norm_(params, max_grad_norm).item()
     skipped = 0
@@ -236,7 +237,8 @@ def train_step(policy, optimizer, chains: list[Chain], advantages: torch.Tensor,
     else:  # a NaN / inf never reaches the weights
         optimizer.zero_grad(set_to_none=True)
         skipped = 1
-    return {**totals, "ratio_min": ratio_min, "ratio_max": ratio_max, "sampler_gap": gap, "skipped": skipped}
+    return {**totals, "ratio_min": ratio_min, "ratio_max": ratio_max, "sampler_gap": gap, "skipped": skipped,
+            "sequences": n}
 
 
 LORA_TARGETS = r".*transformer_blocks\.\d+\.(attn1\.(to_q|to_k|to_v|to_out\.0)|ff\.net\.(0\.proj|2))"

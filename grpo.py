@@ -22,6 +22,7 @@ The symbols, as the code names them:
   ref     the frozen reference of the KL: the initial weights (with LoRA: the adapter off)
   R, A    a sample's reward (group_rewards) and its advantage (group_advantages)
   r       the ratio pi / pi_old of a sampled code
+  eps, beta, mu   the clip range, the KL's weight, the updates a batch of samples gets (Config)
 A group is one prompt's G samples; a step samples P groups; the Run (helpers/run.py) is `job`.
 
 The sections: 1 config, 2 loading, 3 group sampling, 4 log-probs of given tokens, 5 decoding,
@@ -191,7 +192,9 @@ def active_dropout(model) -> list[str]:
     dropping = []
     for name, module in model.named_modules():
         p = module.p if isinstance(module, torch.nn.Dropout) else 0.0
-        p = max(p, getattr(module, "attention_dropout", 0.0) or 0.0)
+        attention = getattr(module, "attention_dropout", None)
+        if isinstance(attention, float):  # (a Dropout module there is found as a module)
+            p = max(p, attention)
         if module.training and p > 0:
             dropping.append(name or type(module).__name__)
     return dropping
@@ -417,7 +420,8 @@ def sample_groups(pipe, prompts: list[str], group_size: int, height: int, width:
     rollouts = []
     if fast_decode is None:  # grpo.py copied alone: the lesson's loop
         for prompt, seed in zip(encoded, seeds):
-            tokens, q_logprobs, p_logprobs = generate(model, prompt, temperature, seed, top_k, top_p)
+            tokens, q_logprobs, p_logprobs = generate(model, prompt, temperature, seed, top_k,
+                                                      top_p)
             rollouts.append(Rollout(tokens, q_logprobs, p_logprobs, **prompt._asdict()))
         return rollouts
     drawn = fast_decode.sample_groups(model, encoded, temperature, seeds, top_k, top_p, prompts,
@@ -700,6 +704,18 @@ def micro_batch_loss(distribution: torch.Tensor, mb: MicroBatch, old_logprobs: t
     return loss, {"loss": loss.item(), **metrics}
 
 
+def train_mode(policy) -> None:
+    """The policy in the mode train_step trains it in, or a one-line refusal: transformers only
+    checkpoints activations in train mode, and without dropout train and eval mode are one policy;
+    with a dropout on, each forward would draw another policy, so pi_old would not be the sampler's
+    and the ratio would leave 1 at lr 0."""
+    policy.train(policy.is_activation_checkpointing)
+    dropping = active_dropout(policy)
+    if dropping:
+        raise ValueError(f"train_step: {dropping[0]} drops out in train mode, so pi != pi_old; "
+                         "set its p to 0 (disable_dropout) or put the model in eval mode")
+
+
 def train_step(policy, optimizer, batches: list[MicroBatch], ref_model, loss_fn,
                settings: LossSettings, *, temperature: float, mu: int, max_grad_norm: float,
                readings=None) -> dict:
@@ -708,20 +724,17 @@ def train_step(policy, optimizer, batches: list[MicroBatch], ref_model, loss_fn,
     `readings`: docs/healthy_training.md's measurements beside it (helpers/diagnostics.py), or None.
     pi_old is the policy that sampled: at the first update its weights have not moved (they move
     after the last micro-batch), so its own log-probs, detached, are pi_old's: the ratio is 1.
-    A micro-batch out of the loss (mb.in_loss False) runs with its loss times 0; a step with none in
-    the loss, on any process, is skipped."""
-    # transformers only checkpoints in train mode; without dropout, train and eval are one policy
-    policy.train(policy.is_activation_checkpointing)
-    dropping = active_dropout(policy)
-    if dropping:  # each forward would draw another policy: pi_old would not be the sampler's
-        raise ValueError(f"train_step: {dropping[0]} drops out in train mode, so pi != pi_old; "
-                         "set its p to 0 (disable_dropout) or put the model in eval mode")
+    A micro-batch out of the loss (mb.in_loss False) runs with its loss times 0; the step is skipped
+    only when no process has a micro-batch in the loss. The metrics' "sequences": those in the loss
+    here (the processes' metrics are averaged by them)."""
+    train_mode(policy)
     K = policy.config.vq_config.num_embeddings
     if all_agree(not any(mb.in_loss for mb in batches)):  # every group left (non-finite rewards)
         return {"skipped": mu}
     # the losses are means over the sequences in the loss: each micro-batch weighs its share of them
     # (per process: FSDP averages the processes' gradients)
-    n_rows = rows_per_process(sum(len(mb.tokens) for mb in batches if mb.in_loss))
+    sequences = sum(len(mb.tokens) for mb in batches if mb.in_loss)  # in the loss, this process
+    n_rows = rows_per_process(sequences)
     ref_logprobs = [reference_logprobs(ref_model, mb, temperature) for mb in batches]  # frozen
     old_logprobs = [None] * len(batches)  # filled by the first update
     updates, skipped = [], 0  # each update's micro-batches: (metrics, share)
@@ -731,7 +744,8 @@ def train_step(policy, optimizer, batches: list[MicroBatch], ref_model, loss_fn,
         for k, mb in enumerate(batches):
             logits = token_logits(policy, mb.inputs, mb.tokens)  # (mb, N, V), with grad
             distribution = code_logprobs(logits, temperature, K, support=mb.support)  # pi_theta
-            if old_logprobs[k] is None:  # the first update: pi_theta is pi_old
+            if old_logprobs[k] is None:  # pi_old, taken at the first update: no weight moved yet
+                # (the optimizer steps after the last micro-batch): pi_theta here IS pi_old, r = 1
                 old_logprobs[k] = logprob_of(distribution, mb.tokens).detach()
             loss, metrics = loss_fn(distribution, mb, old_logprobs[k], ref_logprobs[k], settings)
             share = len(mb.tokens) / n_rows if mb.in_loss else 0.0
@@ -745,7 +759,8 @@ def train_step(policy, optimizer, batches: list[MicroBatch], ref_model, loss_fn,
         grad_norm, stepped = optimizer_step(optimizer, updates[-1], max_grad_norm)
         if not stepped:
             skipped += 1
-    return merge_metrics(updates) | {"grad_norm": grad_norm, "skipped": skipped}
+    return merge_metrics(updates) | {"grad_norm": grad_norm, "skipped": skipped,
+                                     "sequences": sequences}
 
 
 def optimizer_step(optimizer, parts: list[tuple[dict, float]], max_grad_norm: float

@@ -323,10 +323,11 @@ def test_generate_exact(random_pipe, lesson, attention):
 
 
 def test_group_seed():
-    """A group's seed: --seed * 1_000_003 + its number; the runs of two seeds never share one (groups < 1_000_003),
-    and the same run and group always draw from the same seed."""
+    """A group's seed: --seed * 1_000_003 + its number: within a run each group its own, and the runs of two seeds
+    never share one (below 1_000_003 groups)."""
     first, second = ({grpo.group_seed(seed, g) for g in range(100_000)} for seed in (0, 1))
-    assert not first & second and grpo.group_seed(1, 5) == 1_000_008 == grpo.group_seed(1, 5)
+    assert len(first) == len(second) == 100_000 and not first & second  # a seed a group, none shared across runs
+    assert grpo.group_seed(1, 5) == 1_000_008 and grpo.group_seed(0, 5) == 5
 
 
 def test_sample_groups(random_pipe, lesson):

@@ -177,15 +177,24 @@ def merge_metrics(updates: list[list[tuple[dict, float]]]) -> dict:
 
 def reduce_metrics(metrics: dict) -> dict:
     """train_step's metrics of every process -> one dict: extremes and counts by their rule (`extreme`: min, max or
-    sum), the rest averaged (every process trains on the same number of sequences, so the mean of means is the mean
-    over all sequences)."""
+    sum), the rest averaged over the processes weighted by the sequences each had in the loss (its "sequences", which
+    is not logged): the mean over every sequence in the loss, also when a group left the loss on one process."""
+    metrics = dict(metrics)
+    weight = metrics.pop("sequences", 1)
     if not distributed():
         return metrics
     parts = [None] * dist.get_world_size()
-    dist.all_gather_object(parts, metrics)
-    keys = dict.fromkeys(k for part in parts for k in part)  # a process that only edits has no preview/ metrics
-    mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
-    return {k: (extreme(k) or mean)([p[k] for p in parts if k in p]) for k in keys}
+    dist.all_gather_object(parts, (metrics, weight))
+    keys = dict.fromkeys(k for part, _ in parts for k in part)  # a process that only edits has no preview/ metrics
+
+    def mean(k: str) -> float:
+        values = [(part[k], w) for part, w in parts if k in part]
+        total = sum(w for _, w in values)
+        if not total:  # no process had a sequence in the loss: the plain mean
+            return sum(v for v, _ in values) / len(values)
+        return sum(v * w for v, w in values) / total
+
+    return {k: extreme(k)([part[k] for part, _ in parts if k in part]) if extreme(k) else mean(k) for k in keys}
 
 
 # ---- State: the same checkpoint format for one process and for many ------------------------------

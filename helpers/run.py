@@ -434,7 +434,10 @@ def prepare(cfg, argv: list[str] | None, table: dict, lesson, train: str = "ar")
                 raise ValueError(f"{out} trains {total} groups per step; {world} processes cannot share them evenly: "
                                  f"resume on a number of processes that divides {total}")
             cfg = dataclasses.replace(cfg, prompts_per_step=total // world)
-            read_metrics(out)
+            if any(line["step"] == 0 and not line.get("eval") for line in read_metrics(out)):
+                raise ValueError(f"{out} counts its steps from 0 (an older grpo.py wrote it; steps count from 1 now), "
+                                 "so a resume would number them twice: finish it with the version that started it, "
+                                 "or start a new run")
             if cfg.steps < start:
                 raise ValueError(f"--steps {cfg.steps} is below the {start} steps {out} has done; --steps is the "
                                  f"total, so pass more than {start}")
@@ -748,7 +751,7 @@ def finite_groups(r: Run, step: int, reward: torch.Tensor, each: dict, batch: li
     weights = {name: weight for name, (_, weight) in r.rewards.items()}
     for p in range(len(batch)):
         bad = [name for name, value in each.items() if not value[p].isfinite().all()]
-        if not bad:
+        if not bad and kept[p]:
             continue
         where = f"'{batch[p]['prompt']}' ({batch[p]['where']})"
         if kept[p]:
@@ -756,9 +759,10 @@ def finite_groups(r: Run, step: int, reward: torch.Tensor, each: dict, batch: li
             tqdm.write(f"warning: step {step}: reward {logged} (weight 0, logged only) is not finite for {where}; "
                        "the group trains on the others", file=sys.stderr)
             continue
-        weighed = [name for name in bad if weights.get(name, 1) != 0] or bad
-        tqdm.write(f"warning: step {step}: reward {', '.join(repr(name) for name in weighed)} is not finite for "
-                   f"{where}; its group is left out of this step's loss", file=sys.stderr)
+        weighed = [repr(name) for name in bad if weights.get(name, 1) != 0] or ["sum (each finite, their weighted "
+                                                                               "sum overflows)"]
+        tqdm.write(f"warning: step {step}: reward {', '.join(weighed)} is not finite for {where}; its group is left "
+                   "out of this step's loss", file=sys.stderr)
     return kept
 
 
@@ -782,11 +786,13 @@ def log_step(r: Run, step: int, groups: list[int], reward: torch.Tensor, each: d
     append_metrics(r.out, rows, "samples.jsonl")
     r.reporter.log(record)
     r.reporter.table("samples", rows, step)
-    recent = np.nanmean([h["reward_mean"] for h in r.history[-20:]])  # a step with no group left: NaN
+    recent = [h["reward_mean"] for h in r.history[-20:] if math.isfinite(h["reward_mean"])]  # no group left: NaN
+    recent = np.mean(recent) if recent else math.nan
     r.progress.set_postfix(reward=f"{record['reward_mean']:.3f}", reward_avg20=f"{recent:.3f}",
                            **({"kl": f"{record.get('kl', math.nan):.4f}"} if r.cfg.kl_beta > 0 else {}))
     if record["skipped"]:
-        why = "no group left (non-finite rewards)" if not kept.any() else "non-finite loss or gradient"
+        left = record["dropped_groups"] == len(record["prompts"])  # on every process
+        why = "no group left (non-finite rewards)" if left else "non-finite loss or gradient"
         r.progress.write(f"warning: step {step}: {why}, update skipped ({r.skipped} so far)", file=sys.stderr)
     if record.get("rollout/collapsed_groups"):
         r.progress.write(f"warning: step {step}: {record['rollout/collapsed_groups']} group(s) collapsed to a few codes "
@@ -868,7 +874,7 @@ def interrupted(r: Run) -> None:
     """After Ctrl-C: a checkpoint of the finished steps (unless the user forced an immediate stop), exit 130."""
     r.progress.close()
     if not INTERRUPT["forced"]:
-        save_run(r, r.done)  # the steps from `done` on did not finish: redone
+        save_run(r, r.done)  # the steps after `done` did not finish: redone on resume
     if r.rank == 0:
         saved = "the last checkpoint is kept" if INTERRUPT["forced"] else f"checkpoint at step {r.done}"
         launch = f"torchrun --nproc-per-node {r.world}" if r.world > 1 else "python"

@@ -217,7 +217,8 @@ def image_grid(rows: list[list[tuple[str, torch.Tensor | None]]], rewards: torch
 
 
 def plot_curves(out: Path) -> Path:
-    """out/curves.png from out/metrics.jsonl, one panel each, per step (x: the updates the policy has had): the
+    """out/curves.png from out/metrics.jsonl, one panel each, per step (x: the step, from 1; a training point at step
+    N is the N-th update's, its rewards drawn by the policy after N - 1 updates; an evaluation at N reads it after N): the
     training reward (each step's mean, its mean over 20 steps, and the step's mean within-group std as a band), the
     eval rewards (overall, and per category of the eval reward), the eval's diversity (distinct layouts of K, and the
     share of prompts drawn with one), the KL to the reference (the loss's and the untruncated one), the clip
@@ -283,8 +284,8 @@ def side_by_side(left: Path, right: Path) -> Image.Image:
 
 def save_checkpoint(folder: Path, model, model_weights: dict | None, weights: dict, optimizer_state: dict,
                     step: int, cfg, world: int = 1, base_model: str = "") -> None:
-    """checkpoints/step-N/: trainer_state.pt (the trainable weights, the optimizer state, the RNG states, the next
-    step, the config) beside the trained model as save_trained writes it (loadable on its own), the folder written
+    """checkpoints/step-N/: trainer_state.pt (the trainable weights, the optimizer state, the RNG states, the steps
+    done, the config) beside the trained model as save_trained writes it (loadable on its own), the folder written
     whole or not at all. `weights` / `optimizer_state`: full (unsharded) state dicts, as `trainable_state` returns
     them; `model_weights`: `final_weights`' (None in one process). `world`: the number of processes
     (cfg.prompts_per_step is per process)."""

@@ -370,22 +370,23 @@ parallel.stop_processes()  # a gloo thread alive at exit can abort a process ("t
 
 
 def test_torchrun_nonfinite_reward(tmp_path, monkeypatch):
-    """Under torchrun a group with a NaN reward leaves the loss while its process joins every collective: process 1's
-    group is NaN at every step, process 0's trains, and the run equals one process training the same two groups
-    (the NaN one out of the loss): the same metrics and the same final weights, KL and variants on."""
+    """Under torchrun a group with a NaN reward leaves the loss while its process joins every collective: the prompt
+    'another' gives a NaN, once on process 0 only at step 1 (so the processes keep 1 and 2 groups: the metrics are
+    weighed by them), on both at step 2; the run equals one process training the same four groups a step (the NaN
+    ones out of the loss): the same metrics and the same final weights, KL and variants on."""
     (tmp_path / "flaky_reward.py").write_text(
         "import math\n\ndef reward(images, example):\n    values = images.mean(dim=(1, 2, 3))\n"
         "    if example['prompt'] == 'another':\n        values[1] = math.nan\n    return values\n")
     monkeypatch.setenv("PYTHONPATH", str(tmp_path))
-    prompts = write_example(tmp_path, ["a gray square | t.png", "another | t.png"])
+    prompts = write_example(tmp_path, ["a gray square | t.png", "another | t.png", "a third | t.png"])
     common = [*TINY_CPU, "--prompts", str(prompts), "--steps", "2", "--image-every", "0", "--temperature", "2.0",
               "--reward", "ssim=1,flaky_reward:reward=0.5", "--kl-beta", "0.04", "--mu", "2", "--diversity", "0.1",
               "--scale-rewards", "batch", "--entropy-bonus", "0.1"]
-    assert torchrun(*common, "--out", str(tmp_path / "one"), "--prompts-per-step", "2", nproc=1).returncode == 0
-    proc = torchrun(*common, "--out", str(tmp_path / "two"), "--prompts-per-step", "1")
+    assert torchrun(*common, "--out", str(tmp_path / "one"), "--prompts-per-step", "4", nproc=1).returncode == 0
+    proc = torchrun(*common, "--out", str(tmp_path / "two"), "--prompts-per-step", "2")
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = run_record(tmp_path / "two")
-    assert [x["dropped_groups"] for x in lines] == [1, 1] and [x["skipped"] for x in lines] == [0, 0]
+    assert [x["dropped_groups"] for x in lines] == [1, 2] and [x["skipped"] for x in lines] == [0, 0]
     assert all(math.isfinite(x["loss"]) and x["kl"] > 0 for x in lines[1:])
     assert_same_metrics(tmp_path / "one", tmp_path / "two")
     assert_same_weights(tmp_path / "one" / "final", tmp_path / "two" / "final")

@@ -631,8 +631,8 @@ def test_main_host_memory(tmp_path, monkeypatch, capsys):
 
 
 def test_resume_damaged_run(tmp_path, capsys):
-    """--resume with a truncated or foreign trainer_state.pt or config.json, or a damaged metrics line: exit 2, one line
-    naming the file, nothing changed. --steps equal to the steps done: nothing to do (exit 0); below: refused; a
+    """--resume with a truncated or foreign trainer_state.pt or config.json, a damaged metrics line, or metrics whose
+    steps count from 0 (an older grpo.py's): exit 2, one line naming the file, nothing changed. --steps equal to the steps done: nothing to do (exit 0); below: refused; a
     flag that would change the run (--lr, --prompts, ...): refused."""
     prompts = write_example(tmp_path, ["a | t.png"])
     run = tmp_path / "run"
@@ -647,6 +647,8 @@ def test_resume_damaged_run(tmp_path, capsys):
                ("metrics.jsonl", b"garbage\n" + good[run / "metrics.jsonl"], "metrics.jsonl:1 is not a JSON line")]
     torch.save({"weights": {}}, tmp_path / "foreign.pt")
     damages.append((state, (tmp_path / "foreign.pt").read_bytes(), "trainer_state.pt is truncated or not"))
+    older = "".join(json.dumps({**line, "step": line["step"] - 1}) + "\n" for line in run_record(run))
+    damages.append(("metrics.jsonl", older.encode(), "counts its steps from 0"))  # written when steps began at 0
     for name, content, needle in damages:
         (run / name).write_bytes(content)
         damaged = snapshot(run)
