@@ -338,3 +338,4 @@ if __name__ == "__main__":
     except KeyboardInterrupt:  # Ctrl-C while loading or checking (the training loop handles its own): no traceback
         print("dit_grpo.py: interrupted", file=sys.stderr)
         raise SystemExit(130) from None
+    run.leave()  # torchrun: a finished process exits before a gloo thread can abort it

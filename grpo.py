@@ -864,3 +864,4 @@ if __name__ == "__main__":
     except KeyboardInterrupt:  # Ctrl-C while loading or checking (training handles its own)
         print("grpo.py: interrupted", file=sys.stderr)
         raise SystemExit(130) from None
+    run.leave()  # torchrun: a finished process exits before a gloo thread can abort it

@@ -470,6 +470,18 @@ def prepare(cfg, argv: list[str] | None, table: dict, lesson, train: str = "ar")
     return Run(cfg, out, start, state, examples, rewards, evals, lesson)
 
 
+def leave() -> None:
+    """The end of a finished run's process. Under torchrun it exits at once (exit code 0, its output flushed), without
+    the interpreter's teardown: there a gloo thread still alive can abort a process that finished its work
+    ("terminate called without an active exception", exit -6; seen in CI, and once in this session's four runs of
+    the suite, after parallel.stop_processes had left the process group). Everything the run writes is on disk by
+    then (atomic writes, the trackers closed). One process: returns."""
+    if int(os.environ.get("WORLD_SIZE", 1)) > 1:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
+
+
 def finished(out: Path) -> int | None:
     """The steps of the model in out/final/, as final/run.json (written last) records them; None when final/ is
     missing or was left unfinished."""
