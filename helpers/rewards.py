@@ -221,16 +221,31 @@ def located(name: str, where: str) -> bool:
             raise CheckpointError(f"reward '{name}@{where}': no such folder; give a folder saved by save_pretrained "
                                   "or a hub id (owner/name)")
         return True
-    from huggingface_hub import constants, try_to_load_from_cache
-    if isinstance(try_to_load_from_cache(where, "config.json"), str):
+    if hub_cached(where, "config.json"):
         return True
+    host = unreachable_hub()
+    if host:
+        raise CheckpointError(f"reward '{name}@{where}': not in the hub cache and {host} cannot be reached (offline?); "
+                              f"download it where there is a network (hf download {where}) or give a folder")
+    return False
+
+
+def hub_cached(repo_id: str, filename: str) -> bool:
+    """Whether the hub repository `repo_id` is in the local hub cache (its `filename` there)."""
+    from huggingface_hub import try_to_load_from_cache
+    return isinstance(try_to_load_from_cache(repo_id, filename), str)
+
+
+def unreachable_hub() -> str | None:
+    """The hub's host when this machine cannot reach it (a 3 s try), else None: asked once, at once, rather than after
+    huggingface_hub's minute of retries."""
+    from huggingface_hub import constants
     host = constants.ENDPOINT.split("://")[-1].split("/")[0]
     try:
         socket.create_connection((host, 443), timeout=3).close()
     except OSError:
-        raise CheckpointError(f"reward '{name}@{where}': not in the hub cache and {host} cannot be reached (offline?); "
-                              f"download it where there is a network (hf download {where}) or give a folder") from None
-    return False
+        return host
+    return None
 
 
 @functools.lru_cache(maxsize=None)

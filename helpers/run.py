@@ -15,7 +15,6 @@ import json
 import math
 import os
 import re
-import socket
 import sys
 import time
 from pathlib import Path
@@ -29,7 +28,7 @@ from tqdm.auto import tqdm
 from .parallel import (INTERRUPT, final_weights, gather_list, gather_rows, inner_bar, interrupts_caught,
                        load_trainable_state, reduce_metrics, start_processes, stop_processes, stop_requested,
                        trainable_state, unsharded)
-from .rewards import CheckpointError, import_reward, with_checkpoint
+from .rewards import CheckpointError, hub_cached, import_reward, unreachable_hub, with_checkpoint
 from .variants import VariantSettings
 from . import variants
 from .run_io import (RUN_FILES, Reporter, append_metrics, atomic_folder, atomic_write, check_out_dir, check_reporter,
@@ -327,16 +326,10 @@ def check_model(model: str) -> None:
             raise ValueError(f"--model {model}: no pipeline folder there (a folder needs model_index.json, as "
                              "GlmImagePipeline.save_pretrained writes it); give such a folder, a hub id, or tiny")
         return
-    from huggingface_hub import constants, try_to_load_from_cache
-    if isinstance(try_to_load_from_cache(model, "model_index.json"), str):
-        return
-    host = constants.ENDPOINT.split("://")[-1].split("/")[0]
-    try:
-        socket.create_connection((host, 443), timeout=3).close()
-    except OSError:
+    host = None if hub_cached(model, "model_index.json") else unreachable_hub()
+    if host:
         raise ValueError(f"--model {model} is not in the hub cache and {host} cannot be reached (offline?); download "
-                         f"it where there is a network (hf download {model}), or use --model tiny or a local "
-                         "folder") from None
+                         f"it where there is a network (hf download {model}), or use --model tiny or a local folder")
 
 
 def load_examples(examples: list[dict], rewards: dict, height: int, width: int) -> list[dict]:
