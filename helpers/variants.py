@@ -130,8 +130,8 @@ def normalize_then_sum(each: dict, weights: dict) -> torch.Tensor:
             std = values.std(dim=-1, keepdim=True) if values.shape[-1] > 1 else torch.zeros_like(values[..., :1])
             S = S + weight * (values - values.mean(dim=-1, keepdim=True)) / (std + 1e-4)
     batch = gather_rows(S).flatten()  # every process's groups
-    if batch.numel() < 2:  # as TRL: no std of one value
-        return S - batch.sum()
+    if batch.numel() < 2:  # as TRL: no std of one value, zero advantages
+        return torch.zeros_like(S)
     return (S - batch.mean()) / (batch.std() + 1e-4)
 
 
@@ -150,7 +150,7 @@ def rescaled(advantages: torch.Tensor, rewards: torch.Tensor, scale: str) -> tor
     process ("batch"), or R - mean ("none": Dr. GRPO, in reward units). A group without spread
     stays 0. A process with no group (rewards (0, G)) still joins the step's gather."""
     everything = gather_rows(rewards) if scale == "batch" else rewards  # the step's, over all processes
-    if not rewards.numel() or not everything.numel():  # no group left here, or anywhere
+    if not rewards.numel():  # no group left here (after the gather, which every process joins)
         return advantages
     group_std = rewards.std(dim=-1, unbiased=False, keepdim=True)
     if scale == "none":
