@@ -45,7 +45,7 @@ from diffusers.schedulers.scheduling_flow_match_euler_discrete import FlowMatchE
 
 import grpo  # the AR's sampler, the decoder, rewards, the loss and the set-up: shared with the AR's GRPO
 from helpers import run, setup, variants  # the run's plumbing, the set-up and the variants, as grpo.py's
-from helpers.parallel import all_agree, interrupts_held, rows_per_process, sync_gradients, unsharded
+from helpers.parallel import all_agree, interrupts_held, rows_per_process, unsharded
 
 
 def sde_step(x: torch.Tensor, v: torch.Tensor, sigma: torch.Tensor, sigma_next: torch.Tensor,
@@ -208,7 +208,7 @@ def train_step(policy, optimizer, chains: list[Chain], advantages: torch.Tensor,
     pieces = [(chain, adv, keep, slice(start, start + micro_batch_size), i)  # micro-batches of samples x single steps
               for chain, adv, keep in zip(chains, advantages, in_loss) for start in range(0, len(adv), micro_batch_size)
               for i in steps]
-    for k, (chain, adv, keep, rows, i) in enumerate(pieces):
+    for chain, adv, keep, rows, i in pieces:
         logp, means, stds = chain_logprobs(policy, chain, [i], noise_level, rows)  # (mb, 1), with grad
         eps = variants.clip_range(adv[rows], clip_eps, clip_eps_high)  # --clip-eps-high: per sample
         loss, m = grpo.grpo_loss(logp, logp.detach(), None, adv[rows], eps, 0.0)  # a step = a token
@@ -221,7 +221,6 @@ def train_step(policy, optimizer, chains: list[Chain], advantages: torch.Tensor,
             loss = loss + kl_beta * kl.mean()
         share = logp.shape[0] / n / S if keep else 0.0
         finite = finite and (bool(torch.isfinite(loss)) or not keep)
-        sync_gradients(policy, k == len(pieces) - 1)  # FSDP + LoRA: reduce across processes after the last
         (loss * share * n / n_all).backward()  # one step's graph at a time: memory of one step, whatever the window
         gap = max(gap, (logp.detach()[:, 0] - chain.logprobs[rows][:, i]).abs().max().item())
         ratio_min, ratio_max = min(ratio_min, m["ratio_min"]), max(ratio_max, m["ratio_max"])

@@ -67,14 +67,14 @@ from PIL import Image
 try:  # helpers/, beside this file: main's plumbing, fast decode, FSDP2, more rewards, variants
     from helpers import diagnostics, fast_decode, run, setup, variants
     from helpers.parallel import (all_agree, interrupts_held, merge_metrics, rows_per_process,
-                                  sync_gradients, unsharded)
+                                  unsharded)
     from helpers.rewards import MORE_REWARDS
 except ModuleNotFoundError as missing:  # copied alone: one process
     if missing.name != "helpers":
         raise
     diagnostics = fast_decode = run = setup = variants = None
     MORE_REWARDS = {}
-    # all_agree, sync_gradients, rows_per_process and merge_metrics, which train_step calls, become
+    # all_agree, rows_per_process and merge_metrics, which train_step calls, become
     # one-process stand-ins: section 11 at the end of this file defines them (plumbing, not lesson)
 
 
@@ -719,48 +719,51 @@ def train_mode(policy) -> None:
 def train_step(policy, optimizer, batches: list[MicroBatch], ref_model, loss_fn,
                settings: LossSettings, *, temperature: float, mu: int, max_grad_norm: float,
                readings=None) -> dict:
-    """`mu` optimizer steps on a step's micro-batches -> metrics. `loss_fn(distribution, mb,
-    old_logprobs, ref_logprobs, settings)`: micro_batch_loss (or a variant's wrapper of it);
-    `readings`: docs/healthy_training.md's measurements beside it (helpers/diagnostics.py), or None.
-    pi_old is the policy that sampled: at the first update its weights have not moved (they move
-    after the last micro-batch), so its own log-probs, detached, are pi_old's: the ratio is 1.
-    A micro-batch out of the loss (mb.in_loss False) runs with its loss times 0; the step is skipped
-    only when no process has a micro-batch in the loss. The metrics' "sequences": those in the loss
-    here (the processes' metrics are averaged by them)."""
+    """`mu` updates of the policy on one step's micro-batches -> metrics.
+    `loss_fn(distribution, mb, old_logprobs, ref_logprobs, settings)`: micro_batch_loss, or a
+    variant's wrapper of it (helpers/variants.py). `readings(logits, mb, old_logprobs,
+    ref_logprobs)`: the one seam, docs/healthy_training.md's measurements beside the loss
+    (helpers/diagnostics.py), or None.
+    A micro-batch out of the loss (mb.in_loss False: its group's reward was not finite) runs with
+    its loss times 0; the step is skipped only when no process has one in the loss. The metrics'
+    "sequences": those in the loss here (helpers/ averages the processes' metrics by them)."""
     train_mode(policy)
-    K = policy.config.vq_config.num_embeddings
     if all_agree(not any(mb.in_loss for mb in batches)):  # every group left (non-finite rewards)
         return {"skipped": mu}
-    # the losses are means over the sequences in the loss: each micro-batch weighs its share of them
-    # (per process: FSDP averages the processes' gradients)
-    sequences = sum(len(mb.tokens) for mb in batches if mb.in_loss)  # in the loss, this process
-    n_rows = rows_per_process(sequences)
+    K = policy.config.vq_config.num_embeddings
+    shares = loss_shares(batches)  # the loss is a mean over sequences: each micro-batch's weight
     ref_logprobs = [reference_logprobs(ref_model, mb, temperature) for mb in batches]  # frozen
-    old_logprobs = [None] * len(batches)  # filled by the first update
+    old_logprobs = [None] * len(batches)  # pi_old's, filled by the first update
     updates, skipped = [], 0  # each update's micro-batches: (metrics, share)
-    for _ in range(mu):
+    for _ in range(mu):  # mu updates on the same samples
         optimizer.zero_grad(set_to_none=True)
-        updates.append([])
-        for k, mb in enumerate(batches):
+        update = []
+        for k, mb in enumerate(batches):  # gradient accumulation, a micro-batch at a time
             logits = token_logits(policy, mb.inputs, mb.tokens)  # (mb, N, V), with grad
             distribution = code_logprobs(logits, temperature, K, support=mb.support)  # pi_theta
-            if old_logprobs[k] is None:  # pi_old, taken at the first update: no weight moved yet
-                # (the optimizer steps after the last micro-batch): pi_theta here IS pi_old, r = 1
+            if old_logprobs[k] is None:  # the first update: no weight has moved since sampling
+                # (the optimizer steps after the last micro-batch), so pi_theta IS pi_old: r = 1
                 old_logprobs[k] = logprob_of(distribution, mb.tokens).detach()
             loss, metrics = loss_fn(distribution, mb, old_logprobs[k], ref_logprobs[k], settings)
-            share = len(mb.tokens) / n_rows if mb.in_loss else 0.0
-            # FSDP with LoRA: reduce the gradients across processes after the last micro-batch only
-            sync_gradients(policy, last=k == len(batches) - 1)
-            (loss * share).backward()  # even when not finite: with FSDP every process must join
+            (loss * shares[k]).backward()  # even out of the loss: every process joins FSDP's sync
             if mb.in_loss:
                 if readings is not None:
                     metrics |= readings(logits.detach(), mb, old_logprobs[k], ref_logprobs[k])
-                updates[-1].append((metrics, share))
-        grad_norm, stepped = optimizer_step(optimizer, updates[-1], max_grad_norm)
-        if not stepped:
-            skipped += 1
+                update.append((metrics, shares[k]))
+        updates.append(update)
+        grad_norm, stepped = optimizer_step(optimizer, update, max_grad_norm)  # one step an update
+        skipped += not stepped
     return merge_metrics(updates) | {"grad_norm": grad_norm, "skipped": skipped,
-                                     "sequences": sequences}
+                                     "sequences": sum(len(mb.tokens) for mb in batches if mb.in_loss)}
+
+
+def loss_shares(batches: list[MicroBatch]) -> list[float]:
+    """Each micro-batch's weight in the step's loss, a mean over the sequences in the loss: its rows
+    over this process's (0 out of the loss). Under torchrun FSDP averages the processes' gradients,
+    so the count is the mean over the processes (rows_per_process): the mean over every sequence."""
+    sequences = sum(len(mb.tokens) for mb in batches if mb.in_loss)
+    n_rows = rows_per_process(sequences)
+    return [len(mb.tokens) / n_rows if mb.in_loss else 0.0 for mb in batches]
 
 
 def optimizer_step(optimizer, parts: list[tuple[dict, float]], max_grad_norm: float
@@ -842,9 +845,6 @@ def main(argv: list[str] | None = None) -> dict:
 if run is None:
     def all_agree(flag: bool) -> bool:
         return flag
-
-    def sync_gradients(model, last: bool) -> None:
-        return None
 
     def rows_per_process(n: int) -> int:
         return n

@@ -739,6 +739,18 @@ def test_train_step_mu(random_pipe):
     assert (m["ratio_max"] > 1.2 or m["ratio_min"] < 0.8) and m["clip_frac"] > 0
 
 
+def test_loss_shares(monkeypatch):
+    """Each micro-batch weighs its rows over the sequences in the loss (0 out of the loss), so the shares of one
+    process sum to 1; under torchrun the count is the mean over the processes (rows_per_process)."""
+    def mb(rows: int, in_loss: bool = True) -> grpo.MicroBatch:
+        return grpo.MicroBatch({}, torch.zeros(rows, 3), torch.zeros(rows, 3), torch.zeros(rows), 0, None,
+                               slice(0, rows), in_loss=in_loss)
+    batches = [mb(3), mb(1), mb(4, in_loss=False), mb(2)]
+    assert grpo.loss_shares(batches) == [0.5, 1 / 6, 0.0, 1 / 3]
+    monkeypatch.setattr(grpo, "rows_per_process", lambda n: (n + 12) / 2)  # another process with 12 rows in the loss
+    assert grpo.loss_shares(batches) == [1 / 3, 1 / 9, 0.0, 2 / 9]
+
+
 def test_train_mode(pipe):
     """train_step's mode: train mode only to checkpoint activations, eval otherwise; a dropout on in train mode is
     refused in one line, by train_step too (with dropout pi would not be pi_old at update 2)."""

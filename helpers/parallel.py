@@ -100,16 +100,6 @@ def unsharded(model):
             unit.reshard()
 
 
-def sync_gradients(model, last: bool) -> None:
-    """Whether this micro-batch's backward reduces gradients across processes. With LoRA only the last one does:
-    the others accumulate locally (an unsharded copy of the adapter gradients, ~0.2 GB for the real AR at r=16).
-    With full fine-tuning every micro-batch reduce-scatters, because accumulating locally would hold an unsharded
-    float32 gradient of the whole AR (~36 GB) on every GPU."""
-    units = fsdp_units(model)
-    if units and hasattr(model, "get_base_model"):
-        units[0].set_requires_gradient_sync(last)
-
-
 # ---- Collectives of the training loop -------------------------------------------------------------
 
 def all_agree(flag: bool) -> bool:

@@ -394,9 +394,9 @@ def test_torchrun_nonfinite_reward(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
 def test_torchrun_collectives(tmp_path, lora):
-    """Sampling gathers each FSDP unit at most once per generate, not once per token; with LoRA, 4 micro-batches
-    reduce gradients once (after the last), with full fine-tuning once per micro-batch (gradients stay sharded);
-    either way the gradient is the mean over every sequence of both processes (within 1e-5 of one process's)."""
+    """Sampling gathers each FSDP unit at most once per generate, not once per token; each of 4 micro-batches
+    reduce-scatters the units that hold trainable weights once (gradients stay sharded); the gradient is the mean
+    over every sequence of both processes (within 1e-5 of one process's), with LoRA and with full fine-tuning."""
     script = tmp_path / "count.py"
     script.write_text(COLLECTIVES.format(here=str(ROOT), lora=lora))
     proc = torchrun(script=script)
@@ -404,7 +404,7 @@ def test_torchrun_collectives(tmp_path, lora):
     c = json.loads(proc.stdout.strip().splitlines()[-1])
     assert c["tokens"] == 260 and c["sampling"]["all_gather"] <= c["units"] and c["sampling"]["reduce_scatter"] == 0
     layers = c["layers"]  # decoder layers: the units that hold trainable weights
-    assert c["training"]["reduce_scatter"] == (layers + (0 if lora else 1)) * (1 if lora else 4)
+    assert c["training"]["reduce_scatter"] == (layers + (0 if lora else 1)) * 4
     assert c["same_params"] and c["grad_error"] < 1e-5
 
 
