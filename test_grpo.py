@@ -732,8 +732,13 @@ def test_train_step_micro_batching(pipe):
 
 
 def test_train_step_mu(random_pipe):
-    """With mu > 1 the later updates see their ratios leave 1 (pi_old stays the first update's), and the clip acts."""
+    """With mu > 1 the later updates see their ratios leave 1 (pi_old stays the first update's), and the clip acts;
+    each update's gradient starts from zero: at lr 0 the third update's gradient is the first's."""
     r = sample_group(random_pipe, "a cat", 4, 64, 64, T, seed=0)
+    adv = torch.tensor([[1.0, -1.0, 0.5, -0.5]])
+    once, _ = gradients(copy.deepcopy(random_pipe.vision_language_encoder), [r], adv, 2)
+    thrice, _ = gradients(copy.deepcopy(random_pipe.vision_language_encoder), [r], adv, 2, mu=3)
+    assert relative_difference(once, thrice) < 1e-6
     _, m = gradients(copy.deepcopy(random_pipe.vision_language_encoder), [r], torch.tensor([[1.0, -1.0, 1.0, -1.0]]),
                      4, mu=3, lr=5.0)
     assert (m["ratio_max"] > 1.2 or m["ratio_min"] < 0.8) and m["clip_frac"] > 0
