@@ -280,7 +280,7 @@ def parse_config(argv: list[str]) -> DitConfig:
     """Command line -> DitConfig: grpo.py's defaults, but one update per batch of chains (--mu 1), no KL on the tiny
     model, gradient checkpointing on the real DiT."""
     config = run.with_run_settings(DitConfig)
-    cfg = config(**vars(run.config_parser(config).parse_args(["--train", "dit", *argv])))
+    cfg = config(**run.parse_flags(config, ["--train", "dit", *argv]))
     tiny = cfg.model in grpo.TINY_MODELS
     dit = dict(mu=1, kl_beta=0.0 if tiny else None, gradient_checkpointing=not tiny)
     return grpo.with_defaults(dataclasses.replace(cfg, **{k: v for k, v in dit.items() if getattr(cfg, k) is None}))
@@ -293,7 +293,7 @@ def main(argv: list[str] | None = None) -> dict:
     cfg = job.cfg
     run.start(job)
     with run.timed({}, "load", cfg), run.loading(cfg.model):
-        pipe = grpo.load_glm_image(cfg.model, job.device, job.dtype)
+        pipe = grpo.load_glm_image(cfg.model, job.device, job.dtype, cfg.revision)
     with run.timed({}, "setup", cfg):
         policy, ref_model, optimizer = setup_training(pipe, cfg, job.dtype, job.world)
         run.open_run(job, policy, optimizer)

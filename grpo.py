@@ -21,7 +21,8 @@ The symbols, as the code names them:
   pi_old  p as the trainer's first forward computes it for the sampled codes (train_step)
   ref     the frozen reference of the KL: the initial weights (with LoRA: the adapter off)
   R, A    a sample's reward (group_rewards) and its advantage (group_advantages)
-  r       the ratio pi / pi_old of a sampled code
+  r       the ratio pi / pi_old of a sampled code (pi_theta: pi at the current weights, in train_step)
+  micro   a step's MicroBatches: some rows of one group each, one forward pass each (mb: one of them)
   eps, beta, mu   the clip range, the KL's weight, the updates a batch of samples gets (Config)
 A group is one prompt's G samples; a step samples P groups; the Run (helpers/run.py) is `job`.
 
@@ -121,6 +122,7 @@ class Config:  # a field per flag (--group-size ...); helpers/ adds the run's an
     shuffle: bool | None = preset(False, True, "the prompts in a new order each epoch, drawn from "
                                                "--seed")
     model: str = arg("tiny", "hub id, folder, tiny, tiny-edit, or random (published configs)")
+    revision: str = arg("", "the hub model's revision: a commit hash, branch or tag ('': its main)")
     height: int | None = preset(96, 1024, "image height")
     width: int | None = preset(96, 1024, "image width")
     num_inference_steps: int | None = preset(2, 50, "DiT denoising steps")
@@ -148,8 +150,7 @@ def parse_config(argv: list[str] | None = None) -> Config:
         raise SystemExit("grpo.py: parse_config needs helpers/ beside grpo.py; copied alone, build "
                          "the config in code: with_defaults(Config(model='tiny', ...))")
     config = run.with_run_settings(Config)  # + the run's and the variants' fields
-    flags = run.config_parser(config).parse_args(argv)
-    return with_defaults(config(**vars(flags)))
+    return with_defaults(config(**run.parse_flags(config, argv)))  # --config FILE's, then the flags
 
 
 def with_defaults(cfg: Config) -> Config:
@@ -165,14 +166,17 @@ def with_defaults(cfg: Config) -> Config:
 
 # ---- 2. Loading GLM-Image -----------------------------------------------------------------------
 
-def load_glm_image(name: str, device: str = "cpu", dtype: torch.dtype = torch.float32):
-    """GlmImagePipeline from a hub id, a folder or TINY_MODELS; 'random[:L]': GLM-Image built from
-    its published configs, random weights, L layers a part (helpers/offline_model.py)."""
+def load_glm_image(name: str, device: str = "cpu", dtype: torch.dtype = torch.float32,
+                   revision: str = ""):
+    """GlmImagePipeline from a hub id (at `revision`: a commit, branch or tag), a folder or
+    TINY_MODELS; 'random[:L]': GLM-Image built from its published configs, random weights, L layers
+    a part (helpers/offline_model.py)."""
     from diffusers import GlmImagePipeline
     if name.split(":")[0] == "random":
         from helpers.offline_model import random_glm_image
         return only_ar_trains(random_glm_image(name, device, dtype))
-    pipe = GlmImagePipeline.from_pretrained(TINY_MODELS.get(name, name), dtype=dtype)
+    pipe = GlmImagePipeline.from_pretrained(TINY_MODELS.get(name, name), dtype=dtype,
+                                            revision=revision or None)
     return only_ar_trains(pipe.to(device))
 
 
@@ -739,10 +743,10 @@ def train_step(policy, optimizer, batches: list[MicroBatch], ref_model, loss_fn,
         optimizer.zero_grad(set_to_none=True)
         update = []
         for k, mb in enumerate(batches):  # gradient accumulation, a micro-batch at a time
-            logits = token_logits(policy, mb.inputs, mb.tokens)  # (mb, N, V), with grad
+            logits = token_logits(policy, mb.inputs, mb.tokens)  # (rows, N, V), with grad
             distribution = code_logprobs(logits, temperature, K, support=mb.support)  # pi_theta
             if old_logprobs[k] is None:  # the first update: no weight has moved since sampling
-                # (the optimizer steps after the last micro-batch), so pi_theta IS pi_old: r = 1
+                # (the optimizer steps after the last micro-batch): pi_theta IS pi_old, r = 1
                 old_logprobs[k] = logprob_of(distribution, mb.tokens).detach()
             loss, metrics = loss_fn(distribution, mb, old_logprobs[k], ref_logprobs[k], settings)
             (loss * shares[k]).backward()  # even out of the loss: every process joins FSDP's sync
@@ -753,14 +757,16 @@ def train_step(policy, optimizer, batches: list[MicroBatch], ref_model, loss_fn,
         updates.append(update)
         grad_norm, stepped = optimizer_step(optimizer, update, max_grad_norm)  # one step an update
         skipped += not stepped
-    return merge_metrics(updates) | {"grad_norm": grad_norm, "skipped": skipped,
-                                     "sequences": sum(len(mb.tokens) for mb in batches if mb.in_loss)}
+    sequences = sum(len(mb.tokens) for mb in batches if mb.in_loss)  # in the loss, this process
+    return merge_metrics(updates) | {"grad_norm": grad_norm,  # the last update's, before its clip
+                                     "skipped": skipped, "sequences": sequences}
 
 
 def loss_shares(batches: list[MicroBatch]) -> list[float]:
     """Each micro-batch's weight in the step's loss, a mean over the sequences in the loss: its rows
-    over this process's (0 out of the loss). Under torchrun FSDP averages the processes' gradients,
-    so the count is the mean over the processes (rows_per_process): the mean over every sequence."""
+    over the rows in the loss (0 out of the loss). Under torchrun FSDP averages the processes'
+    gradients, so the rows counted are the mean over the processes of each one's (rows_per_process),
+    which makes the gradient the mean over every sequence of every process."""
     sequences = sum(len(mb.tokens) for mb in batches if mb.in_loss)
     n_rows = rows_per_process(sequences)
     return [len(mb.tokens) / n_rows if mb.in_loss else 0.0 for mb in batches]
@@ -790,7 +796,7 @@ def main(argv: list[str] | None = None) -> dict:
     cfg = job.cfg
     run.start(job)  # torchrun: one process per GPU (else rank 0 of 1), the device and dtype
     with run.timed({}, "load", cfg), run.loading(cfg.model):
-        pipe = load_glm_image(cfg.model, job.device, job.dtype)
+        pipe = load_glm_image(cfg.model, job.device, job.dtype, cfg.revision)
     with run.timed({}, "setup", cfg):
         policy, ref_model, optimizer = setup.setup_training(  # the AR: LoRA, FSDP2, AdamW
             pipe, cfg, job.dtype, job.world, reference_model)
@@ -839,14 +845,14 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 # ---- 11. Copied alone ---------------------------------------------------------------------------
-# Without helpers/ there is one process: each collective is an identity, and the metrics of the
-# last update are its micro-batches' means (main itself needs helpers/).
+# Without helpers/ there is one process: each collective is an identity, and the metrics are the
+# last update's share-weighted means, ratio_min / ratio_max over every update (main needs helpers/).
 
 if run is None:
     def all_agree(flag: bool) -> bool:
         return flag
 
-    def rows_per_process(n: int) -> int:
+    def rows_per_process(n: int) -> float:
         return n
 
     def merge_metrics(updates: list[list[tuple[dict, float]]]) -> dict:

@@ -230,10 +230,10 @@ def located(name: str, where: str) -> bool:
     return False
 
 
-def hub_cached(repo_id: str, filename: str) -> bool:
-    """Whether the hub repository `repo_id` is in the local hub cache (its `filename` there)."""
+def hub_cached(repo_id: str, filename: str, revision: str = "") -> bool:
+    """Whether the hub repository `repo_id` (at `revision`, '': main) is in the local hub cache (its `filename`)."""
     from huggingface_hub import try_to_load_from_cache
-    return isinstance(try_to_load_from_cache(repo_id, filename), str)
+    return isinstance(try_to_load_from_cache(repo_id, filename, revision=revision or None), str)
 
 
 def unreachable_hub() -> str | None:

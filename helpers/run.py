@@ -36,6 +36,8 @@ from .run_io import (RUN_FILES, Reporter, append_metrics, atomic_folder, atomic_
                      read_metrics, read_resume, resume_point, save_checkpoint, save_image, save_trained, side_by_side)
 
 SCRIPTS = {"ar": "grpo.py", "dit": "dit_grpo.py"}  # the entry point of each --train
+ONLY_ON_THE_COMMAND_LINE = ("resume", "overwrite")  # not read from a --config file
+KIND_NAMES = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
 PROG = {"name": "grpo.py"}  # the script the messages name: set by prepare
 TINY_NAMES = ("tiny", "tiny-edit")  # grpo.TINY_MODELS' names: shipped folders, the tiny defaults, float32
 RESUMABLE = ("steps", "device", "report_to", "save_every", "save_total_limit", "save_merged", "image_every",
@@ -240,11 +242,13 @@ class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 def config_parser(config, default=None) -> argparse.ArgumentParser:
     """One flag per field of the dataclass `config` (the name with dashes), defaulting to the field's default (or to
-    `default`); a field's metadata gives its --help."""
+    `default`); a field's metadata gives its --help. --config FILE: the fields in a file (parse_flags reads it)."""
     parser = argparse.ArgumentParser(description="GRPO on GLM-Image", formatter_class=DefaultsHelpFormatter)
+    parser.add_argument("--config", default=argparse.SUPPRESS, metavar="FILE", help=(
+        "a YAML or JSON file of flags by field name (group_size: 4), a run's config.json included; the command line "
+        "overrides it, and resume / overwrite are read from the command line only (default: none)"))
     for f in dataclasses.fields(config):
-        kinds = {"int | None": int, "float | None": float, "bool | None": bool}  # optional: a model-dependent default
-        flag, kind = "--" + f.name.replace("_", "-"), kinds.get(str(f.type), f.type)
+        flag, kind = "--" + f.name.replace("_", "-"), field_kind(f)
         value = f.default if default is None else default
         if kind is bool:
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=value, help=f.metadata["help"])
@@ -253,9 +257,86 @@ def config_parser(config, default=None) -> argparse.ArgumentParser:
     return parser
 
 
+def field_kind(f: dataclasses.Field) -> type:
+    """The type a field's flag parses its value to (a preset, `int | None`, parses as int)."""
+    kinds = {"int | None": int, "float | None": float, "bool | None": bool}  # optional: a model-dependent default
+    return kinds.get(str(f.type), f.type)
+
+
+def parse_flags(config, argv: list[str] | None = None) -> dict:
+    """The command line -> {field: value} for the dataclass `config`. With --config FILE the file's values replace
+    the fields' defaults, and the flags given on the command line override them (as TRL's TrlParser does: the file
+    sets the parser's defaults)."""
+    parser = config_parser(config)
+    file = config_file(argv)
+    if file:
+        try:
+            parser.set_defaults(**read_config_file(file, config))
+        except ValueError as error:
+            fail(str(error))
+    flags = vars(parser.parse_args(argv))
+    flags.pop("config", None)
+    return flags
+
+
+def config_file(argv: list[str] | None) -> str | None:
+    """--config's value on the command line `argv` (sys.argv's when None), or None."""
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--config")
+    return pre.parse_known_args(sys.argv[1:] if argv is None else argv)[0].config
+
+
+def read_config_file(path: str, config) -> dict:
+    """--config FILE (.yaml / .yml / .json; a run's config.json too) -> {field: value}, each value of its field's type
+    (YAML reads 5e-6 as a string: it is parsed as the flag would be). ValueError naming an unknown key, a bad value or
+    an unreadable file."""
+    file = Path(path)
+    if not file.is_file():
+        raise ValueError(f"--config {path}: no such file")
+    try:
+        if file.suffix == ".json":
+            values = json.loads(file.read_text())
+        else:
+            import yaml  # PyYAML: a dependency of transformers
+            values = yaml.safe_load(file.read_text())
+    except Exception as error:  # a syntax error: its first line says where
+        raise ValueError(f"--config {path} does not parse ({str(error).splitlines()[0]})") from None
+    if values is None:
+        return {}
+    if not isinstance(values, dict):
+        raise ValueError(f"--config {path} holds a {type(values).__name__}; it should map field names to values "
+                         "(group_size: 4)")
+    fields = {f.name: f for f in dataclasses.fields(config)}
+    unknown = [key for key in values if key not in fields]
+    if unknown:
+        raise ValueError(f"--config {path}: unknown key{'s' * (len(unknown) > 1)} {', '.join(map(str, unknown))} "
+                         "(keys are the flags' field names, as in a run's config.json: group_size, kl_beta, ...)")
+    typed = {}
+    for key, value in values.items():
+        if key in ONLY_ON_THE_COMMAND_LINE:  # what to do with --out's folder: a run's config.json holds them too
+            continue
+        kind = field_kind(fields[key])
+        if value is None and fields[key].default is None:  # a preset left to the model, or an option off
+            typed[key] = None
+        elif isinstance(value, str) and kind is not bool:  # parsed as the flag's text would be
+            try:
+                typed[key] = kind(value)
+            except ValueError:
+                raise ValueError(f"--config {path}: {key}: {value!r} is not {KIND_NAMES[kind]}") from None
+        elif isinstance(value, kind) and not (kind is int and isinstance(value, bool)) or \
+                kind is float and type(value) is int:
+            typed[key] = kind(value)
+        else:
+            raise ValueError(f"--config {path}: {key}: {value!r} is not {KIND_NAMES[kind]}")
+    return typed
+
+
 def given_flags(config, argv: list[str] | None = None) -> set[str]:
-    """The fields of `config` the command line sets itself (not left at their defaults)."""
-    return set(vars(config_parser(config, default=argparse.SUPPRESS).parse_args(argv)))
+    """The fields of `config` the command line sets itself (not left at their defaults), its --config file's
+    included."""
+    file = config_file(argv)
+    in_file = set(read_config_file(file, config)) if file else set()
+    return in_file | set(vars(config_parser(config, default=argparse.SUPPRESS).parse_args(argv))) - {"config"}
 
 
 def validate(cfg) -> None:
@@ -314,19 +395,24 @@ def validate(cfg) -> None:
                          "auto), or install a CUDA build of torch on a machine with a GPU")
 
 
-def check_model(model: str) -> None:
-    """--model, before anything is read or loaded: a shipped name, random[:L], a pipeline folder, or a hub id in the
-    local hub cache or on a hub this machine reaches. Raises ValueError naming the fix at once (not after the hub's
-    retries, nor after the prompts' notes)."""
+def check_model(model: str, revision: str = "") -> None:
+    """--model, before anything is read or loaded: a shipped name, random[:L], a pipeline folder, or a hub id (at
+    --revision) in the local hub cache or on a hub this machine reaches. Raises ValueError naming the fix at once (not
+    after the hub's retries, nor after the prompts' notes)."""
+    path = Path(model).expanduser()
+    local = model in TINY_NAMES or model.split(":")[0] == "random" or path.exists() or \
+        model.startswith((".", "/", "~")) or model.count("/") != 1
+    if revision and local:
+        raise ValueError(f"--revision pins a hub model, and --model {model} is not a hub id: drop --revision (or give "
+                         "the hub id, e.g. zai-org/GLM-Image)")
     if model in TINY_NAMES or model.split(":")[0] == "random":
         return
-    path = Path(model).expanduser()
-    if path.exists() or model.startswith((".", "/", "~")) or model.count("/") != 1:
+    if local:
         if not (path / "model_index.json").is_file():
             raise ValueError(f"--model {model}: no pipeline folder there (a folder needs model_index.json, as "
                              "GlmImagePipeline.save_pretrained writes it); give such a folder, a hub id, or tiny")
         return
-    host = None if hub_cached(model, "model_index.json") else unreachable_hub()
+    host = None if hub_cached(model, "model_index.json", revision) else unreachable_hub()
     if host:
         raise ValueError(f"--model {model} is not in the hub cache and {host} cannot be reached (offline?); download "
                          f"it where there is a network (hf download {model}), or use --model tiny or a local folder")
@@ -441,7 +527,7 @@ def prepare(cfg, argv: list[str] | None, table: dict, lesson, train: str = "ar")
                                  f"({', '.join(later)}){final} that the run would replace: keep a copy of what you "
                                  f"need, then add --overwrite to delete them (or resume the latest: --resume {out})")
         validate(cfg)
-        check_model(cfg.model)
+        check_model(cfg.model, cfg.revision)
         check_reporter(cfg.report_to)
         check_out_dir(out)
         rewards = parse_rewards(cfg.reward, table)
@@ -1185,7 +1271,7 @@ def save_merged(cfg, out: Path, dtype: torch.dtype, load_pipeline) -> None:
     standard calls, merged, saved (whole or not at all). `load_pipeline`: grpo.load_glm_image."""
     final = out / "final"
     with loading(cfg.model):
-        pipe = load_pipeline(cfg.model, "cpu", dtype)
+        pipe = load_pipeline(cfg.model, "cpu", dtype, cfg.revision)
     if cfg.train == "ar" and cfg.lora_rank:
         from peft import PeftModel
         pipe.vision_language_encoder = PeftModel.from_pretrained(pipe.vision_language_encoder, final).merge_and_unload()

@@ -501,8 +501,8 @@ def fsdp_rows(counts: dict, world: int, G: int, P: int, height: int, width: int,
         units of their own, never gathered for text-to-image) + the KV cache and sampler logits of one GPU's G;
       train: the root unit (embedding, lm_head) stays gathered in bf16, two layers in flight (the one running and the
         one prefetched), the activations of one micro-batch with bf16 compute weights (mode full_bf16 / lora), and the
-        gradients in flight: full FT reduce-scatters after every micro-batch (one layer's bf16 gradient and its fp32
-        reduce buffer); LoRA accumulates unsharded fp32 adapter gradients until the last micro-batch;
+        gradients in flight: every micro-batch reduce-scatters, full FT and LoRA alike (one layer's gradient and its
+        fp32 reduce buffer);
       decode: the replicated DiT + VAE + T5 and their activations.
     No autocast weight copies: FSDP's mixed precision gathers bf16 weights directly."""
     N = 256 + (height // 32) * (width // 32)
@@ -520,7 +520,7 @@ def fsdp_rows(counts: dict, world: int, G: int, P: int, height: int, width: int,
         n = lora_params(16) if lora else trainable
         shards = ((counts["AR total"] * 2 + n * 16) if lora
                   else counts["AR total"] * 4 + trainable * (4 + 8) + counts["AR total"] * 2) / world  # + bf16 ref
-        grads_in_flight = n * 4 if lora else layer * (2 + 4)
+        grads_in_flight = (n / s["layers"] if lora else layer) * (2 + 4)
         for ckpt in (False, True):
             act = train_bytes(mode, ckpt, L, N, micro_batch, accumulating=G > micro_batch,
                               embedding_trains=not lora)
