@@ -24,8 +24,9 @@ INNER_DELAY = 3.0  # seconds a phase runs before its bar shows: the real model's
 
 def inner_bar(desc: str) -> dict:
     """tqdm's settings for a bar under the step's (the token draws, the DiT steps, an evaluation's prompts): on rank 0
-    only, shown once its work has run INNER_DELAY seconds, cleared when done."""
-    return {"desc": desc, "leave": False, "delay": INNER_DELAY, "disable": int(os.environ.get("RANK", 0)) != 0}
+    only, in a terminal only, shown once its work has run INNER_DELAY seconds, cleared when done."""
+    shown = int(os.environ.get("RANK", 0)) == 0 and sys.stderr.isatty()  # not in a log file: no carriage returns
+    return {"desc": desc, "leave": False, "delay": INNER_DELAY, "disable": not shown}
 
 
 def start_processes(device: str) -> tuple[int, int, str]:

@@ -41,7 +41,7 @@ KIND_NAMES = {int: "an integer", float: "a number", bool: "true or false", str: 
 PROG = {"name": "grpo.py"}  # the script the messages name: set by prepare
 TINY_NAMES = ("tiny", "tiny-edit")  # grpo.TINY_MODELS' names: shipped folders, the tiny defaults, float32
 RESUMABLE = ("steps", "device", "report_to", "save_every", "save_total_limit", "save_merged", "image_every",
-             "eval_every", "overwrite")  # what --resume may change: when to stop, where, bookkeeping; not the objective
+             "eval_every", "overwrite", "push_to_hub", "hub_model_id")  # what --resume may change: when to stop, where, bookkeeping; not the objective
 
 
 @dataclasses.dataclass
@@ -62,6 +62,7 @@ class Run:
     autocast: object = contextlib.nullcontext()  # bf16 autocast on the device when --dtype is bf16
     policy: object = None  # the trained model and its optimizer, for checkpoints
     optimizer: object = None
+    scheduler: object = None  # --lr-scheduler's, stepped after each step
     evaluate: Callable | None = None  # (examples, seeds, rewards, n_samples) -> images, total, each, layouts: one
     # process's `evaluate`, with the policy ready to sample (`evaluator`; evaluate_shared shares the examples out)
     reporter: Reporter | None = None
@@ -215,6 +216,14 @@ class RunSettings:  # the run's flags, after the algorithm's (grpo.Config): wher
     train: str = _setting("ar", "ar (grpo.py) or dit (python dit_grpo.py, with its own flags)", ("ar", "dit"))
     device: str = _setting("auto", "cpu | cuda | auto", ("auto", "cpu", "cuda"))
     report_to: str = _setting("none", "also log to: none | tensorboard | wandb (offline)")
+    push_to_hub: bool = _setting(False, "at the end, upload final/ (with --save-merged, its pipeline/ too) to the "
+                                        "hub as --hub-model-id (huggingface_hub; needs a token: hf auth login)")
+    hub_model_id: str = _setting("", "the hub repository --push-to-hub creates or updates, e.g. you/glm-image-grpo")
+    lr_scheduler: str = _setting("constant", "the learning rate over --steps, after the warmup: constant, linear "
+                                             "(to 0) or cosine (to 0), as transformers' get_scheduler",
+                                 ("constant", "linear", "cosine"))
+    warmup_steps: int = _setting(0, "steps whose learning rate rises linearly from 0 to --lr (the first at 0, as in "
+                                    "transformers' schedules)")
     dtype: str = _setting("auto", "float32 | bfloat16 | auto", ("auto", "float32", "bfloat16"))
 
 
@@ -388,6 +397,11 @@ def validate(cfg) -> None:
     if cfg.save_merged and cfg.model.split(":")[0] == "random":
         raise ValueError("--save-merged loads the base model again to merge into it, and random weights cannot be "
                          "loaded again: drop --save-merged (final/ holds what was trained)")
+    if cfg.push_to_hub and not re.fullmatch(r"[\w.-]+/[\w.-]+", cfg.hub_model_id):
+        raise ValueError(f"--push-to-hub uploads to --hub-model-id, and {cfg.hub_model_id or 'none'!r} is not a hub "
+                         "repository id: give one, e.g. --hub-model-id you/glm-image-grpo")
+    if cfg.hub_model_id and not cfg.push_to_hub:
+        raise ValueError("--hub-model-id names where --push-to-hub uploads: add --push-to-hub (or drop it)")
     if cfg.eval_reward and not cfg.eval_prompts:
         raise ValueError("--eval-reward is measured on --eval-prompts; give an --eval-prompts file too")
     if cfg.device == "cuda" and not torch.cuda.is_available():
@@ -395,13 +409,31 @@ def validate(cfg) -> None:
                          "auto), or install a CUDA build of torch on a machine with a GPU")
 
 
+def is_hub_id(model: str) -> bool:
+    """Whether --model names a hub repository (owner/name), not a shipped model, random weights or a folder."""
+    return not (model in TINY_NAMES or model.split(":")[0] == "random" or Path(model).expanduser().exists()
+                or model.startswith((".", "/", "~")) or model.count("/") != 1)
+
+
+def check_push(cfg) -> None:
+    """--push-to-hub, before anything trains: a hub token and a hub not switched off, else ValueError (hours of
+    training should not end in a push that could never work)."""
+    if not cfg.push_to_hub:
+        return
+    from huggingface_hub import constants, get_token
+    if constants.HF_HUB_OFFLINE:
+        raise ValueError("--push-to-hub, but HF_HUB_OFFLINE is set: unset it, or drop --push-to-hub and upload final/ "
+                         "later (hf upload ID RUN/final)")
+    if get_token() is None:
+        raise ValueError("--push-to-hub needs a hub token with write access: run hf auth login (or set HF_TOKEN)")
+
+
 def check_model(model: str, revision: str = "") -> None:
     """--model, before anything is read or loaded: a shipped name, random[:L], a pipeline folder, or a hub id (at
     --revision) in the local hub cache or on a hub this machine reaches. Raises ValueError naming the fix at once (not
     after the hub's retries, nor after the prompts' notes)."""
     path = Path(model).expanduser()
-    local = model in TINY_NAMES or model.split(":")[0] == "random" or path.exists() or \
-        model.startswith((".", "/", "~")) or model.count("/") != 1
+    local = not is_hub_id(model)
     if revision and local:
         raise ValueError(f"--revision pins a hub model, and --model {model} is not a hub id: drop --revision (or give "
                          "the hub id, e.g. zai-org/GLM-Image)")
@@ -528,6 +560,7 @@ def prepare(cfg, argv: list[str] | None, table: dict, lesson, train: str = "ar")
                                  f"need, then add --overwrite to delete them (or resume the latest: --resume {out})")
         validate(cfg)
         check_model(cfg.model, cfg.revision)
+        check_push(cfg)
         check_reporter(cfg.report_to)
         check_out_dir(out)
         rewards = parse_rewards(cfg.reward, table)
@@ -722,13 +755,25 @@ def open_run(r: Run, policy, optimizer) -> None:
     """The trained model and its optimizer join the run (with --resume: their checkpoint loaded); the run directory is
     opened (config.json, the metrics before `start`) and the examples move to the device, where rewards meet samples."""
     r.policy, r.optimizer = policy, optimizer
+    r.scheduler = lr_schedule(optimizer, r.cfg)  # before a checkpoint's optimizer state: that state's rate stays
     if r.checkpoint:
-        load_trainable_state(policy, optimizer, read_checkpoint(r.checkpoint))
+        state = read_checkpoint(r.checkpoint)
+        load_trainable_state(policy, optimizer, state)
+        if "scheduler" in state:  # (a checkpoint from before --lr-scheduler was constant: nothing to restore)
+            r.scheduler.load_state_dict(state["scheduler"])
         r.evaluated = {h["step"] for h in read_metrics(r.out) if h.get("eval") and h["step"] <= r.start}  # kept
     r.history = open_run_dir(r.out, r.cfg, r.start) if r.rank == 0 else []  # the training metrics before `start`
     r.skipped, r.done, r.saved = sum(h["skipped"] for h in r.history), r.start, r.start if r.checkpoint else -1
     r.examples = on_device(r.examples, r.device)
     r.evals = r.evals and (on_device(r.evals[0], r.device), r.evals[1])
+
+
+def lr_schedule(optimizer, cfg):
+    """--lr-scheduler after --warmup-steps, over --steps: transformers' schedule (a LambdaLR), stepped once a step
+    (every update of a step, --mu of them, at one rate)."""
+    from transformers import get_scheduler
+    name = {"constant": "constant_with_warmup"}.get(cfg.lr_scheduler, cfg.lr_scheduler)
+    return get_scheduler(name, optimizer, num_warmup_steps=cfg.warmup_steps, num_training_steps=cfg.steps)
 
 
 def on_device(examples: list[dict], device: str) -> list[dict]:
@@ -783,11 +828,13 @@ def training(r: Run):
     """Around the training loop: the before grid (--before-after), the progress bar and --report-to, the held-out
     evaluation before any update; Ctrl-C or SIGTERM saves the finished steps and exits 130 (parallel.on_interrupt),
     a failed write (a full disk) is one line and exit 1 with the last checkpoint good."""
+    if r.rank == 0:
+        print("\n".join(start_summary(r)), file=sys.stderr, flush=True)
     if r.cfg.before_after and r.start == 0:  # sampled with fixed seeds now and after training: what changed, by eye
         show(r, "before.png", "before training")
     r.reporter = Reporter(r.cfg.report_to if r.rank == 0 else "none", r.out, dataclasses.asdict(r.cfg))
     r.progress = tqdm(range(r.start, r.cfg.steps), desc=PROG["name"][:-3], initial=r.start, total=r.cfg.steps,
-                      disable=r.rank != 0)
+                      disable=r.rank != 0 or not bars_shown())
     try:
         with interrupts_caught():  # Ctrl-C and SIGTERM: see parallel.on_interrupt
             if r.evals and eval_due(r.start, r.cfg) and r.start not in r.evaluated:  # before any update
@@ -804,6 +851,35 @@ def training(r: Run):
              f"--resume {r.out}", code=1)
     finally:
         r.reporter.close()
+
+
+def bars_shown() -> bool:
+    """Progress bars in a terminal; in a file (a cluster job's log, stderr redirected) one plain line a step instead:
+    a bar's carriage returns would fill it."""
+    return sys.stderr.isatty()
+
+
+def start_summary(r: Run) -> list[str]:
+    """The lines before the first step: the model, device and dtype, what trains, the global batch, the steps and
+    the schedule, where the run writes."""
+    cfg = r.cfg
+    trainable = sum(p.numel() for p in r.policy.parameters() if p.requires_grad)
+    total = sum(p.numel() for p in r.policy.parameters())
+    what = {"ar": "the AR", "dit": "the DiT"}[cfg.train]
+    how = f"LoRA r={cfg.lora_rank}" if cfg.lora_rank else "every weight"
+    processes = f"{r.world} processes (FSDP2)" if r.world > 1 else "1 process"
+    dtype = str(r.dtype).removeprefix("torch.")
+    schedule = cfg.lr_scheduler + (f" after {cfg.warmup_steps} warmup steps" if cfg.warmup_steps else "")
+    begin = f"from step {r.start + 1} (--resume)" if r.start else "from step 1"
+    return [f"{PROG['name']}: --model {cfg.model}{'@' + cfg.revision if cfg.revision else ''} on {r.device}, {dtype}, "
+            f"{processes}",
+            f"  trains {what}, {how}: {trainable:,} of {total:,} parameters",
+            f"  a step: {cfg.prompts_per_step * r.world} prompts x {cfg.group_size} samples = "
+            f"{cfg.prompts_per_step * r.world * cfg.group_size} images (all processes), micro-batches of "
+            f"{cfg.micro_batch_size}, {cfg.mu} update(s)",
+            f"  {cfg.steps} steps {begin}, lr {cfg.lr:g} {schedule}, reward {cfg.reward}",
+            f"  writes {r.out} (metrics.jsonl; checkpoints every {cfg.save_every or cfg.steps} steps)"
+            + ("; the real model's memory: python tools/memory_plan.py" if cfg.model not in TINY_NAMES else "")]
 
 
 def steps(r: Run):
@@ -868,6 +944,7 @@ def log_step(r: Run, step: int, groups: list[int], reward: torch.Tensor, each: d
     samples = [s.tokens[:, -math.prod(s.large_hw):] if hasattr(s, "large_hw") else s for s in samples]
     indices = [example_index(r, g) for g in groups]  # the examples of the step's groups
     record = step_record(step, indices, reward, each, advantages, kept, samples, reduce_metrics(metrics), seconds)
+    record["lr"] = r.optimizer.param_groups[0]["lr"]  # this step's (--lr-scheduler)
     rows = sample_rows(step, groups, [r.examples[i]["prompt"] for i in indices], reward, each, advantages, kept)
     r.skipped, r.done = r.skipped + record["skipped"], step
     r.history.append(record)
@@ -880,7 +957,12 @@ def log_step(r: Run, step: int, groups: list[int], reward: torch.Tensor, each: d
     recent = [h["reward_mean"] for h in r.history[-20:] if math.isfinite(h["reward_mean"])]  # no group left: NaN
     recent = np.mean(recent) if recent else math.nan
     r.progress.set_postfix(reward=f"{record['reward_mean']:.3f}", reward_avg20=f"{recent:.3f}",
-                           **({"kl": f"{record.get('kl', math.nan):.4f}"} if r.cfg.kl_beta > 0 else {}))
+                           **({"kl": f"{record.get('kl', math.nan):.4f}"} if r.cfg.kl_beta > 0 else {}),
+                           clip_frac=f"{record.get('clip_frac', math.nan):.3f}", lr=f"{record['lr']:.2g}")
+    if not bars_shown():  # a log file: a plain line a step
+        print(f"step {step}/{r.cfg.steps}: reward {record['reward_mean']:.4f} (last 20: {recent:.4f}), "
+              f"kl {record.get('kl', math.nan):.4f}, clip_frac {record.get('clip_frac', math.nan):.3f}, "
+              f"lr {record['lr']:.3g}, {sum(seconds.values()):.1f} s", file=sys.stderr, flush=True)
     if record["skipped"]:
         left = record["dropped_groups"] == len(record["prompts"])  # on every process
         why = "no group left (non-finite rewards)" if left else "non-finite loss or gradient"
@@ -948,6 +1030,7 @@ def after_step(r: Run, step: int, batch: list[dict], images: list[torch.Tensor],
     """Every --image-every steps an image grid (rank 0; and to --report-to), every --save-every steps a checkpoint (all
     processes), an evaluation when due; an interrupt in any process stops all after this step."""
     cfg = r.cfg
+    r.scheduler.step()  # the next step's learning rate (a checkpoint below saves it)
     if r.rank == 0 and cfg.image_every and ((step - 1) % cfg.image_every == 0 or step == cfg.steps):
         path = r.out / "images" / f"step_{step:05d}.png"
         save_grid(path, batch, images, reward, [f"step {step}: {ex['prompt']}" for ex in batch],
@@ -1145,7 +1228,7 @@ def save_run(r: Run, step: int) -> None:
     model_weights = final_weights(r.policy)
     if r.rank == 0:
         save_checkpoint(r.out / "checkpoints" / f"step-{step}", r.policy, model_weights, weights, optimizer_state,
-                        step, r.cfg, r.world, base_model(r.cfg.model, r.lesson.TINY_MODELS))
+                        step, r.cfg, r.world, base_model(r.cfg.model, r.lesson.TINY_MODELS), r.scheduler.state_dict())
         prune_checkpoints(r.out, r.cfg.save_total_limit)
     r.saved = step
 
@@ -1189,21 +1272,26 @@ def finish(r: Run) -> dict:
         with contextlib.suppress(OSError):  # final/ is complete: a --resume with no step to do has nothing to do
             record = json.dumps({"steps": r.cfg.steps, **summary}).encode()
             atomic_write(r.out / "final" / "run.json", lambda f: f.write(record))
+        if r.cfg.push_to_hub:
+            push(r)
     return summary
 
 
 def write_model_card(r: Run, summary: dict) -> None:
-    """final/README.md: the base model, what was trained on which reward and flags, the numbers (training, before /
-    after, held-out), the before / after picture (--before-after, copied beside it) and the lines that load it. A card
-    that cannot be written only warns: the model is saved."""
+    """final/README.md, a hub model card (huggingface_hub's ModelCard): metadata (pipeline_tag text-to-image, the
+    base model's hub id, library_name, tags, the base model's license where its card says it, the held-out rewards as
+    model-index results when --eval-prompts ran), what was trained on which reward and flags, the numbers (training,
+    before / after, held-out), the before / after picture (copied beside it) and the lines that load it. A card that
+    cannot be written only warns: the model is saved."""
+    from huggingface_hub import EvalResult, ModelCard, ModelCardData
     cfg, final, base = r.cfg, r.out / "final", base_model(r.cfg.model, r.lesson.TINY_MODELS)
     trained = {"ar": "the AR (vision_language_encoder)", "dit": "the DiT (transformer)"}[cfg.train]
     how = f"LoRA r={cfg.lora_rank}" if cfg.lora_rank else "every weight"
     library = "diffusers" if cfg.train == "dit" else "peft" if cfg.lora_rank else "transformers"
-    lines = ["---", *([f"base_model: {base}"] if base else []), f"library_name: {library}",
-             "tags: [grpo, glm-image, text-to-image]", "---", "",
-             f"# {r.out.name}: GLM-Image's {trained.split(' (')[0].removeprefix('the ')}, trained with GRPO", "",
-             f"- base model: `{base or cfg.model}`; trained: {trained}, {how}",
+    at = f" at revision `{cfg.revision}`" if cfg.revision else ""
+    lines = [f"# {cfg.hub_model_id or r.out.name}: GLM-Image's {trained.split(' (')[0].removeprefix('the ')}, "
+             "trained with GRPO", "",
+             f"- base model: `{cfg.model}`{at}; trained: {trained}, {how}",
              f"- {cfg.steps} steps, each {cfg.prompts_per_step * r.world} prompts of `{cfg.prompts}` x "
              f"{cfg.group_size} samples",
              f"- reward: `{cfg.reward}` (aggregation: {cfg.reward_aggregation})",
@@ -1212,39 +1300,66 @@ def write_model_card(r: Run, summary: dict) -> None:
     if "shown_after" in summary:
         lines.append(f"- the same prompts and seeds before -> after training: {summary['shown_before']:.4f} -> "
                      f"{summary['shown_after']:.4f}")
-    evals = [h for h in read_metrics(r.out) if h.get("eval")]
+    evals, results = [h for h in read_metrics(r.out) if h.get("eval")], []
     if evals:  # the weighted reward, then each reward measured (--reward and --eval-reward)
         first, last = evals[0], evals[-1]
-        names = ["reward", *(r.evals[1] if r.evals else {})]
-        numbers = ", ".join(f"{name} {first[f'eval/{name}']:.4f} -> {last[f'eval/{name}']:.4f}" for name in names
-                            if f"eval/{name}" in first and f"eval/{name}" in last)
+        names = [name for name in ["reward", *(r.evals[1] if r.evals else {})]
+                 if f"eval/{name}" in first and f"eval/{name}" in last]
+        numbers = ", ".join(f"{name} {first[f'eval/{name}']:.4f} -> {last[f'eval/{name}']:.4f}" for name in names)
         lines.append(f"- held-out (`{cfg.eval_prompts}`, {cfg.eval_samples} samples a prompt), step {first['step']} "
                      f"-> step {last['step']}: {numbers}")
+        results = [EvalResult(task_type="text-to-image", dataset_type="prompts", dataset_name=Path(cfg.eval_prompts).name,
+                              metric_type=name, metric_name=f"{name}, held-out, after step {last['step']}",
+                              metric_value=round(last[f"eval/{name}"], 4))
+                   for name in names if math.isfinite(last[f"eval/{name}"])]
     picture = r.out / "images" / "before_after.png"
     if picture.exists():
         with contextlib.suppress(OSError):
             atomic_write(final / "before_after.png", lambda f: f.write(picture.read_bytes()))
             lines += ["", "Before (left) and after (right), the same prompts and seeds:", "",
                       "![before and after](before_after.png)"]
-    lines += ["", "## Use it", "", *usage(cfg, base, final.resolve(), r.examples[0]["prompt"])]
+    lines += ["", "## Use it", "", *usage(cfg, base, cfg.hub_model_id or str(final), r.examples[0]["prompt"])]
     given = {k: v for k, v in dataclasses.asdict(cfg).items()
              if k not in ("out", "resume", "overwrite", "device", "report_to")}
     lines += ["", "## Training flags", "", "```json", json.dumps(given, indent=1), "```", ""]
+    data = ModelCardData(base_model=cfg.model if is_hub_id(cfg.model) else None, library_name=library,
+                         pipeline_tag="text-to-image", license=base_license(cfg.model, cfg.revision),
+                         tags=["grpo", "glm-image", "text-to-image", "reinforcement-learning"],
+                         model_name=cfg.hub_model_id or r.out.name, eval_results=results or None)
+    card = ModelCard(f"---\n{data.to_yaml()}\n---\n\n" + "\n".join(lines))
     try:
-        atomic_write(final / "README.md", lambda f: f.write("\n".join(lines).encode()))
+        atomic_write(final / "README.md", lambda f: f.write(str(card).encode()))
     except OSError as error:
         tqdm.write(f"warning: could not write {final / 'README.md'} ({error.strerror or error}); the model is saved",
                    file=sys.stderr)
 
 
-def usage(cfg, base: str, final: Path, prompt: str) -> list[str]:
-    """The model card's lines that load `final` onto `base` and draw `prompt`."""
+def base_license(model: str, revision: str = "") -> str | None:
+    """The base model's license, as its own model card's metadata says: a hub id's README.md in the local hub cache,
+    or a folder's README.md; None where there is none (the shipped tiny models have no card)."""
+    from huggingface_hub import ModelCard, try_to_load_from_cache
+    if is_hub_id(model):
+        card = try_to_load_from_cache(model, "README.md", revision=revision or None)
+    else:
+        card = Path(model).expanduser() / "README.md"
+    try:
+        return ModelCard.load(card).data.license if isinstance(card, (str, Path)) and Path(card).is_file() else None
+    except Exception:  # a card that does not parse: no license to copy
+        return None
+
+
+def usage(cfg, base: str, final: str, prompt: str) -> list[str]:
+    """The model card's lines that load `final` (a hub id, or the folder as the run names it) onto `base` (a hub id, at
+    --revision; a folder as a path relative to here) and draw `prompt`."""
     if not base:
         return [f"`--model {cfg.model}` is GLM-Image's published shape with random weights (helpers/offline_model.py): "
                 "there is no base model to load this onto; it measures speed and memory."]
+    if Path(base).is_absolute():  # a folder (the tiny models): relative to where the run started
+        base = os.path.relpath(base)
     imports = ["import torch", "from diffusers import GlmImagePipeline"]
     tiny = cfg.model in TINY_NAMES  # float32 on the CPU; the real model bf16 on a GPU
     dtype, to = ("torch.float32", "") if tiny else ("torch.bfloat16", '.to("cuda")')
+    revision = f', revision="{cfg.revision}"' if cfg.revision else ""
     if cfg.lora_rank and cfg.train == "ar":
         load = f'pipe.vision_language_encoder.load_adapter("{final}")'
     elif cfg.lora_rank:
@@ -1257,11 +1372,30 @@ def usage(cfg, base: str, final: Path, prompt: str) -> list[str]:
         imports[1] += ", GlmImageTransformer2DModel"
         load = f'pipe.transformer = GlmImageTransformer2DModel.from_pretrained("{final}", dtype={dtype}){to}'
     lines = ["```python", *imports,
-             f'pipe = GlmImagePipeline.from_pretrained("{base}", dtype={dtype}){to}', load,
+             f'pipe = GlmImagePipeline.from_pretrained("{base}"{revision}, dtype={dtype}){to}', load,
              f"image = pipe({json.dumps(prompt)}, height={cfg.height}, width={cfg.width}).images[0]", "```"]
     if cfg.save_merged:
-        lines += ["", f'Or the whole pipeline with it merged in: `GlmImagePipeline.from_pretrained("{final}/pipeline")`.']
+        merged = f"{final}/pipeline" if not cfg.hub_model_id else f'{final}", subfolder="pipeline'
+        lines += ["", f'Or the whole pipeline with it merged in: `GlmImagePipeline.from_pretrained("{merged}")`.']
     return lines
+
+
+def push(r: Run) -> None:
+    """--push-to-hub: final/ (its model, card and, with --save-merged, pipeline/) uploaded to --hub-model-id through
+    huggingface_hub (the repository created if new). A failed upload is one line and exit 1: the run is saved, and the
+    line gives the command that uploads it later."""
+    from huggingface_hub import HfApi
+    final, repo = r.out / "final", r.cfg.hub_model_id
+    try:
+        api = HfApi()
+        api.create_repo(repo, exist_ok=True)
+        api.upload_folder(repo_id=repo, folder_path=final, commit_message=f"GRPO on GLM-Image: {r.out.name}, "
+                                                                          f"{r.cfg.steps} steps")
+    except Exception as error:  # network, permissions, quota: the run itself is complete
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        fail(f"could not push {final} to {repo} ({reason}); the run is saved: hf upload {repo} {final} pushes it",
+             code=1)
+    print(f"pushed {final} to https://huggingface.co/{repo}")
 
 
 def save_merged(cfg, out: Path, dtype: torch.dtype, load_pipeline) -> None:

@@ -283,14 +283,14 @@ def side_by_side(left: Path, right: Path) -> Image.Image:
 
 
 def save_checkpoint(folder: Path, model, model_weights: dict | None, weights: dict, optimizer_state: dict,
-                    step: int, cfg, world: int = 1, base_model: str = "") -> None:
+                    step: int, cfg, world: int = 1, base_model: str = "", scheduler: dict | None = None) -> None:
     """checkpoints/step-N/: trainer_state.pt (the trainable weights, the optimizer state, the RNG states, the steps
     done, the config) beside the trained model as save_trained writes it (loadable on its own), the folder written
     whole or not at all. `weights` / `optimizer_state`: full (unsharded) state dicts, as `trainable_state` returns
     them; `model_weights`: `final_weights`' (None in one process). `world`: the number of processes
-    (cfg.prompts_per_step is per process)."""
+    (cfg.prompts_per_step is per process); `scheduler`: the learning rate schedule's state dict."""
     state = {"weights": weights, "optimizer": optimizer_state, "step": step, "config": dataclasses.asdict(cfg),
-             "world": world,
+             "world": world, **({"scheduler": scheduler} if scheduler is not None else {}),
              "rng": {"torch": torch.random.get_rng_state(),
                      "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}}
 
@@ -308,8 +308,9 @@ def checkpoint_card(folder: Path, step: int, cfg, base_model: str) -> str:
     how = f"a LoRA adapter (r={cfg.lora_rank})" if cfg.lora_rank else "every weight"
     library = "diffusers" if cfg.train == "dit" else "peft" if cfg.lora_rank else "transformers"
     script = {"ar": "grpo.py", "dit": "dit_grpo.py"}[cfg.train]
-    return "\n".join(["---", *([f"base_model: {base_model}"] if base_model else []), f"library_name: {library}",
-                      "tags: [grpo, glm-image, text-to-image]", "---", "",
+    hub_base = base_model and not Path(base_model).is_absolute()  # the hub's metadata names hub ids, not folders
+    return "\n".join(["---", *([f"base_model: {base_model}"] if hub_base else []), f"library_name: {library}",
+                      "pipeline_tag: text-to-image", "tags: [grpo, glm-image, text-to-image]", "---", "",
                       f"# {folder.parent.parent.name}, checkpoint after step {step} of {cfg.steps}", "",
                       f"GRPO on GLM-Image's {trained.removeprefix('the ')}: {how}, base `{base_model or cfg.model}`, "
                       f"reward `{cfg.reward}`. The model here loads alone, as the run's final/README.md shows; "
