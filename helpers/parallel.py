@@ -22,10 +22,16 @@ def distributed() -> bool:
 INNER_DELAY = 3.0  # seconds a phase runs before its bar shows: the real model's phases do, the tiny model's never
 
 
+def bars_shown() -> bool:
+    """Progress bars in a terminal; in a file (a cluster job's log, stderr redirected) none: a bar's carriage returns
+    would fill it (helpers/run.py writes a plain line a step there instead)."""
+    return sys.stderr.isatty()
+
+
 def inner_bar(desc: str) -> dict:
     """tqdm's settings for a bar under the step's (the token draws, the DiT steps, an evaluation's prompts): on rank 0
     only, in a terminal only, shown once its work has run INNER_DELAY seconds, cleared when done."""
-    shown = int(os.environ.get("RANK", 0)) == 0 and sys.stderr.isatty()  # not in a log file: no carriage returns
+    shown = int(os.environ.get("RANK", 0)) == 0 and bars_shown()
     return {"desc": desc, "leave": False, "delay": INNER_DELAY, "disable": not shown}
 
 

@@ -25,7 +25,7 @@ import torch
 from PIL import Image
 from tqdm.auto import tqdm
 
-from .parallel import (INTERRUPT, final_weights, gather_list, gather_rows, inner_bar, interrupts_caught,
+from .parallel import (INTERRUPT, bars_shown, final_weights, gather_list, gather_rows, inner_bar, interrupts_caught,
                        load_trainable_state, reduce_metrics, start_processes, stop_processes, stop_requested,
                        trainable_state, unsharded)
 from .rewards import CheckpointError, hub_cached, import_reward, unreachable_hub, with_checkpoint
@@ -851,12 +851,6 @@ def training(r: Run):
              f"--resume {r.out}", code=1)
     finally:
         r.reporter.close()
-
-
-def bars_shown() -> bool:
-    """Progress bars in a terminal; in a file (a cluster job's log, stderr redirected) one plain line a step instead:
-    a bar's carriage returns would fill it."""
-    return sys.stderr.isatty()
 
 
 def start_summary(r: Run) -> list[str]:

@@ -14,6 +14,7 @@ import shutil
 import subprocess
 import sys
 import types
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -485,9 +486,18 @@ def test_resume_keeps_the_checkpoints_batch(tmp_path):
 
 
 def test_inner_bars(tmp_path, monkeypatch, capsys):
-    """Work that runs longer than parallel.INNER_DELAY (the real model's) shows bars under the step's: the token draws,
-    the DiT steps, an evaluation's prompts; the tiny model's steps end before (its terminal output as it was)."""
+    """In a terminal, work that runs longer than parallel.INNER_DELAY (the real model's) shows bars under the step's:
+    the token draws, the DiT steps, an evaluation's prompts; the tiny model's steps end before (its terminal output
+    as it was). In a log file no bar at all, however slow: a plain line a step."""
     evals = ["--eval-prompts", str(write_evals(tmp_path)), "--eval-samples", "2"]
+    monkeypatch.setattr(parallel, "INNER_DELAY", 0)  # every phase counts as slow
+    tiny_run(tmp_path, tmp_path / "logged", "--steps", "2", *evals)
+    err = capsys.readouterr().err  # (captured: not a terminal)
+    assert "\r" not in err and not any(bar in err for bar in ("tokens:", "DiT steps:", "evaluation:", "grpo:")), err
+    assert [line.split(":")[0] for line in err.splitlines() if line.startswith("step ")] == ["step 1/2", "step 2/2"]
+    monkeypatch.setattr(parallel, "INNER_DELAY", 1e9)
+    for module in (parallel, helpers_run):
+        monkeypatch.setattr(module, "bars_shown", lambda: True)  # a terminal
     tiny_run(tmp_path, tmp_path / "quick", "--steps", "1", *evals)
     err = capsys.readouterr().err
     assert not any(bar in err for bar in ("tokens:", "DiT steps:", "evaluation:")), err
@@ -965,3 +975,109 @@ def test_quiet_libraries_keeps_download_bars():
     assert not are_progress_bars_disabled()
     assert not transformers.utils.logging.is_progress_bar_enabled()
     assert not diffusers.utils.logging.is_progress_bar_enabled()
+
+
+def test_main_lab_run(tmp_path):
+    """A run as a lab starts one: flags from a YAML file (YAML's 5e-4 read as a number), the command line overriding
+    it, a cosine schedule after a warmup, a checkpoint every step, stderr to a file. config.json holds the file's
+    settings; stderr starts with a start-up summary, then a plain line a step and no carriage return; the rate is
+    logged each step and moves (0 in the warmup's first step, as transformers' schedules start); the final card is a
+    hub card; no checkpoint carries peft's template card."""
+    prompts = write_example(tmp_path, ["a gray square | t.png", "another | t.png"])
+    config = tmp_path / "lab.yaml"
+    config.write_text(f"prompts: {prompts}\ngroup_size: 4\nheight: 64\nwidth: 64\nsteps: 5\nlr: 5e-4\n"
+                      "lr_scheduler: cosine\nwarmup_steps: 1\nsave_every: 1\nlora_rank: 4\nimage_every: 0\n")
+    out = tmp_path / "lab"
+    with open(tmp_path / "stderr.log", "w") as log:
+        done = subprocess.run([sys.executable, str(ROOT / "grpo.py"), "--config", str(config), "--steps", "3", "--out",
+                               str(out), "--device", "cpu"], stdout=subprocess.PIPE, stderr=log, text=True, cwd=ROOT,
+                              timeout=300)
+    err = (tmp_path / "stderr.log").read_text()
+    assert done.returncode == 0, err[-3000:]
+    saved = json.loads((out / "config.json").read_text())
+    assert (saved["lr"], saved["lr_scheduler"], saved["group_size"], saved["steps"]) == (5e-4, "cosine", 4, 3)
+    assert err.startswith("grpo.py: --model tiny on cpu, float32, 1 process\n  trains the AR, LoRA r=4: ")
+    assert "\r" not in err and [line.split(":")[0] for line in err.splitlines() if line.startswith("step ")] == [
+        "step 1/3", "step 2/3", "step 3/3"]
+    lines = run_record(out)
+    assert [x["step"] for x in lines] == [1, 2, 3] and lines[0]["lr"] == 0.0 and lines[1]["lr"] == 5e-4
+    assert 0 < lines[2]["lr"] < 5e-4
+    card = (out / "final" / "README.md").read_text()
+    assert "pipeline_tag: text-to-image" in card and "library_name: peft" in card and str(ROOT) not in card
+    assert 'from_pretrained("tiny_glm_image"' in card
+    cards = [folder / "README.md" for folder in (out / "checkpoints").iterdir()]
+    assert len(cards) == 3 and not any("Model Card for" in c.read_text() for c in cards)
+    again = grpo.parse_config(["--config", str(out / "config.json"), "--out", str(tmp_path / "again")])
+    assert {k: v for k, v in dataclasses.asdict(again).items() if k != "out"} == \
+        {k: v for k, v in saved.items() if k != "out"}  # a run's config.json is a config
+    help_text = run_cli("--help").stdout
+    for flag in ("--config", "--revision", "--lr-scheduler", "--warmup-steps", "--push-to-hub", "--hub-model-id"):
+        assert flag in help_text, flag
+
+
+def test_read_config_file(tmp_path):
+    """--config: YAML or JSON, each value parsed as its flag's (a string too); null keeps a preset to its model;
+    resume / overwrite come from the command line only; an unknown key, a wrong type, a file that does not parse or is
+    not a mapping: ValueError with the key and the file; the file's keys count as given flags (for --resume)."""
+    config = helpers_run.with_run_settings(grpo.Config)
+    yaml_file, json_file = tmp_path / "a.yaml", tmp_path / "a.json"
+    yaml_file.write_text("lr: 5e-6\nsteps: '7'\nkl_beta: null\nshuffle: true\nresume: runs/x\nclip_eps: 1\n")
+    assert helpers_run.read_config_file(str(yaml_file), config) == {"lr": 5e-6, "steps": 7, "kl_beta": None,
+                                                                     "shuffle": True, "clip_eps": 1.0}
+    json_file.write_text(json.dumps({"group_size": 4, "reward": "ssim=1"}))
+    assert helpers_run.read_config_file(str(json_file), config) == {"group_size": 4, "reward": "ssim=1"}
+    for text, needle in [("group_sise: 4\n", "unknown key group_sise"), ("steps: 4.5\n", "steps: 4.5 is not an integer"),
+                         ("shuffle: 1\n", "shuffle: 1 is not true or false"), ("steps: [\n", "does not parse"),
+                         ("- 1\n", "holds a list"), ("steps: 'x'\n", "steps: 'x' is not an integer")]:
+        yaml_file.write_text(text)
+        with pytest.raises(ValueError, match=re.escape(needle)):
+            helpers_run.read_config_file(str(yaml_file), config)
+    yaml_file.write_text("kl_beta: 0.2\n")
+    assert helpers_run.given_flags(config, ["--config", str(yaml_file), "--steps", "3"]) == {"kl_beta", "steps"}
+    assert grpo.parse_config(["--config", str(yaml_file), "--kl-beta", "0.3"]).kl_beta == 0.3  # the command line wins
+
+
+def test_lr_schedule(tmp_path, capsys):
+    """--lr-scheduler / --warmup-steps: transformers' schedules, one rate a step; a resume from any checkpoint logs the
+    same rates as the uninterrupted run (the schedule's state is in the checkpoint)."""
+    common = ["--steps", "4", "--lr-scheduler", "linear", "--warmup-steps", "2", "--save-every", "1", "--lr", "1e-3"]
+    tiny_run(tmp_path, tmp_path / "whole", *common)
+    rates = [x["lr"] for x in run_record(tmp_path / "whole")]
+    assert rates == pytest.approx([0.0, 5e-4, 1e-3, 5e-4])
+    grpo.main(["--resume", str(tmp_path / "whole" / "checkpoints" / "step-2"), "--overwrite"])
+    assert [x["lr"] for x in run_record(tmp_path / "whole")] == rates
+    state = latest_state(tmp_path / "whole")
+    assert state["scheduler"]["last_epoch"] == 4
+
+
+def test_push_to_hub(tmp_path, monkeypatch, capsys):
+    """--push-to-hub uploads final/ (the card and the adapter) to --hub-model-id through huggingface_hub, the upload
+    replaced here by a recorder (not run against the real hub); the card's usage loads from the hub id. Without a
+    token, or with --push-to-hub and no id, it stops before training in one line; a failed upload is one line, exit 1,
+    and the run stays saved."""
+    import huggingface_hub
+    calls = []
+    monkeypatch.setattr(huggingface_hub.HfApi, "create_repo", lambda self, repo, **kw: calls.append(("create", repo)))
+    monkeypatch.setattr(huggingface_hub.HfApi, "upload_folder", lambda self, **kw: calls.append(
+        ("upload", kw["repo_id"], sorted(p.name for p in Path(kw["folder_path"]).iterdir()))))
+    monkeypatch.setattr(huggingface_hub, "get_token", lambda: "hf_test")
+    out = tmp_path / "pushed"
+    tiny_run(tmp_path, out, "--steps", "1", "--lora-rank", "4", "--push-to-hub", "--hub-model-id", "me/tiny-grpo")
+    assert calls[0] == ("create", "me/tiny-grpo") and calls[1][:2] == ("upload", "me/tiny-grpo")
+    assert {"README.md", "adapter_config.json", "adapter_model.safetensors"} <= set(calls[1][2])
+    assert 'load_adapter("me/tiny-grpo")' in (out / "final" / "README.md").read_text()
+    prompts = write_example(tmp_path, ["a gray square | t.png"])
+    common = [*TINY, "--prompts", str(prompts), "--steps", "1", "--image-every", "0"]
+    expect_exit([*common, "--out", str(tmp_path / "no_id"), "--push-to-hub"], 2, "is not a hub repository id", capsys)
+    monkeypatch.setattr(huggingface_hub, "get_token", lambda: None)
+    expect_exit([*common, "--out", str(tmp_path / "no_token"), "--push-to-hub", "--hub-model-id", "me/x"], 2,
+                "needs a hub token", capsys)
+    assert not (tmp_path / "no_token").exists()
+    monkeypatch.setattr(huggingface_hub, "get_token", lambda: "hf_test")
+
+    def refused(self, **kw):
+        raise PermissionError("403 Forbidden: no write access\nmore")
+    monkeypatch.setattr(huggingface_hub.HfApi, "upload_folder", refused)
+    expect_exit([*common, "--out", str(tmp_path / "refused"), "--push-to-hub", "--hub-model-id", "me/x"], 1,
+                "could not push", capsys)
+    assert (tmp_path / "refused" / "final" / "run.json").exists()
