@@ -1034,6 +1034,7 @@ def test_read_config_file(tmp_path):
             helpers_run.read_config_file(str(yaml_file), config)
     yaml_file.write_text("kl_beta: 0.2\n")
     assert helpers_run.given_flags(config, ["--config", str(yaml_file), "--steps", "3"]) == {"kl_beta", "steps"}
+    assert grpo.parse_config(["--config", str(yaml_file)]).kl_beta == 0.2
     assert grpo.parse_config(["--config", str(yaml_file), "--kl-beta", "0.3"]).kl_beta == 0.3  # the command line wins
 
 
