@@ -41,7 +41,7 @@ KIND_NAMES = {int: "an integer", float: "a number", bool: "true or false", str: 
 PROG = {"name": "grpo.py"}  # the script the messages name: set by prepare
 TINY_NAMES = ("tiny", "tiny-edit")  # grpo.TINY_MODELS' names: shipped folders, the tiny defaults, float32
 RESUMABLE = ("steps", "device", "report_to", "save_every", "save_total_limit", "save_merged", "image_every",
-             "eval_every", "overwrite", "push_to_hub", "hub_model_id")  # what --resume may change: when to stop, where, bookkeeping; not the objective
+             "eval_every", "overwrite", "push_to_hub", "hub_model_id", "wandb_project", "wandb_entity", "run_name")  # what --resume may change: when to stop, where, bookkeeping; not the objective
 
 
 @dataclasses.dataclass
@@ -215,7 +215,11 @@ class RunSettings:  # the run's flags, after the algorithm's (grpo.Config): wher
                                       "later checkpoints)")
     train: str = _setting("ar", "ar (grpo.py) or dit (python dit_grpo.py, with its own flags)", ("ar", "dit"))
     device: str = _setting("auto", "cpu | cuda | auto", ("auto", "cpu", "cuda"))
-    report_to: str = _setting("none", "also log to: none | tensorboard | wandb (offline)")
+    report_to: str = _setting("none", "also log to: none, tensorboard, wandb, or a comma list (wandb runs online unless "
+                                      "WANDB_MODE says otherwise, e.g. offline)")
+    wandb_project: str = _setting("grpo-glm-image", "the wandb project (--report-to wandb)")
+    wandb_entity: str = _setting("", "the wandb team or user ('': your default)")
+    run_name: str = _setting("", "the run's name in the trackers ('': --out's folder name)")
     push_to_hub: bool = _setting(False, "at the end, upload final/ (with --save-merged, its pipeline/ too) to the "
                                         "hub as --hub-model-id (huggingface_hub; needs a token: hf auth login)")
     hub_model_id: str = _setting("", "the hub repository --push-to-hub creates or updates, e.g. you/glm-image-grpo")
@@ -832,7 +836,7 @@ def training(r: Run):
         print("\n".join(start_summary(r)), file=sys.stderr, flush=True)
     if r.cfg.before_after and r.start == 0:  # sampled with fixed seeds now and after training: what changed, by eye
         show(r, "before.png", "before training")
-    r.reporter = Reporter(r.cfg.report_to if r.rank == 0 else "none", r.out, dataclasses.asdict(r.cfg))
+    r.reporter = Reporter(r.cfg.report_to if r.rank == 0 else "none", r.out, dataclasses.asdict(r.cfg), r.start)
     r.progress = tqdm(range(r.start, r.cfg.steps), desc=PROG["name"][:-3], initial=r.start, total=r.cfg.steps,
                       disable=r.rank != 0 or not bars_shown())
     try:

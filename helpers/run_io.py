@@ -13,6 +13,7 @@ import os
 import re
 import shutil
 import tempfile
+import uuid
 from pathlib import Path
 
 import numpy as np
@@ -21,7 +22,7 @@ from PIL import Image, ImageDraw
 
 
 RUN_FILES = ("config.json", "metrics.jsonl", "samples.jsonl", "checkpoint.pt", "checkpoints", "images", "final",
-             "final.tmp", "final.old", "curves.png")  # a run's files in --out (checkpoint.pt: a run's one checkpoint
+             "final.tmp", "final.old", "curves.png", "tensorboard", "wandb", "wandb_run_id.txt")  # a run's files in --out (checkpoint.pt: a run's one checkpoint
 # before checkpoints/ existed; final.tmp / .old: what a killed write of final/ leaves)
 STATE = "trainer_state.pt"  # in each checkpoints/step-N/, beside the loadable model: what --resume reads
 CHECKPOINT_KEYS = {"weights", "optimizer", "step", "config", "rng"}
@@ -394,71 +395,90 @@ def atomic_folder(path: Path, write) -> None:
 # ---- Live dashboards: --report-to tensorboard | wandb --------------------------------------------
 
 REPORTERS = ("none", "tensorboard", "wandb")
+WANDB_ID = "wandb_run_id.txt"  # in the run directory: a resume continues the same wandb run
 
 
-def check_reporter(kind: str) -> None:
-    """Raise ValueError for an unknown --report-to, or one whose package is not installed (imported only when used)."""
-    if kind not in REPORTERS:
-        raise ValueError(f"--report-to {kind}: use {', '.join(REPORTERS)}")
-    if kind != "none" and importlib.util.find_spec(kind) is None:
-        raise ValueError(f"--report-to {kind} needs the {kind} package, which is not installed: pip install {kind} "
-                         "(or leave --report-to at none)")
+def reporters(spec: str) -> list[str]:
+    """--report-to's comma list -> the trackers named (none: [])."""
+    return [kind for kind in (part.strip() for part in spec.split(",")) if kind and kind != "none"]
+
+
+def check_reporter(spec: str) -> None:
+    """Raise ValueError for an unknown tracker in --report-to, or one whose package is not installed (each imported
+    only when used)."""
+    for kind in reporters(spec):
+        if kind not in REPORTERS:
+            raise ValueError(f"--report-to {kind}: use {', '.join(REPORTERS)}, or a comma list (tensorboard,wandb)")
+        if importlib.util.find_spec(kind) is None:
+            raise ValueError(f"--report-to {kind} needs the {kind} package, which is not installed: pip install {kind} "
+                             "(or leave --report-to at none)")
 
 
 class Reporter:
-    """The run's metrics lines (their numbers) and image grids, also sent to TensorBoard (event files in
-    <out>/tensorboard: `tensorboard --logdir <out>`) or to Weights & Biases in offline mode (<out>/wandb; `wandb sync`
-    uploads it later). kind "none" does nothing; metrics.jsonl and the PNG grids are written either way."""
+    """The run's metrics lines (their numbers) and image grids, also sent to the trackers of --report-to (a comma
+    list): TensorBoard (event files in <out>/tensorboard: `tensorboard --logdir <out>`; a resume continues at its step,
+    later events of an earlier try purged) and Weights & Biases (online unless WANDB_MODE says otherwise, e.g.
+    offline: <out>/wandb, `wandb sync` uploads it; --wandb-project, --wandb-entity, --run-name; the run's id kept in
+    <out>/wandb_run_id.txt, so a resume continues the same wandb run). "none" does nothing; metrics.jsonl and the PNG
+    grids are written either way. `start`: the steps done before (a resume)."""
 
-    def __init__(self, kind: str, out: Path, config: dict):
-        self.kind, self.writer = kind, None
-        if kind == "tensorboard":
+    def __init__(self, spec: str, out: Path, config: dict, start: int = 0):
+        self.kinds, self.writers = reporters(spec), {}
+        if "tensorboard" in self.kinds:
             from torch.utils.tensorboard import SummaryWriter
-            self.writer = SummaryWriter(log_dir=str(out / "tensorboard"))
-            self.writer.add_text("config", "    " + json.dumps(config, indent=1).replace("\n", "\n    "))
-        elif kind == "wandb":
+            self.writers["tensorboard"] = SummaryWriter(log_dir=str(out / "tensorboard"), purge_step=start + 1)
+            if not start:
+                self.writers["tensorboard"].add_text("config",
+                                                     "    " + json.dumps(config, indent=1).replace("\n", "\n    "))
+        if "wandb" in self.kinds:
             import wandb
-            self.writer = wandb.init(mode="offline", dir=str(out), config=config, project="grpo-glm-image")
+            id_file = out / WANDB_ID
+            run_id = id_file.read_text().strip() if id_file.exists() else uuid.uuid4().hex[:8]  # wandb's form
+            atomic_write(id_file, lambda f: f.write(run_id.encode()))
+            self.writers["wandb"] = wandb.init(
+                dir=str(out), config=config, id=run_id, resume="allow", name=config.get("run_name") or out.name,
+                project=config.get("wandb_project") or "grpo-glm-image", entity=config.get("wandb_entity") or None,
+                mode=os.environ.get("WANDB_MODE", "online"))
 
     def log(self, record: dict) -> None:
         """A metrics line: every number in it at its "step" (eval lines under their eval/ names)."""
         numbers = {k: v for k, v in record.items()
                    if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "step"}
-        if self.kind == "tensorboard":
+        if "tensorboard" in self.writers:
             for key, value in numbers.items():
-                self.writer.add_scalar(key, value, record["step"])
-        elif self.kind == "wandb":
-            self.writer.log(numbers, step=record["step"])
+                self.writers["tensorboard"].add_scalar(key, value, record["step"])
+        if "wandb" in self.writers:
+            self.writers["wandb"].log(numbers, step=record["step"])
 
     def table(self, name: str, rows: list[dict], step: int) -> None:
         """Rows of equal keys (the step's samples) as a table: markdown text in TensorBoard, a wandb.Table."""
-        if self.kind == "none" or not rows:
+        if not rows:
             return
         keys = list(rows[0])
-        if self.kind == "tensorboard":
+        if "tensorboard" in self.writers:
             cell = lambda v: f"{v:.4g}" if isinstance(v, float) else str(v)  # noqa: E731
             lines = ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
             lines += ["| " + " | ".join(cell(row[k]) for k in keys) + " |" for row in rows]
-            self.writer.add_text(name, "\n".join(lines), step)
-        else:
+            self.writers["tensorboard"].add_text(name, "\n".join(lines), step)
+        if "wandb" in self.writers:
             import wandb
-            self.writer.log({name: wandb.Table(columns=keys, data=[[row[k] for k in keys] for row in rows])},
-                            step=step)
+            self.writers["wandb"].log({name: wandb.Table(columns=keys, data=[[row[k] for k in keys] for row in rows])},
+                                      step=step)
 
     def image(self, name: str, path: Path, step: int) -> None:
         """An image grid written at `path` (a PNG), under `name`."""
-        if self.kind == "none" or not Path(path).exists():
+        if not self.writers or not Path(path).exists():
             return
         with Image.open(path) as image:
             pixels = np.asarray(image.convert("RGB"))
-        if self.kind == "tensorboard":
-            self.writer.add_image(name, pixels, step, dataformats="HWC")
-        else:
+        if "tensorboard" in self.writers:
+            self.writers["tensorboard"].add_image(name, pixels, step, dataformats="HWC")
+        if "wandb" in self.writers:
             import wandb
-            self.writer.log({name: wandb.Image(pixels)}, step=step)
+            self.writers["wandb"].log({name: wandb.Image(pixels)}, step=step)
 
     def close(self) -> None:
-        if self.kind == "tensorboard":
-            self.writer.close()
-        elif self.kind == "wandb":
-            self.writer.finish()
+        if "tensorboard" in self.writers:
+            self.writers["tensorboard"].close()
+        if "wandb" in self.writers:
+            self.writers["wandb"].finish()

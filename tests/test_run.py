@@ -288,8 +288,8 @@ def test_main_report_to(tmp_path, monkeypatch):
     calls = []
 
     class Writer:
-        def __init__(self, log_dir):
-            calls.append(("open", log_dir))
+        def __init__(self, log_dir, purge_step):
+            calls.append(("open", log_dir, purge_step))
 
         def add_text(self, *args):
             calls.append(("text", args[0]))
@@ -307,7 +307,7 @@ def test_main_report_to(tmp_path, monkeypatch):
     monkeypatch.setattr(run, "check_reporter", lambda kind: None)  # the real one asks for the installed package
     evals = ["--eval-prompts", str(write_evals(tmp_path)), "--eval-every", "1", "--eval-samples", "2"]
     tiny_run(tmp_path, tmp_path / "tb", "--steps", "2", "--report-to", "tensorboard", "--image-every", "1", *evals)
-    assert calls[0] == ("open", str(tmp_path / "tb" / "tensorboard")) and calls[-1] == ("close",)
+    assert calls[0] == ("open", str(tmp_path / "tb" / "tensorboard"), 1) and calls[-1] == ("close",)
     scalars = {(c[1], c[2]) for c in calls if c[0] == "scalar"}
     # steps count from 1: the training lines at 1 and 2, the evaluations after 0 and 2 updates
     assert {("reward_mean", 1), ("reward_mean", 2), ("eval/reward", 0), ("eval/reward", 2), ("loss", 2),
@@ -318,13 +318,39 @@ def test_main_report_to(tmp_path, monkeypatch):
     assert run_record(tmp_path / "tb") == run_record(tmp_path / "plain")
 
 
+def test_trackers_resume(tmp_path, monkeypatch):
+    """--report-to tensorboard,wandb with the trackers themselves (wandb offline, as WANDB_MODE says): a resume
+    continues both: TensorBoard's reward_mean at steps 1-3 once each (a resume from step 1 after a run to 2 purges the
+    first try's step 2), and one wandb run id for all three invocations (kept in the run folder), named --run-name in
+    --wandb-project."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    out = tmp_path / "tracked"
+    tiny_run(tmp_path, out, "--steps", "2", "--save-every", "1", "--report-to", "tensorboard,wandb", "--run-name",
+             "lab-1", "--wandb-project", "glm-tests")
+    grpo.main(["--resume", str(out / "checkpoints" / "step-1"), "--overwrite"])  # back to step 1, to step 2 again
+    grpo.main(["--resume", str(out), "--steps", "3"])
+    events = EventAccumulator(str(out / "tensorboard"))
+    events.Reload()
+    assert [e.step for e in events.Scalars("reward_mean")] == [1, 2, 3]
+    assert [e.step for e in events.Scalars("lr")] == [1, 2, 3]
+    run_id = (out / "wandb_run_id.txt").read_text()
+    runs = sorted((out / "wandb").glob("offline-run-*"))
+    assert len(runs) == 3 and all(r.name.endswith("-" + run_id) for r in runs), runs
+    settings = json.loads((out / "config.json").read_text())
+    assert (settings["run_name"], settings["wandb_project"], settings["report_to"]) == ("lab-1", "glm-tests",
+                                                                                        "tensorboard,wandb")
+
+
 def test_check_reporter(monkeypatch):
     """--report-to: an unknown name, or a package that is not installed, is refused with the fix."""
     import types
 
     run_io.check_reporter("none")
-    with pytest.raises(ValueError, match="use none, tensorboard, wandb"):
-        run_io.check_reporter("mlflow")
+    run_io.check_reporter("tensorboard,wandb")
+    with pytest.raises(ValueError, match="--report-to mlflow: use none, tensorboard, wandb"):
+        run_io.check_reporter("tensorboard,mlflow")
     missing = types.SimpleNamespace(util=types.SimpleNamespace(find_spec=lambda name: None))
     monkeypatch.setattr(run_io, "importlib", missing)
     for kind in ("tensorboard", "wandb"):
