@@ -27,6 +27,7 @@ import functools
 import math
 import socket
 import sys
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -236,11 +237,11 @@ def hub_cached(repo_id: str, filename: str, revision: str = "") -> bool:
     return isinstance(try_to_load_from_cache(repo_id, filename, revision=revision or None), str)
 
 
-def unreachable_hub() -> str | None:
-    """The hub's host when this machine cannot reach it (a 3 s try), else None: asked once, at once, rather than after
-    huggingface_hub's minute of retries."""
+def unreachable_hub(host: str = "") -> str | None:
+    """The hub's host (or `host`) when this machine cannot reach it (a 3 s try), else None: asked once, at once,
+    rather than after huggingface_hub's minute of retries."""
     from huggingface_hub import constants
-    host = constants.ENDPOINT.split("://")[-1].split("/")[0]
+    host = host or constants.ENDPOINT.split("://")[-1].split("/")[0]
     try:
         socket.create_connection((host, 443), timeout=3).close()
     except OSError:
@@ -376,19 +377,71 @@ def dino_reward(images: torch.Tensor, example: dict, checkpoint: str = LEARNED["
     return features[:-1] @ features[-1]
 
 
+LPIPS_BACKBONE = "alexnet-owt-7be5be79.pth"  # torchvision's AlexNet weights (IMAGENET1K_V1), as torch's cache names them
+LPIPS_URL = "https://download.pytorch.org/models/" + LPIPS_BACKBONE
+
+
+@functools.lru_cache(maxsize=None)
+def lpips_model(where: str = ""):
+    """LPIPS (the `lpips` package: AlexNet features, version 0.1, whose linear heads ship inside the package) with
+    AlexNet's weights from `where`, a folder holding alexnet-owt-7be5be79.pth ('': torch's hub cache, filled once from
+    download.pytorch.org where there is a network). Frozen, eval mode, on the CPU until used. Raises CheckpointError
+    (one line) when the weights are missing and cannot be downloaded; ImportError without the package."""
+    try:
+        import lpips
+    except ImportError:
+        raise ImportError("the lpips reward needs the lpips package (and torchvision): bash tools/install_ocr.sh, or "
+                          "pip install lpips") from None
+    folder = Path(where).expanduser() if where else Path(torch.hub.get_dir()) / "checkpoints"
+    file = folder / LPIPS_BACKBONE
+    if where and not file.is_file():
+        raise CheckpointError(f"reward 'lpips@{where}': no {LPIPS_BACKBONE} there (torchvision's AlexNet weights); "
+                              f"put it in the folder (from {LPIPS_URL})")
+    if not file.is_file():
+        host = unreachable_hub("download.pytorch.org")
+        if host:
+            raise CheckpointError(f"reward 'lpips': AlexNet's weights are not in torch's cache ({file}) and {host} "
+                                  f"cannot be reached (offline?); copy {LPIPS_BACKBONE} from {LPIPS_URL} into a folder "
+                                  "and give it: lpips@FOLDER")
+        folder.mkdir(parents=True, exist_ok=True)
+        torch.hub.download_url_to_file(LPIPS_URL, str(file), progress=False)
+    state = torch.load(file, map_location="cpu", weights_only=True)
+    with warnings.catch_warnings():  # torchvision's note on lpips' `pretrained=` argument
+        warnings.simplefilter("ignore", UserWarning)
+        model = lpips.LPIPS(net="alex", pnet_rand=True, verbose=False)  # the backbone from `state`, not a download
+    layers = {int(name): layer for part in (model.net.slice1, model.net.slice2, model.net.slice3, model.net.slice4,
+                                            model.net.slice5) for name, layer in part.named_children()}
+    for key, value in state.items():  # "features.3.weight": AlexNet's feature layer 3
+        kind, index, param = key.split(".")
+        if kind == "features":
+            getattr(layers[int(index)], param).data.copy_(value)
+    return model.eval().requires_grad_(False)
+
+
+@needs("target")
+@torch.no_grad()
+def lpips_reward(images: torch.Tensor, example: dict, checkpoint: str = "") -> torch.Tensor:
+    """(G, 3, H, W) in [0, 1], example["target"] (3, H, W) -> (G,) minus the LPIPS distance to the target (AlexNet,
+    v0.1): 0 for the target itself, lower the less alike a network's features find them. `checkpoint`: a folder with
+    AlexNet's weights (lpips@FOLDER), else torch's hub cache."""
+    model = lpips_model(checkpoint).to(images.device)
+    target = example["target"][None].to(images).expand_as(images)
+    return -model(images.float(), target.float(), normalize=True).flatten()  # normalize: [0, 1] -> [-1, 1]
+
+
 MORE_REWARDS = {"ocr": ocr_reward, "shapes": shapes_reward, "shapes_exact": shapes_exact_reward, "size": size_reward,
                 "edit": edit_reward, "edit_exact": edit_exact_reward,
                 "clip": clip_reward, "pickscore": pickscore_reward, "dino": dino_reward,
-                "aesthetic": aesthetic_reward}
+                "aesthetic": aesthetic_reward, "lpips": lpips_reward}
 
 
 def with_checkpoint(name: str, fn, where: str):
     """`name@where`: the learned reward `fn` bound to the checkpoint `where` (hub id or folder), or the ocr reward to
     the languages `where` lists (ch_sim+en: EasyOCR's names joined by +, as a comma separates rewards), keeping its
     needs."""
-    if name not in (*LEARNED, "ocr"):
-        raise ValueError(f"reward '{name}@{where}': only the learned rewards ({', '.join(LEARNED)}) take a checkpoint "
-                         "after @, and ocr its languages (ocr@ch_sim+en)")
+    if name not in (*LEARNED, "lpips", "ocr"):
+        raise ValueError(f"reward '{name}@{where}': only the learned rewards ({', '.join(LEARNED)}, lpips) take a "
+                         "checkpoint after @, and ocr its languages (ocr@ch_sim+en)")
     if not where:
         raise ValueError(f"reward '{name}@': give a hub id or folder after @, or drop the @")
     if name == "ocr":

@@ -256,6 +256,44 @@ def test_ocr_reward_missing_package(tmp_path, capsys, monkeypatch):
     assert not (tmp_path / "out").exists()
 
 
+def test_lpips_reward(tmp_path, capsys):
+    """lpips by name, offline: lpips@FOLDER takes AlexNet's weights from a folder (random ones here: what is checked is
+    the wiring, not the weights' quality): the target itself scores 0 (LPIPS of an image with itself), other pictures
+    below; it is listed among the rewards. A folder without the weights, or no weights in torch's cache without a
+    network, stops the run before anything is written, in one line."""
+    pytest.importorskip("lpips", reason="the lpips reward's optional package: bash tools/install_ocr.sh")
+    import torchvision
+    assert "lpips" in grpo.REWARDS
+    torch.manual_seed(0)
+    state = torchvision.models.alexnet(weights=None).state_dict()
+    torch.save(state, tmp_path / rewards.LPIPS_BACKBONE)
+    net = rewards.lpips_model(str(tmp_path)).net  # AlexNet's feature layers 0, 3, 6, 8, 10 hold the folder's weights
+    assert all(torch.equal(getattr(net, f"slice{k}")._modules[str(i)].weight, state[f"features.{i}.weight"])
+               for k, i in [(1, 0), (2, 3), (3, 6), (4, 8), (5, 10)])
+    [(fn, weight)] = run.parse_rewards(f"lpips@{tmp_path}=0.4", grpo.REWARDS).values()
+    target = torch.rand(3, 64, 64, generator=torch.Generator().manual_seed(1))
+    images = torch.stack([target, torch.rand(3, 64, 64, generator=torch.Generator().manual_seed(2)), target * 0.5])
+    scores = fn(images, {"target": target})
+    assert weight == 0.4 and scores.shape == (3,) and abs(scores[0]) < 1e-6 and (scores[1:] < -1e-3).all(), scores
+    (tmp_path / "empty").mkdir()
+    prompts = write_example(tmp_path, ["a gray square | t.png"])
+    base = [*TINY, "--prompts", str(prompts), "--out", str(tmp_path / "out"), "--steps", "1"]
+    expect_exit([*base, "--reward", f"lpips@{tmp_path / 'empty'}=1"], 2, f"no {rewards.LPIPS_BACKBONE} there", capsys)
+    assert not (tmp_path / "out").exists()
+
+
+def test_lpips_offline(tmp_path, monkeypatch):
+    """Without a folder, lpips reads torch's hub cache; with the weights absent there and no network, one line says
+    where to put them (and nothing is downloaded)."""
+    pytest.importorskip("lpips", reason="the lpips reward's optional package: bash tools/install_ocr.sh")
+    monkeypatch.setattr(torch.hub, "get_dir", lambda: str(tmp_path / "hub"))
+    monkeypatch.setattr(rewards, "unreachable_hub", lambda host="": host)
+    rewards.lpips_model.cache_clear()
+    with pytest.raises(rewards.CheckpointError, match=r"not in torch's cache .* cannot be reached .* lpips@FOLDER"):
+        rewards.lpips_model("")
+    assert not (tmp_path / "hub").exists()
+
+
 def test_ocr_languages(monkeypatch):
     """ocr@ch_sim+en reads with EasyOCR's reader of those languages (its names joined by +, as a comma separates the
     rewards), ocr alone with the English one; any other reward refuses languages after @."""
