@@ -15,6 +15,7 @@ trains, so a bad line stops the run before anything is written.
   pickscore  human preference (Pick-a-Pic): the same formula with PickScore's CLIP-H checkpoint
   dino       closeness to the target: cosine of DINOv2 features of the image and of example["target"]
   aesthetic  LAION's aesthetic predictor: an MLP head on CLIP ViT-L/14's normalised image embedding
+  lpips      minus LPIPS (the lpips package, AlexNet) to example["target"]: lpips@FOLDER with AlexNet's weights
   module:function   any function of yours (`import_reward`)
 
 The learned rewards (clip, pickscore, dino, aesthetic) load a checkpoint through transformers, once a process, when
