@@ -1061,6 +1061,9 @@ def test_read_config_file(tmp_path):
     yaml_file.write_text("kl_beta: 0.2\n")
     assert helpers_run.given_flags(config, ["--config", str(yaml_file), "--steps", "3"]) == {"kl_beta", "steps"}
     assert grpo.parse_config(["--config", str(yaml_file)]).kl_beta == 0.2
+    real = grpo.parse_config(["--config", str(ROOT / "examples" / "real_model.yaml")])  # the shipped first real run
+    helpers_run.validate(real)
+    assert (real.model, real.group_size, real.kl_beta, real.lr_scheduler) == ("zai-org/GLM-Image", 4, 0.01, "cosine")
     assert grpo.parse_config(["--config", str(yaml_file), "--kl-beta", "0.3"]).kl_beta == 0.3  # the command line wins
 
 
