@@ -369,6 +369,34 @@ parallel.stop_processes()  # a gloo thread alive at exit can abort a process ("t
 """
 
 
+def test_two_nodes(tmp_path):
+    """Two nodes, as docs/many_gpus.md launches them: two torchrun commands (--nnodes 2, --node-rank 0 and 1, one
+    process each) meeting at a c10d rendezvous on localhost, here on one machine. They train as one process does on
+    both prompts (the same metrics and final weights within 1e-5), with a LoRA adapter and the KL on."""
+    import os
+    import socket
+    import subprocess
+    import sys
+    prompts = write_example(tmp_path, ["a gray square | t.png", "another | t.png"])
+    common = [*TINY_CPU, "--prompts", str(prompts), "--steps", "2", "--image-every", "0", "--lora-rank", "4",
+              "--kl-beta", "0.04"]
+    assert torchrun(*common, "--out", str(tmp_path / "one"), "--prompts-per-step", "2", nproc=1).returncode == 0
+    with socket.socket() as free:
+        free.bind(("localhost", 0))
+        port = free.getsockname()[1]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    nodes = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank",
+                               str(rank), "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint",
+                               f"localhost:{port}", "--rdzv-id", "grpo-two-nodes", str(ROOT / "grpo.py"), *common,
+                               "--out", str(tmp_path / "two"), "--prompts-per-step", "1"],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env)
+             for rank in (0, 1)]
+    results = [node.communicate(timeout=600) for node in nodes]
+    assert [node.returncode for node in nodes] == [0, 0], [err[-2000:] for _, err in results]
+    assert_same_metrics(tmp_path / "one", tmp_path / "two")
+    assert_same_weights(tmp_path / "one" / "final", tmp_path / "two" / "final")
+
+
 def test_torchrun_nonfinite_reward(tmp_path, monkeypatch):
     """Under torchrun a group with a NaN reward leaves the loss while its process joins every collective: the prompt
     'another' gives a NaN, once on process 0 only at step 1 (so the processes keep 1 and 2 groups: the metrics are
