@@ -242,6 +242,8 @@ def unreachable_hub(host: str = "") -> str | None:
     """The hub's host (or `host`) when this machine cannot reach it (a 3 s try), else None: asked once, at once,
     rather than after huggingface_hub's minute of retries."""
     from huggingface_hub import constants
+    if not host and constants.HF_HUB_OFFLINE:  # the hub switched off: not asked at all
+        return "the hub (HF_HUB_OFFLINE is set)"
     host = host or constants.ENDPOINT.split("://")[-1].split("/")[0]
     try:
         socket.create_connection((host, 443), timeout=3).close()

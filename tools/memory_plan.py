@@ -1354,6 +1354,56 @@ def section_gpu(counts: dict, args) -> list[str]:
                   table_rows)]
 
 
+# ---- Beside the plan: learned rewards on the GPU, --save-merged's copy on the host ----------------------
+
+REWARD_CONFIGS = {  # the published checkpoints' shapes (their config.json), built on the meta device to count
+    "clip / aesthetic: CLIP ViT-L/14 (openai/clip-vit-large-patch14)": ("CLIPModel", dict(
+        text_config=dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, intermediate_size=3072,
+                         projection_dim=768),
+        vision_config=dict(hidden_size=1024, num_hidden_layers=24, num_attention_heads=16, intermediate_size=4096,
+                           patch_size=14, image_size=224, projection_dim=768), projection_dim=768)),
+    "pickscore: CLIP ViT-H/14 (yuvalkirstain/PickScore_v1)": ("CLIPModel", dict(
+        text_config=dict(hidden_size=1024, num_hidden_layers=24, num_attention_heads=16, intermediate_size=4096,
+                         projection_dim=1024),
+        vision_config=dict(hidden_size=1280, num_hidden_layers=32, num_attention_heads=16, intermediate_size=5120,
+                           patch_size=14, image_size=224, projection_dim=1024), projection_dim=1024)),
+    "dino: DINOv2-base (facebook/dinov2-base)": ("Dinov2Model", dict(
+        hidden_size=768, num_hidden_layers=12, num_attention_heads=12, mlp_ratio=4, patch_size=14, image_size=518)),
+}
+
+
+def reward_params() -> dict[str, int]:
+    """Parameters of each learned reward's default checkpoint (helpers/rewards.py's LEARNED), from its published
+    shape on the meta device."""
+    import transformers
+    counts = {}
+    for name, (kind, config) in REWARD_CONFIGS.items():
+        config_class = getattr(transformers, kind.replace("Model", "Config"))
+        with torch.device("meta"):
+            model = getattr(transformers, kind)(config_class(**config))
+        counts[name] = numel(model)
+    return counts
+
+
+def section_extras(counts: dict, rows: list, args) -> list[str]:
+    """What the plan's phases leave out: a learned reward's weights, resident on each GPU once it has scored (float32,
+    as the checkpoints are stored and transformers loads them), and --save-merged's whole pipeline, which rank 0 loads
+    again on the host at the end to merge the adapter (bf16)."""
+    lora = [r for r in rows if r["name"] == "LoRA r=16" and not r["ckpt"]][0]
+    rewards = reward_params()
+    body = table(["learned reward (default checkpoint)", "parameters", "GPU GiB (float32, every phase)",
+                  "LoRA r=16, one GPU: peak with it"], ["---", "---:", "---:", "---:"],
+                 [[name, f"{n / 1e9:.3f}B", f"{n * 4 / GiB:.1f}", f"{(lora['peaks'][False][0] + n * 4) / GiB:.1f}"]
+                  for name, n in rewards.items()])
+    pipeline = counts["AR total"] + counts["DiT"] + counts["VAE"] + counts["T5 glyph encoder"]
+    text = ("Learned rewards (`--reward clip|pickscore|dino|aesthetic`, and `--eval-reward`) load their model once a "
+            "process, then keep it on the GPU beside the plan's every phase (the aesthetic head and LPIPS' AlexNet "
+            "add under 0.01 GiB). Each reward adds its own. `--save-merged` loads the whole pipeline once more on "
+            f"rank 0's host at the end, in bf16: {pipeline / 1e9:.2f}B parameters, {pipeline * 2 / GiB:.1f} GiB of "
+            "host memory beside the run's own.")
+    return ["### Learned rewards and --save-merged", text, body]
+
+
 def section_sources() -> list[str]:
     return ["### Sources of the configs", "\n".join(f"- {k}: {v}" for k, v in SOURCES.items())]
 
@@ -1401,7 +1451,8 @@ def main(argv=None) -> str:
     sections = [section_title(args.height, args.width, args.group_size), section_parameters(counts),
                 section_peaks(rows, c, args), section_assumptions(), section_measured(measured, args.measure),
                 section_checks(counts, args), section_verdict(counts, rows, c, args), section_fsdp(counts, args),
-                section_dit(counts, args), section_gpu(counts, args), section_sources()]
+                section_extras(counts, rows, args), section_dit(counts, args), section_gpu(counts, args),
+                section_sources()]
     text = "\n\n".join(block for section in sections for block in section)
     print(text)
     if args.measure:
