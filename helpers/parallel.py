@@ -209,6 +209,10 @@ def load_trainable_state(policy, optimizer, state: dict) -> None:
     """Put what trainable_state returned (saved in a checkpoint) back into a fresh policy and optimizer, and restore
     the RNG states."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+    for group, saved in zip(optimizer.param_groups, state["optimizer"].get("param_groups", [])):
+        for key, value in saved.items():  # keys a scheduler added (initial_lr), for an optimizer without one
+            if key != "params":
+                group.setdefault(key, value)
     set_state_dict(policy, optimizer, model_state_dict=state["weights"], optim_state_dict=state["optimizer"],
                    options=StateDictOptions(full_state_dict=True, strict=False))  # strict=False: frozen weights absent
     torch.random.set_rng_state(state["rng"]["torch"])
