@@ -5,6 +5,7 @@
 
 import copy
 import dataclasses
+import os
 
 import torch
 
@@ -99,7 +100,9 @@ def test_results_load_with_standard_calls(tmp_path):
     assert written and written.keys() == again.keys()
     assert all(torch.equal(t, again[f][k]) for f in written for k, t in written[f].items())
     card = (final / "README.md").read_text()
-    assert f"base_model: {grpo.TINY}" in card and "reward: `ssim=1,mse=0`" in card
+    metadata = card.split("---")[1]  # a folder is no hub id: not the metadata's base_model; the usage's relative path
+    assert "base_model" not in metadata and "pipeline_tag: text-to-image" in metadata and "reward: `ssim=1,mse=0`" in card
+    assert f'GlmImagePipeline.from_pretrained("{os.path.relpath(grpo.TINY)}"' in card
     assert f'pipe.vision_language_encoder.load_adapter("{final}")' in card and '"lora_rank": 4' in card
 
 

@@ -31,7 +31,8 @@ def main() -> None:
         run.fail(f"cannot read {args.run / 'config.json'} ({error}); give a run directory")
     if not (args.run / "final").is_dir():
         run.fail(f"{args.run} has no final/ (the run has not finished); finish it with --resume {args.run}")
-    cfg = SimpleNamespace(model=saved["model"], train=saved.get("train", "ar"), lora_rank=saved["lora_rank"])
+    cfg = SimpleNamespace(model=saved["model"], revision=saved.get("revision", ""), train=saved.get("train", "ar"),
+                          lora_rank=saved["lora_rank"])
     if cfg.model.split(":")[0] == "random":
         run.fail("random weights cannot be loaded again to merge into; final/ holds what was trained")
     dtype = run.compute_settings("cuda", args.dtype or saved.get("dtype", "auto"), cfg.model)  # a GPU run's dtype
