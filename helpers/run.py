@@ -41,7 +41,8 @@ KIND_NAMES = {int: "an integer", float: "a number", bool: "true or false", str: 
 PROG = {"name": "grpo.py"}  # the script the messages name: set by prepare
 TINY_NAMES = ("tiny", "tiny-edit")  # grpo.TINY_MODELS' names: shipped folders, the tiny defaults, float32
 RESUMABLE = ("steps", "device", "report_to", "save_every", "save_total_limit", "save_merged", "image_every",
-             "eval_every", "overwrite", "push_to_hub", "hub_model_id", "wandb_project", "wandb_entity", "run_name")  # what --resume may change: when to stop, where, bookkeeping; not the objective
+             "eval_every", "overwrite", "push_to_hub", "hub_model_id", "hub_private", "wandb_project", "wandb_entity",
+             "run_name")  # what --resume may change: when to stop, where, bookkeeping; not the objective
 
 
 @dataclasses.dataclass
@@ -223,8 +224,10 @@ class RunSettings:  # the run's flags, after the algorithm's (grpo.Config): wher
     push_to_hub: bool = _setting(False, "at the end, upload final/ (with --save-merged, its pipeline/ too) to the "
                                         "hub as --hub-model-id (huggingface_hub; needs a token: hf auth login)")
     hub_model_id: str = _setting("", "the hub repository --push-to-hub creates or updates, e.g. you/glm-image-grpo")
+    hub_private: bool = _setting(True, "a repository --push-to-hub creates is private (make it public on the hub, or "
+                                       "--no-hub-private)")
     lr_scheduler: str = _setting("constant", "the learning rate over --steps, after the warmup: constant, linear "
-                                             "(to 0) or cosine (to 0), as transformers' get_scheduler",
+                                             "(toward 0) or cosine (toward 0), as transformers' get_scheduler",
                                  ("constant", "linear", "cosine"))
     warmup_steps: int = _setting(0, "steps whose learning rate rises linearly from 0 to --lr (the first at 0, as in "
                                     "transformers' schedules)")
@@ -305,7 +308,7 @@ def read_config_file(path: str, config) -> dict:
     an unreadable file."""
     file = Path(path)
     if not file.is_file():
-        raise ValueError(f"--config {path}: no such file")
+        raise ValueError(f"--config {path}: {'a directory; give a file in it' if file.is_dir() else 'no such file'}")
     try:
         if file.suffix == ".json":
             values = json.loads(file.read_text())
@@ -344,11 +347,13 @@ def read_config_file(path: str, config) -> dict:
     return typed
 
 
-def given_flags(config, argv: list[str] | None = None) -> set[str]:
+def given_flags(config, argv: list[str] | None = None, saved: dict | None = None) -> set[str]:
     """The fields of `config` the command line sets itself (not left at their defaults), its --config file's
-    included."""
+    included; with `saved` (a resumed run's config.json) only the file's values that differ from it (a job script
+    that always passes its --config can resume)."""
     file = config_file(argv)
-    in_file = set(read_config_file(file, config)) if file else set()
+    in_file = {key for key, value in (read_config_file(file, config) if file else {}).items()
+               if saved is None or saved.get(key) != value}
     return in_file | set(vars(config_parser(config, default=argparse.SUPPRESS).parse_args(argv))) - {"config"}
 
 
@@ -401,6 +406,9 @@ def validate(cfg) -> None:
     if cfg.save_merged and cfg.model.split(":")[0] == "random":
         raise ValueError("--save-merged loads the base model again to merge into it, and random weights cannot be "
                          "loaded again: drop --save-merged (final/ holds what was trained)")
+    if not 0 <= cfg.warmup_steps < cfg.steps:
+        raise ValueError(f"--warmup-steps {cfg.warmup_steps} must be >= 0 and below --steps {cfg.steps} (the rate "
+                         "reaches --lr after the warmup)")
     if cfg.push_to_hub and not re.fullmatch(r"[\w.-]+/[\w.-]+", cfg.hub_model_id):
         raise ValueError(f"--push-to-hub uploads to --hub-model-id, and {cfg.hub_model_id or 'none'!r} is not a hub "
                          "repository id: give one, e.g. --hub-model-id you/glm-image-grpo")
@@ -531,7 +539,7 @@ def prepare(cfg, argv: list[str] | None, table: dict, lesson, train: str = "ar")
             what = f"{out} trains the {trains.upper()}" if cfg.resume else f"--train {trains}"
             raise ValueError(f"{what} is {SCRIPTS[trains]}'s to run: python {SCRIPTS[trains]} with the same flags")
         if cfg.resume:
-            given = given_flags(type(cfg), argv)
+            given = given_flags(type(cfg), argv, saved)
             refused = sorted(given - {"resume", *RESUMABLE})  # the objective's flags: the run goes on as it was
             if refused:
                 raise ValueError(f"--resume continues {out} with its saved settings, so it cannot take "
@@ -553,6 +561,10 @@ def prepare(cfg, argv: list[str] | None, table: dict, lesson, train: str = "ar")
                 raise ValueError(f"{out} counts its steps from 0 (an older grpo.py wrote it; steps count from 1 now), "
                                  "so a resume would number them twice: finish it with the version that started it, "
                                  "or start a new run")
+            if cfg.steps != saved["steps"] and saved.get("lr_scheduler", "constant") != "constant":
+                raise ValueError(f"--steps {cfg.steps}: {out}'s --lr-scheduler {saved['lr_scheduler']} runs over its "
+                                 f"{saved['steps']} steps, and a new length would make the rate jump; resume with "
+                                 f"--steps {saved['steps']}, or start a new run")
             if cfg.steps < start:
                 raise ValueError(f"--steps {cfg.steps} is below the {start} steps {out} has done; --steps is the "
                                  f"total, so pass more than {start}")
@@ -564,7 +576,8 @@ def prepare(cfg, argv: list[str] | None, table: dict, lesson, train: str = "ar")
                                  f"need, then add --overwrite to delete them (or resume the latest: --resume {out})")
         validate(cfg)
         check_model(cfg.model, cfg.revision)
-        check_push(cfg)
+        if int(os.environ.get("RANK", 0)) == 0:  # rank 0 alone pushes
+            check_push(cfg)
         check_reporter(cfg.report_to)
         check_out_dir(out)
         rewards = parse_rewards(cfg.reward, table)
@@ -1049,7 +1062,9 @@ def interrupted(r: Run) -> None:
         save_run(r, r.done)  # the steps after `done` did not finish: redone on resume
     if r.rank == 0:
         saved = "the last checkpoint is kept" if INTERRUPT["forced"] else f"checkpoint at step {r.done}"
-        launch = f"torchrun --nproc-per-node {r.world}" if r.world > 1 else "python"
+        per_node = int(os.environ.get("LOCAL_WORLD_SIZE", r.world))
+        nodes = f"--nnodes {r.world // per_node} ... " if per_node < r.world else ""  # each node's own flags
+        launch = f"torchrun {nodes}--nproc-per-node {per_node}" if r.world > 1 else "python"
         print(f"interrupted: {saved} in {r.out}; continue it with: {launch} {PROG['name']} --resume {r.out}",
               file=sys.stderr)
     raise SystemExit(130)
@@ -1290,7 +1305,7 @@ def write_model_card(r: Run, summary: dict) -> None:
     lines = [f"# {cfg.hub_model_id or r.out.name}: GLM-Image's {trained.split(' (')[0].removeprefix('the ')}, "
              "trained with GRPO", "",
              f"- base model: `{cfg.model}`{at}; trained: {trained}, {how}",
-             f"- {cfg.steps} steps, each {cfg.prompts_per_step * r.world} prompts of `{cfg.prompts}` x "
+             f"- {cfg.steps} steps, each {cfg.prompts_per_step * r.world} prompts of `{Path(cfg.prompts).name}` x "
              f"{cfg.group_size} samples",
              f"- reward: `{cfg.reward}` (aggregation: {cfg.reward_aggregation})",
              f"- training reward, the mean of the first and of the last quarter of the steps (whole passes over the "
@@ -1304,9 +1319,10 @@ def write_model_card(r: Run, summary: dict) -> None:
         names = [name for name in ["reward", *(r.evals[1] if r.evals else {})]
                  if f"eval/{name}" in first and f"eval/{name}" in last]
         numbers = ", ".join(f"{name} {first[f'eval/{name}']:.4f} -> {last[f'eval/{name}']:.4f}" for name in names)
-        lines.append(f"- held-out (`{cfg.eval_prompts}`, {cfg.eval_samples} samples a prompt), step {first['step']} "
+        lines.append(f"- held-out (`{Path(cfg.eval_prompts).name}`, {cfg.eval_samples} samples a prompt), step {first['step']} "
                      f"-> step {last['step']}: {numbers}")
-        results = [EvalResult(task_type="text-to-image", dataset_type="prompts", dataset_name=Path(cfg.eval_prompts).name,
+        results = [EvalResult(task_type="text-to-image", dataset_type=Path(cfg.eval_prompts).name,  # not a hub dataset
+                              dataset_name=Path(cfg.eval_prompts).name,
                               metric_type=name, metric_name=f"{name}, held-out, after step {last['step']}",
                               metric_value=round(last[f"eval/{name}"], 4))
                    for name in names if math.isfinite(last[f"eval/{name}"])]
@@ -1317,8 +1333,9 @@ def write_model_card(r: Run, summary: dict) -> None:
             lines += ["", "Before (left) and after (right), the same prompts and seeds:", "",
                       "![before and after](before_after.png)"]
     lines += ["", "## Use it", "", *usage(cfg, base, cfg.hub_model_id or str(final), r.examples[0]["prompt"])]
-    given = {k: v for k, v in dataclasses.asdict(cfg).items()
-             if k not in ("out", "resume", "overwrite", "device", "report_to")}
+    given = {k: Path(v).name if k in ("prompts", "eval_prompts") and v else v  # file names, not this machine's paths
+             for k, v in dataclasses.asdict(cfg).items()
+             if k not in ("out", "resume", "overwrite", "device", "report_to", "wandb_entity", "run_name")}
     lines += ["", "## Training flags", "", "```json", json.dumps(given, indent=1), "```", ""]
     data = ModelCardData(base_model=cfg.model if is_hub_id(cfg.model) else None, library_name=library,
                          pipeline_tag="text-to-image", license=base_license(cfg.model, cfg.revision),
@@ -1386,9 +1403,9 @@ def push(r: Run) -> None:
     final, repo = r.out / "final", r.cfg.hub_model_id
     try:
         api = HfApi()
-        api.create_repo(repo, exist_ok=True)
-        api.upload_folder(repo_id=repo, folder_path=final, commit_message=f"GRPO on GLM-Image: {r.out.name}, "
-                                                                          f"{r.cfg.steps} steps")
+        api.create_repo(repo, exist_ok=True, private=r.cfg.hub_private)  # (an existing repository keeps its own)
+        api.upload_folder(repo_id=repo, folder_path=final, delete_patterns="*",  # files of an earlier push go
+                          commit_message=f"GRPO on GLM-Image: {r.out.name}, {r.cfg.steps} steps")
     except Exception as error:  # network, permissions, quota: the run itself is complete
         reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         fail(f"could not push {final} to {repo} ({reason}); the run is saved: hf upload {repo} {final} pushes it",

@@ -412,6 +412,30 @@ def check_reporter(spec: str) -> None:
         if importlib.util.find_spec(kind) is None:
             raise ValueError(f"--report-to {kind} needs the {kind} package, which is not installed: pip install {kind} "
                              "(or leave --report-to at none)")
+        if kind == "wandb" and wandb_mode() == "online" and not wandb_key():
+            raise ValueError("--report-to wandb logs online, and this machine has no wandb API key: run wandb login "
+                             "(or set WANDB_API_KEY), or log offline with WANDB_MODE=offline (wandb sync uploads later)")
+
+
+def wandb_mode() -> str:
+    """wandb's mode as wandb.init will read it: WANDB_MODE, else the settings `wandb offline` / `wandb online` wrote,
+    else online."""
+    import configparser
+    if os.environ.get("WANDB_MODE"):
+        return os.environ["WANDB_MODE"]
+    settings = configparser.ConfigParser()
+    settings.read(Path(os.environ.get("WANDB_CONFIG_DIR", Path.home() / ".config" / "wandb")) / "settings")
+    return settings.get("default", "mode", fallback="online")
+
+
+def wandb_key() -> bool:
+    """Whether wandb finds an API key without asking: WANDB_API_KEY, or `wandb login`'s entry in ~/.netrc."""
+    import netrc
+    host = os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai").split("://")[-1].split("/")[0]
+    try:
+        return bool(os.environ.get("WANDB_API_KEY") or netrc.netrc().authenticators(host))
+    except (OSError, netrc.NetrcParseError):
+        return False
 
 
 class Reporter:
@@ -435,10 +459,12 @@ class Reporter:
             id_file = out / WANDB_ID
             run_id = id_file.read_text().strip() if id_file.exists() else uuid.uuid4().hex[:8]  # wandb's form
             atomic_write(id_file, lambda f: f.write(run_id.encode()))
-            self.writers["wandb"] = wandb.init(
+            self.writers["wandb"] = wandb.init(  # mode: WANDB_MODE, else `wandb offline`'s setting, else online
                 dir=str(out), config=config, id=run_id, resume="allow", name=config.get("run_name") or out.name,
-                project=config.get("wandb_project") or "grpo-glm-image", entity=config.get("wandb_entity") or None,
-                mode=os.environ.get("WANDB_MODE", "online"))
+                project=config.get("wandb_project") or "grpo-glm-image", entity=config.get("wandb_entity") or None)
+            # the run's own step as the x axis: wandb drops lines below its last step, and a resume redoes steps
+            self.writers["wandb"].define_metric("step")
+            self.writers["wandb"].define_metric("*", step_metric="step")
 
     def log(self, record: dict) -> None:
         """A metrics line: every number in it at its "step" (eval lines under their eval/ names)."""
@@ -448,7 +474,7 @@ class Reporter:
             for key, value in numbers.items():
                 self.writers["tensorboard"].add_scalar(key, value, record["step"])
         if "wandb" in self.writers:
-            self.writers["wandb"].log(numbers, step=record["step"])
+            self.writers["wandb"].log({"step": record["step"], **numbers})
 
     def table(self, name: str, rows: list[dict], step: int) -> None:
         """Rows of equal keys (the step's samples) as a table: markdown text in TensorBoard, a wandb.Table."""
@@ -462,8 +488,8 @@ class Reporter:
             self.writers["tensorboard"].add_text(name, "\n".join(lines), step)
         if "wandb" in self.writers:
             import wandb
-            self.writers["wandb"].log({name: wandb.Table(columns=keys, data=[[row[k] for k in keys] for row in rows])},
-                                      step=step)
+            self.writers["wandb"].log({"step": step, name: wandb.Table(columns=keys,
+                                                                       data=[[row[k] for k in keys] for row in rows])})
 
     def image(self, name: str, path: Path, step: int) -> None:
         """An image grid written at `path` (a PNG), under `name`."""
@@ -475,7 +501,7 @@ class Reporter:
             self.writers["tensorboard"].add_image(name, pixels, step, dataformats="HWC")
         if "wandb" in self.writers:
             import wandb
-            self.writers["wandb"].log({name: wandb.Image(pixels)}, step=step)
+            self.writers["wandb"].log({"step": step, name: wandb.Image(pixels)})
 
     def close(self) -> None:
         if "tensorboard" in self.writers:

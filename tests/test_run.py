@@ -344,11 +344,20 @@ def test_trackers_resume(tmp_path, monkeypatch):
 
 
 def test_check_reporter(monkeypatch):
-    """--report-to: an unknown name, or a package that is not installed, is refused with the fix."""
+    """--report-to: an unknown name, a package that is not installed, or wandb online without an API key is refused
+    with the fix."""
     import types
 
     run_io.check_reporter("none")
+    monkeypatch.setenv("WANDB_MODE", "offline")
     run_io.check_reporter("tensorboard,wandb")
+    monkeypatch.setenv("WANDB_MODE", "online")  # online: an API key, or one line before anything loads
+    monkeypatch.setenv("HOME", "/nonexistent")  # no ~/.netrc
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    with pytest.raises(ValueError, match="no wandb API key: run wandb login .* WANDB_MODE=offline"):
+        run_io.check_reporter("wandb")
+    monkeypatch.setenv("WANDB_API_KEY", "x" * 40)
+    run_io.check_reporter("wandb")
     with pytest.raises(ValueError, match="--report-to mlflow: use none, tensorboard, wandb"):
         run_io.check_reporter("tensorboard,mlflow")
     missing = types.SimpleNamespace(util=types.SimpleNamespace(find_spec=lambda name: None))
@@ -1060,6 +1069,7 @@ def test_read_config_file(tmp_path):
             helpers_run.read_config_file(str(yaml_file), config)
     yaml_file.write_text("kl_beta: 0.2\n")
     assert helpers_run.given_flags(config, ["--config", str(yaml_file), "--steps", "3"]) == {"kl_beta", "steps"}
+    assert helpers_run.given_flags(config, ["--config", str(yaml_file)], saved={"kl_beta": 0.2}) == set()  # a requeue
     assert grpo.parse_config(["--config", str(yaml_file)]).kl_beta == 0.2
     real = grpo.parse_config(["--config", str(ROOT / "examples" / "real_model.yaml")])  # the shipped first real run
     helpers_run.validate(real)
@@ -1078,24 +1088,33 @@ def test_lr_schedule(tmp_path, capsys):
     assert [x["lr"] for x in run_record(tmp_path / "whole")] == rates
     state = latest_state(tmp_path / "whole")
     assert state["scheduler"]["last_epoch"] == 4
+    expect_exit(["--resume", str(tmp_path / "whole"), "--steps", "6"], 2, "--lr-scheduler linear runs over its 4 steps",
+                capsys)  # a longer schedule would make the rate jump
+    prompts = write_example(tmp_path, ["a gray square | t.png"])
+    expect_exit([*TINY, "--prompts", str(prompts), "--out", str(tmp_path / "long"), "--steps", "3", "--warmup-steps",
+                 "3"], 2, "--warmup-steps 3 must be >= 0 and below --steps 3", capsys)
 
 
 def test_push_to_hub(tmp_path, monkeypatch, capsys):
     """--push-to-hub uploads final/ (the card and the adapter) to --hub-model-id through huggingface_hub, the upload
-    replaced here by a recorder (not run against the real hub); the card's usage loads from the hub id. Without a
+    replaced here by a recorder (not run against the real hub): a new repository private unless --no-hub-private, and
+    the card names no path of this machine; the card's usage loads from the hub id. Without a
     token, or with --push-to-hub and no id, it stops before training in one line; a failed upload is one line, exit 1,
     and the run stays saved."""
     import huggingface_hub
     calls = []
-    monkeypatch.setattr(huggingface_hub.HfApi, "create_repo", lambda self, repo, **kw: calls.append(("create", repo)))
+    monkeypatch.setattr(huggingface_hub.HfApi, "create_repo", lambda self, repo, **kw: calls.append(
+        ("create", repo, kw["private"])))
     monkeypatch.setattr(huggingface_hub.HfApi, "upload_folder", lambda self, **kw: calls.append(
-        ("upload", kw["repo_id"], sorted(p.name for p in Path(kw["folder_path"]).iterdir()))))
+        ("upload", kw["repo_id"], sorted(p.name for p in Path(kw["folder_path"]).iterdir()), kw["delete_patterns"])))
     monkeypatch.setattr(huggingface_hub, "get_token", lambda: "hf_test")
     out = tmp_path / "pushed"
     tiny_run(tmp_path, out, "--steps", "1", "--lora-rank", "4", "--push-to-hub", "--hub-model-id", "me/tiny-grpo")
-    assert calls[0] == ("create", "me/tiny-grpo") and calls[1][:2] == ("upload", "me/tiny-grpo")
+    assert calls[0] == ("create", "me/tiny-grpo", True) and calls[1][:2] == ("upload", "me/tiny-grpo")
+    assert calls[1][3] == "*"  # files an earlier push left go: the repository holds this final/
     assert {"README.md", "adapter_config.json", "adapter_model.safetensors"} <= set(calls[1][2])
-    assert 'load_adapter("me/tiny-grpo")' in (out / "final" / "README.md").read_text()
+    card = (out / "final" / "README.md").read_text()
+    assert 'load_adapter("me/tiny-grpo")' in card and str(tmp_path) not in card
     prompts = write_example(tmp_path, ["a gray square | t.png"])
     common = [*TINY, "--prompts", str(prompts), "--steps", "1", "--image-every", "0"]
     expect_exit([*common, "--out", str(tmp_path / "no_id"), "--push-to-hub"], 2, "is not a hub repository id", capsys)

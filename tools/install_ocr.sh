@@ -13,4 +13,4 @@ if ! python -c 'import torchvision' 2>/dev/null; then
   TV=$(python -c 'import importlib.util as u; print(u.find_spec("torchvision").submodule_search_locations[0])')
   sed -i -E 's/^@torch\.library\.register_fake\("torchvision::(q?nms)"\)$/@(torch.library.register_fake("torchvision::\1") if torchvision.extension._has_ops() else (lambda f: f))/' "$TV/_meta_registrations.py"
 fi
-python -c 'import torch, torchvision, easyocr, easyocr_en_models, lpips; print("ocr extras ok: torch", torch.__version__, "torchvision", torchvision.__version__, "easyocr", easyocr.__version__, "lpips", lpips.__version__)'
+python -c 'import importlib.metadata, torch, torchvision, easyocr, easyocr_en_models, lpips; print("ocr extras ok: torch", torch.__version__, "torchvision", torchvision.__version__, "easyocr", easyocr.__version__, "lpips", importlib.metadata.version("lpips"))'
