@@ -2,8 +2,8 @@
 beside ppo.py): each was measured (docs/evaluation.md) and none beat the defaults, but each is a
 method people reach for. They reach grpo.py through two seams in its `main`, each one call:
 
-  - `advantages` (section 7): --reward-aggregation normalize, --diversity, --unlikeliness,
-    --scale-rewards batch | none;
+  - `advantages` (section 7): --reward-aggregation normalize, --diversity, --gardo-diversity,
+    --unlikeliness, --scale-rewards batch | none;
   - `update` (sections 8-9): the micro-batches and the micro-batch loss, for --policy-dist
     truncated, --train-tokens all, --clip-eps-high, --kl-on above_mean, --truncation-weight mass
     and --entropy-bonus;
@@ -39,6 +39,9 @@ class VariantSettings:  # grpo.py's flags for the options beside the lesson: all
                                            "or none (Dr. GRPO's A = R - mean)", ("group", "batch", "none"))
     diversity: float = _setting(0.0, "a bonus diversity / c on each reward, c its group's "
                                       "samples of the same large grid")
+    gardo_diversity: str = _setting("none", "GARDO's diversity factor: each advantage >= 0 times d / mean(d) of "
+                                            "its group, d a sample's distance to its nearest group-mate (tokens: "
+                                            "the share of its large grid's codes that differ)", ("none", "tokens"))
     unlikeliness: float = _setting(0.0, "+-U/2 among a group's best samples, toward the least likely "
                                         "(after He et al.'s unlikeliness reward; docs/claims.md)")
     # sections 8-9, the loss
@@ -88,11 +91,12 @@ def advantages(z_scores: torch.Tensor, rollouts: list, reward: torch.Tensor, eac
     `reward`, `each`: the (P, G) weighted sum and each reward's; `in_loss`: (P,) bool, False for a group with a
     non-finite reward) -> the (P, G) advantages with the options on: TRL's normalize_then_sum
     (--reward-aggregation normalize), or the z-scores of the rewards plus the --diversity bonus, scaled by the
-    step's std or by none (--scale-rewards); then each group's best samples' credit moved toward the least likely
-    (--unlikeliness). The groups out of the loss stay 0; a step with none in it gives zeros (and, under torchrun,
-    joins the other processes' collectives). None on: `z_scores` itself. `lesson`: grpo.py (its
-    group_advantages z-scores the shaped rewards)."""
-    options = (cfg.reward_aggregation != "sum", cfg.diversity > 0, cfg.scale_rewards != "group", cfg.unlikeliness > 0)
+    step's std or by none (--scale-rewards); GARDO's diversity factor on the advantages >= 0 (--gardo-diversity);
+    then each group's best samples' credit moved toward the least likely (--unlikeliness). The groups out of the loss
+    stay 0; a step with none in it gives zeros (and, under torchrun, joins the other processes' collectives). None
+    on: `z_scores` itself. `lesson`: grpo.py (its group_advantages z-scores the shaped rewards)."""
+    options = (cfg.reward_aggregation != "sum", cfg.diversity > 0, cfg.scale_rewards != "group", cfg.unlikeliness > 0,
+               cfg.gardo_diversity != "none")
     if not any(options):
         return z_scores
     reward, each = reward[in_loss], {name: values[in_loss] for name, values in each.items()}
@@ -110,6 +114,8 @@ def advantages(z_scores: torch.Tensor, rollouts: list, reward: torch.Tensor, eac
         A = normalize_then_sum(each | {"diversity": bonus}, reward_weights(cfg.reward) | {"diversity": cfg.diversity})
     elif cfg.scale_rewards != "group":
         A = rescaled(A, shaped, cfg.scale_rewards)
+    if cfg.gardo_diversity != "none" and kept:  # GARDO: the better samples' credit grows with their novelty
+        A = A * gardo_factor(nearest_distance(large_grids(kept)).to(A), A)
     if cfg.unlikeliness > 0 and kept:
         loglik = torch.stack([grid_logprob(rollout) for rollout in kept])  # (P', G)
         A = A + credit_to_unlikely(reward, loglik, cfg.unlikeliness)
@@ -143,6 +149,28 @@ def large_grids(rollouts: list) -> list[torch.Tensor]:
 def repeats(grids: list[torch.Tensor]) -> torch.Tensor:
     """Each group's (G, n) large grids -> (P, G) c: how many of its group drew the same grid."""
     return torch.stack([(grid[:, None] == grid[None]).all(-1).sum(-1) for grid in grids])
+
+
+def nearest_distance(grids: list[torch.Tensor]) -> torch.Tensor:
+    """Each group's (G, n) large grids -> (P, G) d: each sample's distance to its nearest group-mate, the share of
+    its grid's codes that differ from that sample's (0: a group-mate drew the same grid). GARDO measures 1 - cosine of
+    DINOv3 features of the pictures; the codes are this model's own description of a picture, on both models."""
+    out = []
+    for grid in grids:
+        D = (grid[:, None] != grid[None]).float().mean(-1)  # (G, G)
+        out.append(D.fill_diagonal_(math.inf).min(-1).values)
+    return torch.stack(out)
+
+
+def gardo_factor(d: torch.Tensor, advantages: torch.Tensor) -> torch.Tensor:
+    """GARDO's diversity factor, as its code (flow_grpo/stat_tracking.py, PerPromptStatTracker.update, type 'gardo')
+    computes it: (P, G) nearest distances d and advantages -> d / mean(d) over the group where A >= 0, 1 where A < 0
+    (a sample below its group's mean keeps its advantage). A group whose samples all repeat (mean d = 0) keeps 1.
+    GARDO multiplies R - mean, not divided by the std; here the factor multiplies the lesson's advantages, which
+    --scale-rewards none makes R - mean."""
+    mean = d.mean(-1, keepdim=True)
+    relative = torch.where(mean > 0, d / mean.clamp(min=1e-12), torch.ones_like(d))
+    return torch.where(advantages < 0, torch.ones_like(d), relative)
 
 
 def rescaled(advantages: torch.Tensor, rewards: torch.Tensor, scale: str) -> torch.Tensor:

@@ -109,6 +109,51 @@ def test_advantages_diversity():
     assert adv[1, 1] > adv[1, 0] == adv[1, 2] > adv[1, 3]  # the unique right one first, the wrong one last
 
 
+def gardo_advantages(rewards, distance):
+    """GARDO's advantages of one prompt's group, transcribed from its code (tinnerhrhe/GARDO 1cc77fb,
+    flow_grpo/stat_tracking.py, PerPromptStatTracker.update, type 'gardo'), with the (G, G) distance matrix given
+    (GARDO's is 1 - cosine of DINOv3 features) and one timestep: the nearest distance d_i; d / mean(d) where
+    R - mean >= 0, else 1; A = (R - mean) x that (no division by the std)."""
+    import numpy as np
+    prompt_rewards = np.asarray(rewards, dtype=np.float64)[:, None]
+    mean = np.mean(prompt_rewards, axis=0, keepdims=True)
+    distance_matrix = np.asarray(distance, dtype=np.float64)
+    avg_distances = np.zeros(len(distance_matrix))
+    for i in range(len(distance_matrix)):
+        mask = np.ones(len(distance_matrix), dtype=bool)
+        mask[i] = False
+        avg_distances[i] = np.min(distance_matrix[i, mask])
+    prompt_dists = np.repeat(avg_distances[:, np.newaxis], prompt_rewards.shape[-1], axis=1)
+    prompt_dists = np.where((prompt_rewards - mean) < 0, np.ones_like(prompt_dists),
+                            prompt_dists / np.mean(prompt_dists))
+    return torch.tensor((prompt_rewards - mean) * prompt_dists)[:, 0]
+
+
+def test_gardo_diversity():
+    """--gardo-diversity tokens: GARDO's diversity factor, d_i the share of codes in which sample i's large grid differs
+    from its nearest group-mate's; with --scale-rewards none (A = R - mean, as GARDO's) the advantages equal GARDO's
+    code on that distance. Samples below the mean keep A; a repeated grid (d = 0) loses its positive credit; a group
+    whose grids all repeat keeps its advantages (GARDO's code would divide by 0); on z-scores the factor multiplies
+    them alike."""
+    grids = [torch.tensor([[0, 0, 0, 0], [0, 0, 0, 1], [1, 1, 1, 1], [0, 1, 1, 1]]),
+             torch.tensor([[2, 2, 2, 2], [2, 2, 2, 2], [0, 2, 2, 0], [2, 3, 3, 3]]),
+             torch.tensor([[5, 5, 5, 5]] * 4)]
+    reward = torch.tensor([[1.0, 0.8, 0.3, 0.9], [0.9, 0.9, 0.2, 0.6], [1.0, 0.5, 0.7, 0.2]])
+    assert torch.equal(variants.nearest_distance(grids[:2]), torch.tensor([[0.25, 0.25, 0.25, 0.25],
+                                                                           [0.0, 0.0, 0.5, 0.75]]))
+    rollouts = [rollout(g) for g in grids]
+    adv = seam(grpo.group_advantages(reward), reward, rollouts, cfg_with(scale_rewards="none", gardo_diversity="tokens"))
+    for g in range(2):
+        distance = (grids[g][:, None] != grids[g][None]).float().mean(-1)
+        assert torch.allclose(adv[g].double(), gardo_advantages(reward[g], distance), atol=1e-6), g
+    assert adv[1, 0] == adv[1, 1] == 0  # the two repeats of the best grid: no credit left
+    assert torch.allclose(adv[2], reward[2] - reward[2].mean())  # every grid the same: the factor is 1
+    z = grpo.group_advantages(reward)
+    on_z = seam(z, reward, rollouts, cfg_with(gardo_diversity="tokens"))
+    factor = variants.gardo_factor(variants.nearest_distance(grids), z)
+    assert torch.allclose(on_z, z * factor) and torch.equal(factor[z < 0], torch.ones_like(factor[z < 0]))
+
+
 def trl_normalize_then_sum(rewards_per_func: torch.Tensor, reward_weights: torch.Tensor, num_generations: int):
     """TRL's advantages under multi_objective_aggregation="normalize_then_sum", transcribed from
     trl/trainer/grpo_trainer.py (huggingface/trl f2cd577, lines 2710-2719; nanstd from trl/trainer/utils.py: the std
