@@ -885,12 +885,16 @@ def start_summary(r: Run) -> list[str]:
     return [f"{PROG['name']}: --model {cfg.model}{'@' + cfg.revision if cfg.revision else ''} on {r.device}, {dtype}, "
             f"{processes}",
             f"  trains {what}, {how}: {trainable:,} of {total:,} parameters",
-            f"  a step: {cfg.prompts_per_step * r.world} prompts x {cfg.group_size} samples = "
+            f"  a step: {plural(cfg.prompts_per_step * r.world, 'prompt')} x {cfg.group_size} samples = "
             f"{cfg.prompts_per_step * r.world * cfg.group_size} images (all processes), micro-batches of "
-            f"{cfg.micro_batch_size}, {cfg.mu} update(s)",
-            f"  {cfg.steps} steps {begin}, lr {cfg.lr:g} {schedule}, reward {cfg.reward}",
+            f"{cfg.micro_batch_size}, {plural(cfg.mu, 'update')}",
+            f"  {plural(cfg.steps, 'step')} {begin}, lr {cfg.lr:g} {schedule}, reward {cfg.reward}",
             f"  writes {r.out} (metrics.jsonl; checkpoints every {cfg.save_every or cfg.steps} steps)"
             + ("; the real model's memory: python tools/memory_plan.py" if cfg.model not in TINY_NAMES else "")]
+
+
+def plural(n: int, noun: str) -> str:
+    return f"{n} {noun}{'s' * (n != 1)}"
 
 
 def steps(r: Run):
