@@ -213,13 +213,18 @@ def hub_file(where: str, filename: str) -> str:
     return hf_hub_download(where, filename)
 
 
+def folder_path(where: str) -> bool:
+    """Whether `where` names a folder rather than a hub id (owner/name): it exists here, starts as a path does, or has
+    not exactly one slash."""
+    return Path(where).expanduser().exists() or where.startswith((".", "/", "~")) or where.count("/") != 1
+
+
 def located(name: str, where: str) -> bool:
     """Where a checkpoint can come from: True if from this machine (a folder, or a hub id already in the hub cache),
     False if the hub must be asked. Raises CheckpointError at once for a folder that is not there and for a hub id
     neither cached nor reachable (rather than after huggingface_hub's minute of retries)."""
-    path = Path(where).expanduser()
-    if path.exists() or where.startswith((".", "/", "~")) or where.count("/") != 1:
-        if not path.is_dir():
+    if folder_path(where):
+        if not Path(where).expanduser().is_dir():
             raise CheckpointError(f"reward '{name}@{where}': no such folder; give a folder saved by save_pretrained "
                                   "or a hub id (owner/name)")
         return True

@@ -28,7 +28,7 @@ from tqdm.auto import tqdm
 from .parallel import (INTERRUPT, bars_shown, final_weights, gather_list, gather_rows, inner_bar, interrupts_caught,
                        load_trainable_state, reduce_metrics, start_processes, stop_processes, stop_requested,
                        trainable_state, unsharded)
-from .rewards import CheckpointError, hub_cached, import_reward, unreachable_hub, with_checkpoint
+from .rewards import CheckpointError, folder_path, hub_cached, import_reward, unreachable_hub, with_checkpoint
 from .variants import VariantSettings
 from . import variants
 from .run_io import (RUN_FILES, Reporter, append_metrics, atomic_folder, atomic_write, check_out_dir, check_reporter,
@@ -423,8 +423,7 @@ def validate(cfg) -> None:
 
 def is_hub_id(model: str) -> bool:
     """Whether --model names a hub repository (owner/name), not a shipped model, random weights or a folder."""
-    return not (model in TINY_NAMES or model.split(":")[0] == "random" or Path(model).expanduser().exists()
-                or model.startswith((".", "/", "~")) or model.count("/") != 1)
+    return not (model in TINY_NAMES or model.split(":")[0] == "random" or folder_path(model))
 
 
 def check_push(cfg) -> None:
