@@ -33,7 +33,8 @@ from .variants import VariantSettings
 from . import variants
 from .run_io import (RUN_FILES, Reporter, append_metrics, atomic_folder, atomic_write, check_out_dir, check_reporter,
                      checkpoint_steps, image_grid, open_run_dir, plot_curves, prune_checkpoints, read_checkpoint,
-                     read_metrics, read_resume, resume_point, save_checkpoint, save_image, save_trained, side_by_side)
+                     read_metrics, read_resume, resume_point, save_checkpoint, save_image, save_trained, side_by_side,
+                     what_trained)
 
 SCRIPTS = {"ar": "grpo.py", "dit": "dit_grpo.py"}  # the entry point of each --train
 ONLY_ON_THE_COMMAND_LINE = ("resume", "overwrite")  # not read from a --config file
@@ -875,8 +876,8 @@ def start_summary(r: Run) -> list[str]:
     cfg = r.cfg
     trainable = sum(p.numel() for p in r.policy.parameters() if p.requires_grad)
     total = sum(p.numel() for p in r.policy.parameters())
-    what = {"ar": "the AR", "dit": "the DiT"}[cfg.train]
-    how = f"LoRA r={cfg.lora_rank}" if cfg.lora_rank else "every weight"
+    trained, how, _ = what_trained(cfg)
+    what = trained.split(" (")[0]  # the AR / the DiT
     processes = f"{r.world} processes (FSDP2)" if r.world > 1 else "1 process"
     dtype = str(r.dtype).removeprefix("torch.")
     schedule = cfg.lr_scheduler + (f" after {cfg.warmup_steps} warmup steps" if cfg.warmup_steps else "")
@@ -1301,9 +1302,7 @@ def write_model_card(r: Run, summary: dict) -> None:
     cannot be written only warns: the model is saved."""
     from huggingface_hub import EvalResult, ModelCard, ModelCardData
     cfg, final, base = r.cfg, r.out / "final", base_model(r.cfg.model, r.lesson.TINY_MODELS)
-    trained = {"ar": "the AR (vision_language_encoder)", "dit": "the DiT (transformer)"}[cfg.train]
-    how = f"LoRA r={cfg.lora_rank}" if cfg.lora_rank else "every weight"
-    library = "diffusers" if cfg.train == "dit" else "peft" if cfg.lora_rank else "transformers"
+    trained, how, library = what_trained(cfg)
     at = f" at revision `{cfg.revision}`" if cfg.revision else ""
     lines = [f"# {cfg.hub_model_id or r.out.name}: GLM-Image's {trained.split(' (')[0].removeprefix('the ')}, "
              "trained with GRPO", "",

@@ -303,11 +303,19 @@ def save_checkpoint(folder: Path, model, model_weights: dict | None, weights: di
     atomic_folder(folder, write)
 
 
+def what_trained(cfg) -> tuple[str, str, str]:
+    """What a run trains, as its cards and start-up summary name it: the model ("the AR (vision_language_encoder)" or
+    the DiT's), how ("LoRA r=N" or "every weight") and the library whose call loads the result (peft, diffusers or
+    transformers)."""
+    trained = {"ar": "the AR (vision_language_encoder)", "dit": "the DiT (transformer)"}[cfg.train]
+    how = f"LoRA r={cfg.lora_rank}" if cfg.lora_rank else "every weight"
+    library = "diffusers" if cfg.train == "dit" else "peft" if cfg.lora_rank else "transformers"
+    return trained, how, library
+
+
 def checkpoint_card(folder: Path, step: int, cfg, base_model: str) -> str:
     """A checkpoint's README.md: what it is, how it resumes and loads (the run's final/README.md is the full card)."""
-    trained = {"ar": "the AR (vision_language_encoder)", "dit": "the DiT (transformer)"}[cfg.train]
-    how = f"a LoRA adapter (r={cfg.lora_rank})" if cfg.lora_rank else "every weight"
-    library = "diffusers" if cfg.train == "dit" else "peft" if cfg.lora_rank else "transformers"
+    trained, how, library = what_trained(cfg)
     script = {"ar": "grpo.py", "dit": "dit_grpo.py"}[cfg.train]
     hub_base = base_model and not Path(base_model).is_absolute()  # the hub's metadata names hub ids, not folders
     return "\n".join(["---", *([f"base_model: {base_model}"] if hub_base else []), f"library_name: {library}",
