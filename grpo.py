@@ -800,7 +800,7 @@ def main(argv: list[str] | None = None) -> dict:
     with run.timed({}, "setup", cfg):
         policy, ref_model, optimizer = setup.setup_training(  # the AR: LoRA, FSDP2, AdamW
             pipe, cfg, job.dtype, job.world, reference_model)
-        run.open_run(job, policy, optimizer)  # --resume's checkpoint; the run directory
+        run.open_run(job, policy, optimizer, ref_model)  # --resume's checkpoint; the run directory
     # the before / after grids and --eval-prompts: sections 3-6 on fixed seeds (helpers/run.py)
     job.evaluate = run.evaluator(job, pipe, policy, (sample_groups, decode_images, group_rewards))
     settings = LossSettings(clip_eps=cfg.clip_eps, kl_beta=cfg.kl_beta,
@@ -828,13 +828,13 @@ def main(argv: list[str] | None = None) -> dict:
                 # (P,) bool, False for a group with a NaN / inf reward (warned): A 0, loss out
                 in_loss = run.finite_groups(job, step, reward, each, examples)
                 advantages = variants.advantages(  # 7. z-scores within each group (and the seam)
-                    group_advantages(reward), rollouts, reward, each, in_loss, cfg, lesson)
+                    group_advantages(reward), rollouts, reward, each, in_loss, cfg, lesson, images)
             with interrupts_held():  # an update and its log line land together (or not at all)
                 with run.timed(seconds, "train", cfg), job.autocast:  # 8.-9. the clipped update
                     # the seam of sections 8-9: the variants' micro-batches and loss (else as given)
                     micro, loss_fn = variants.update(
                         micro_batches(rollouts, advantages, cfg.micro_batch_size, in_loss),
-                        micro_batch_loss, policy, cfg, lesson)
+                        micro_batch_loss, policy, cfg, lesson, reward, each, job.variants)
                     metrics = train_step(policy, optimizer, micro, ref_model, loss_fn, settings,
                                          temperature=cfg.temperature, mu=cfg.mu,
                                          max_grad_norm=cfg.max_grad_norm, readings=readings)

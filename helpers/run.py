@@ -29,7 +29,7 @@ from .parallel import (INTERRUPT, bars_shown, final_weights, gather_list, gather
                        load_trainable_state, reduce_metrics, start_processes, stop_processes, stop_requested,
                        trainable_state, unsharded)
 from .rewards import CheckpointError, folder_path, hub_cached, import_reward, unreachable_hub, with_checkpoint
-from .variants import VariantSettings
+from .variants import State as VariantState, VariantSettings
 from . import variants
 from .run_io import (RUN_FILES, Reporter, append_metrics, atomic_folder, atomic_write, check_out_dir, check_reporter,
                      checkpoint_steps, image_grid, open_run_dir, plot_curves, prune_checkpoints, read_checkpoint,
@@ -65,6 +65,7 @@ class Run:
     policy: object = None  # the trained model and its optimizer, for checkpoints
     optimizer: object = None
     scheduler: object = None  # --lr-scheduler's, stepped after each step
+    variants: VariantState = dataclasses.field(default_factory=VariantState)  # carried from step to step (variants.py)
     evaluate: Callable | None = None  # (examples, seeds, rewards, n_samples) -> images, total, each, layouts: one
     # process's `evaluate`, with the policy ready to sample (`evaluator`; evaluate_shared shares the examples out)
     reporter: Reporter | None = None
@@ -768,16 +769,19 @@ def loading(model: str):
         fail(f"cannot load --model {model} ({type(error).__name__}: {cause}); {hint}")
 
 
-def open_run(r: Run, policy, optimizer) -> None:
-    """The trained model and its optimizer join the run (with --resume: their checkpoint loaded); the run directory is
-    opened (config.json, the metrics before `start`) and the examples move to the device, where rewards meet samples."""
+def open_run(r: Run, policy, optimizer, ref_model=None) -> None:
+    """The trained model, its optimizer and KL reference join the run (with --resume: their checkpoint loaded); the
+    run directory is opened (config.json, the metrics before `start`) and the examples move to the device, where
+    rewards meet samples. `job.variants`: the variants' state carried from step to step (helpers/variants.py)."""
     r.policy, r.optimizer = policy, optimizer
     r.scheduler = lr_schedule(optimizer, r.cfg)  # before a checkpoint's optimizer state: that state's rate stays
+    r.variants = variants.State.of(r.cfg, ref_model)
     if r.checkpoint:
         state = read_checkpoint(r.checkpoint)
         load_trainable_state(policy, optimizer, state)
         if "scheduler" in state:  # (a checkpoint from before --lr-scheduler was constant: nothing to restore)
             r.scheduler.load_state_dict(state["scheduler"])
+        r.variants.load_state_dict(state.get("variants", {}))
         r.evaluated = {h["step"] for h in read_metrics(r.out) if h.get("eval") and h["step"] <= r.start}  # kept
     r.history = open_run_dir(r.out, r.cfg, r.start) if r.rank == 0 else []  # the training metrics before `start`
     r.skipped, r.done, r.saved = sum(h["skipped"] for h in r.history), r.start, r.start if r.checkpoint else -1
@@ -960,6 +964,8 @@ def log_step(r: Run, step: int, groups: list[int], reward: torch.Tensor, each: d
     indices = [example_index(r, g) for g in groups]  # the examples of the step's groups
     record = step_record(step, indices, reward, each, advantages, kept, samples, reduce_metrics(metrics), seconds)
     record["lr"] = r.optimizer.param_groups[0]["lr"]  # this step's (--lr-scheduler)
+    if r.variants.risk is not None:  # --kl-on uncertain: the share of the samples GARDO's gate let the KL bind
+        record["kl_share"] = r.variants.risk.share
     rows = sample_rows(step, groups, [r.examples[i]["prompt"] for i in indices], reward, each, advantages, kept)
     r.skipped, r.done = r.skipped + record["skipped"], step
     r.history.append(record)
@@ -1046,6 +1052,7 @@ def after_step(r: Run, step: int, batch: list[dict], images: list[torch.Tensor],
     processes), an evaluation when due; an interrupt in any process stops all after this step."""
     cfg = r.cfg
     r.scheduler.step()  # the next step's learning rate (a checkpoint below saves it)
+    variants.after_step(r.variants, step, cfg)  # --reference-reset-every (a checkpoint below saves it)
     if r.rank == 0 and cfg.image_every and ((step - 1) % cfg.image_every == 0 or step == cfg.steps):
         path = r.out / "images" / f"step_{step:05d}.png"
         save_grid(path, batch, images, reward, [f"step {step}: {ex['prompt']}" for ex in batch],
@@ -1243,9 +1250,11 @@ def save_run(r: Run, step: int) -> None:
         return
     weights, optimizer_state = trainable_state(r.policy, r.optimizer)  # every process takes part; rank 0 gets them
     model_weights = final_weights(r.policy)
+    carried = r.variants.state_dict()  # (every process: a reset reference's weights are gathered)
     if r.rank == 0:
         save_checkpoint(r.out / "checkpoints" / f"step-{step}", r.policy, model_weights, weights, optimizer_state,
-                        step, r.cfg, r.world, base_model(r.cfg.model, r.lesson.TINY_MODELS), r.scheduler.state_dict())
+                        step, r.cfg, r.world, base_model(r.cfg.model, r.lesson.TINY_MODELS), r.scheduler.state_dict(),
+                        carried)
         prune_checkpoints(r.out, r.cfg.save_total_limit)
     r.saved = step
 

@@ -284,14 +284,17 @@ def side_by_side(left: Path, right: Path) -> Image.Image:
 
 
 def save_checkpoint(folder: Path, model, model_weights: dict | None, weights: dict, optimizer_state: dict,
-                    step: int, cfg, world: int = 1, base_model: str = "", scheduler: dict | None = None) -> None:
+                    step: int, cfg, world: int = 1, base_model: str = "", scheduler: dict | None = None,
+                    variants: dict | None = None) -> None:
     """checkpoints/step-N/: trainer_state.pt (the trainable weights, the optimizer state, the RNG states, the steps
     done, the config) beside the trained model as save_trained writes it (loadable on its own), the folder written
     whole or not at all. `weights` / `optimizer_state`: full (unsharded) state dicts, as `trainable_state` returns
     them; `model_weights`: `final_weights`' (None in one process). `world`: the number of processes
-    (cfg.prompts_per_step is per process); `scheduler`: the learning rate schedule's state dict."""
+    (cfg.prompts_per_step is per process); `scheduler`: the learning rate schedule's state dict; `variants`: the
+    variants' state (helpers/variants.py's State)."""
     state = {"weights": weights, "optimizer": optimizer_state, "step": step, "config": dataclasses.asdict(cfg),
              "world": world, **({"scheduler": scheduler} if scheduler is not None else {}),
+             **({"variants": variants} if variants else {}),
              "rng": {"torch": torch.random.get_rng_state(),
                      "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}}
 

@@ -8,6 +8,7 @@ import warnings
 
 import torch
 
+from . import variants
 from .parallel import shard
 
 
@@ -26,8 +27,8 @@ def apply_lora(policy, rank: int, seed: int = 0):
 
 def setup_training(pipe, cfg, dtype: torch.dtype, world: int, reference_model, policy=None, lora=None):
     """The trained model (the AR, or dit_grpo.py's DiT with its `lora`) with LoRA or in float32, --gradient-
-    checkpointing, --offload, the reference (grpo.reference_model), FSDP2 over `world` processes, AdamW ->
-    (policy, reference or None, optimizer)."""
+    checkpointing, --offload, the reference (grpo.reference_model; with --reference-reset-every, wrapped to be reset:
+    variants.Reference), FSDP2 over `world` processes, AdamW -> (policy, reference or None, optimizer)."""
     policy = pipe.vision_language_encoder if policy is None else policy
     if cfg.lora_rank:  # adapters in float32 (peft's default), base weights frozen
         policy = (lora or apply_lora)(policy, cfg.lora_rank, cfg.seed)
@@ -45,6 +46,8 @@ def setup_training(pipe, cfg, dtype: torch.dtype, world: int, reference_model, p
     if world > 1:  # FSDP2: each process keeps 1/world of the weights, gradients and AdamW state
         for model in {id(m): m for m in (policy, ref_model) if m is not None}.values():
             shard(model, dtype)
+    if getattr(cfg, "reference_reset_every", 0) and ref_model is not None:  # GARDO's reset (helpers/variants.py)
+        ref_model = variants.Reference(policy, ref_model)
     optimizer = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=cfg.lr,
                                   weight_decay=cfg.weight_decay)
     return policy, ref_model, optimizer

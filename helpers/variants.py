@@ -15,6 +15,7 @@ one way (grpo.py -> helpers/, never back). The flags: `VariantSettings`, which h
 to grpo.py's command line.
 """
 
+import contextlib
 import dataclasses
 import functools
 import math
@@ -41,15 +42,25 @@ class VariantSettings:  # grpo.py's flags for the options beside the lesson: all
                                       "samples of the same large grid")
     gardo_diversity: str = _setting("none", "GARDO's diversity factor: each advantage >= 0 times d / mean(d) of "
                                             "its group, d a sample's distance to its nearest group-mate (tokens: "
-                                            "the share of its large grid's codes that differ)", ("none", "tokens"))
+                                            "the share of its large grid's codes that differ; dino: 1 - cosine of "
+                                            "the pictures' DINOv2 features, as GARDO's DINOv3)",
+                                    ("none", "tokens", "dino"))
+    cluster_bonus: float = _setting(0.0, "DiverseGRPO's cluster bonus: + bonus / c on each of a group's best "
+                                         "samples, c the samples of its cluster (large grids linked when they differ "
+                                         "in at most --cluster-radius of their codes)")
+    cluster_radius: float = _setting(0.15, "--cluster-bonus: the share of codes two samples' large grids may "
+                                           "differ in and share a cluster (0: identical grids only)")
     unlikeliness: float = _setting(0.0, "+-U/2 among a group's best samples, toward the least likely "
                                         "(after He et al.'s unlikeliness reward; docs/claims.md)")
     # sections 8-9, the loss
     clip_eps_high: float | None = _setting(None, "DAPO's clip-higher: the upper clip 1 + this "
                                                  "(default: --clip-eps)")
-    kl_on: str = _setting("all", "the KL on every sample, or only on those with A >= 0 (a gate by the "
-                                 "advantage's sign; GARDO gates by the reward's uncertainty)",
-                          ("all", "above_mean"))
+    kl_on: str = _setting("all", "the KL on every sample; only on those with A >= 0 (above_mean: a gate by the "
+                                 "advantage's sign); or GARDO's gate, on the samples whose rank under the trained "
+                                 "reward falls furthest below their rank under the weight-0 rewards of --reward "
+                                 "(uncertain)", ("all", "above_mean", "uncertain"))
+    reference_reset_every: int = _setting(0, "GARDO's reset: every N steps the KL's reference becomes the policy "
+                                             "as it is (0: never; the reference stays the initial weights)")
     entropy_bonus: float = _setting(0.0, "+ bonus x entropy on the tokens less certain than the step's "
                                          "mean (after EG-GRPO's idea; its code differs: docs/claims.md)")
     train_tokens: str = _setting("large", "tokens in the loss: the large grid, or all (the "
@@ -72,12 +83,21 @@ def given(cfg) -> list[str]:
 
 def validate(cfg) -> None:
     """Raise ValueError with a one-line fix for a variant setting that cannot run."""
-    for name in ("diversity", "unlikeliness", "entropy_bonus"):
+    for name in ("diversity", "unlikeliness", "entropy_bonus", "cluster_bonus", "reference_reset_every"):
         if not getattr(cfg, name) >= 0:
             flag = "--" + name.replace("_", "-")
             raise ValueError(f"{flag} {getattr(cfg, name)} is out of range; it must be >= 0")
     if cfg.clip_eps_high is not None and not cfg.clip_eps_high > 0:
         raise ValueError(f"--clip-eps-high {cfg.clip_eps_high} is out of range; it must be > 0")
+    if not 0 <= cfg.cluster_radius < 1:
+        raise ValueError(f"--cluster-radius {cfg.cluster_radius} is out of range; it must be in [0, 1)")
+    for flag, on in (("--kl-on uncertain", cfg.kl_on == "uncertain"),
+                     (f"--reference-reset-every {cfg.reference_reset_every}", cfg.reference_reset_every > 0)):
+        if on and cfg.kl_beta == 0:
+            raise ValueError(f"{flag} acts on the KL, which --kl-beta 0 turns off; give --kl-beta > 0 or drop it")
+    if cfg.kl_on == "uncertain" and not auxiliary(cfg.reward):
+        raise ValueError(f"--kl-on uncertain ranks the samples by the weight-0 rewards of --reward too, and "
+                         f"'{cfg.reward}' has none: add one, e.g. --reward {cfg.reward.split(',')[0]},size=0")
     if cfg.reward_aggregation == "normalize" and cfg.scale_rewards != "group":
         raise ValueError(f"--scale-rewards {cfg.scale_rewards} does not apply with --reward-aggregation normalize, "
                          "whose last step normalises over the whole batch (as TRL's); drop one of the two")
@@ -86,17 +106,18 @@ def validate(cfg) -> None:
 # ---- Section 7: the advantages ------------------------------------------------------------------
 
 def advantages(z_scores: torch.Tensor, rollouts: list, reward: torch.Tensor, each: dict,
-               in_loss: torch.Tensor, cfg, lesson) -> torch.Tensor:
+               in_loss: torch.Tensor, cfg, lesson, images: list | None = None) -> torch.Tensor:
     """The seam of section 7: grpo.group_advantages' (P, G) z-scores of the step's rewards (`rollouts`: its groups;
     `reward`, `each`: the (P, G) weighted sum and each reward's; `in_loss`: (P,) bool, False for a group with a
-    non-finite reward) -> the (P, G) advantages with the options on: TRL's normalize_then_sum
-    (--reward-aggregation normalize), or the z-scores of the rewards plus the --diversity bonus, scaled by the
-    step's std or by none (--scale-rewards); GARDO's diversity factor on the advantages >= 0 (--gardo-diversity);
-    then each group's best samples' credit moved toward the least likely (--unlikeliness). The groups out of the loss
-    stay 0; a step with none in it gives zeros (and, under torchrun, joins the other processes' collectives). None
-    on: `z_scores` itself. `lesson`: grpo.py (its group_advantages z-scores the shaped rewards)."""
+    non-finite reward; `images`: each group's (G, 3, H, W) pictures, which --gardo-diversity dino reads) -> the
+    (P, G) advantages with the options on: TRL's normalize_then_sum (--reward-aggregation normalize), or the
+    z-scores of the rewards plus the --diversity and --cluster-bonus bonuses, scaled by the step's std or by none
+    (--scale-rewards); GARDO's diversity factor on the advantages >= 0 (--gardo-diversity); then each group's best
+    samples' credit moved toward the least likely (--unlikeliness). The groups out of the loss stay 0; a step with
+    none in it gives zeros (and, under torchrun, joins the other processes' collectives). None on: `z_scores`
+    itself. `lesson`: grpo.py (its group_advantages z-scores the shaped rewards)."""
     options = (cfg.reward_aggregation != "sum", cfg.diversity > 0, cfg.scale_rewards != "group", cfg.unlikeliness > 0,
-               cfg.gardo_diversity != "none")
+               cfg.gardo_diversity != "none", cfg.cluster_bonus > 0)
     if not any(options):
         return z_scores
     reward, each = reward[in_loss], {name: values[in_loss] for name, values in each.items()}
@@ -106,16 +127,28 @@ def advantages(z_scores: torch.Tensor, rollouts: list, reward: torch.Tensor, eac
     bonus = torch.zeros_like(reward)  # --diversity: 1 / c, c the group's samples of the same large grid
     if cfg.diversity > 0 and kept:
         bonus = 1 / repeats(large_grids(kept)).to(reward)
-        shaped = shaped + cfg.diversity * bonus
+    clustered = torch.zeros_like(reward)  # --cluster-bonus: 1 / c on the best, c the samples of its cluster
+    if cfg.cluster_bonus > 0 and kept:
+        best = reward == reward.amax(dim=-1, keepdim=True)
+        clustered = best / cluster_sizes(large_grids(kept), cfg.cluster_radius).to(reward)
+    if (cfg.diversity > 0 or cfg.cluster_bonus > 0) and kept:
+        shaped = shaped + cfg.diversity * bonus + cfg.cluster_bonus * clustered
         A = lesson.group_advantages(shaped)
     if cfg.reward_aggregation == "normalize":  # a reward's scale no longer weighs: each has std 1
         from helpers.run import reward_weights
-        # the diversity bonus joins as one more reward, of weight --diversity
-        A = normalize_then_sum(each | {"diversity": bonus}, reward_weights(cfg.reward) | {"diversity": cfg.diversity})
+        # the bonuses join as more rewards, of weights --diversity and --cluster-bonus
+        A = normalize_then_sum(each | {"diversity": bonus, "clusters": clustered},
+                               reward_weights(cfg.reward) | {"diversity": cfg.diversity, "clusters": cfg.cluster_bonus})
     elif cfg.scale_rewards != "group":
         A = rescaled(A, shaped, cfg.scale_rewards)
     if cfg.gardo_diversity != "none" and kept:  # GARDO: the better samples' credit grows with their novelty
-        A = A * gardo_factor(nearest_distance(large_grids(kept)).to(A), A)
+        if cfg.gardo_diversity == "dino":
+            pictures = [group for group, keep in zip(images, in_loss) if keep]
+            d = torch.stack([nearest(1 - feature_similarity(group, dino_checkpoint(cfg.reward)))
+                             for group in pictures])
+        else:
+            d = nearest_distance(large_grids(kept))
+        A = A * gardo_factor(d.to(A), A)
     if cfg.unlikeliness > 0 and kept:
         loglik = torch.stack([grid_logprob(rollout) for rollout in kept])  # (P', G)
         A = A + credit_to_unlikely(reward, loglik, cfg.unlikeliness)
@@ -154,11 +187,50 @@ def repeats(grids: list[torch.Tensor]) -> torch.Tensor:
 def nearest_distance(grids: list[torch.Tensor]) -> torch.Tensor:
     """Each group's (G, n) large grids -> (P, G) d: each sample's distance to its nearest group-mate, the share of
     its grid's codes that differ from that sample's (0: a group-mate drew the same grid). GARDO measures 1 - cosine of
-    DINOv3 features of the pictures; the codes are this model's own description of a picture, on both models."""
+    DINOv3 features of the pictures (--gardo-diversity dino: DINOv2's); the codes are this model's own description of
+    a picture, on both models."""
+    return torch.stack([nearest(code_distance(grid)) for grid in grids])
+
+
+def code_distance(grid: torch.Tensor) -> torch.Tensor:
+    """(G, n) large grids -> (G, G) the share of codes in which each two differ."""
+    return (grid[:, None] != grid[None]).float().mean(-1)
+
+
+def nearest(D: torch.Tensor) -> torch.Tensor:
+    """(G, G) distances -> (G,) each sample's distance to its nearest other sample (GARDO's min over j != i)."""
+    return D.clone().fill_diagonal_(math.inf).min(-1).values
+
+
+@torch.no_grad()
+def feature_similarity(images: torch.Tensor, checkpoint: str) -> torch.Tensor:
+    """(G, 3, H, W) pictures in [0, 1] -> (G, G) cosine similarity of their DINOv2 features (helpers/rewards.py's
+    dino_features, the dino reward's, from `checkpoint`). GARDO's code uses DINOv3's."""
+    from helpers.rewards import dino_features
+    features = dino_features(images, checkpoint)  # (G, D), unit length
+    return features @ features.T
+
+
+def dino_checkpoint(spec: str) -> str:
+    """The DINOv2 checkpoint --gardo-diversity dino reads: the one --reward `spec` gives the dino reward
+    (dino@where), else the dino reward's default."""
+    from helpers.rewards import LEARNED
+    from helpers.run import split_reward
+    given = [where for name, where, _ in map(split_reward, spec.split(",")) if name == "dino" and where]
+    return given[0] if given else LEARNED["dino"][0]
+
+
+def cluster_sizes(grids: list[torch.Tensor], radius: float) -> torch.Tensor:
+    """Each group's (G, n) large grids -> (P, G) c: the samples of each one's cluster, two samples linked when their
+    grids differ in at most `radius` of their codes, a cluster everything linked through a chain of links (single
+    linkage: DiverseGRPO's clusters of similar samples; radius 0 gives `repeats`)."""
     out = []
     for grid in grids:
-        D = (grid[:, None] != grid[None]).float().mean(-1)  # (G, G)
-        out.append(D.fill_diagonal_(math.inf).min(-1).values)
+        linked = code_distance(grid) <= radius + 1e-6  # (G, G), the diagonal included; 1e-6: k / n rounding
+        reach = linked
+        for _ in range(len(grid)):  # a chain has at most G - 1 links
+            reach = (reach.float() @ linked.float()) > 0
+        out.append(reach.sum(-1))
     return torch.stack(out)
 
 
@@ -210,11 +282,13 @@ def credit_to_unlikely(reward: torch.Tensor, loglik: torch.Tensor, unlikeliness:
 
 # ---- Sections 8-9: the micro-batches and their loss ---------------------------------------------
 
-def update(batches: list, loss_fn, policy, cfg, lesson) -> tuple[list, object]:
+def update(batches: list, loss_fn, policy, cfg, lesson, reward: torch.Tensor | None = None, each: dict | None = None,
+           state=None) -> tuple[list, object]:
     """The seam of sections 8-9: grpo.micro_batches' MicroBatches and `loss_fn` (grpo.micro_batch_loss, or any
     function of its signature) -> those train_step uses: the micro-batches on the sampler's truncation
     (--policy-dist truncated) and the loss with the options on (`variant_loss`, around `loss_fn`). None on: both as
-    given. `lesson`: grpo.py (the entropy bonus's threshold reads the policy through it)."""
+    given. `lesson`: grpo.py (the entropy bonus's threshold reads the policy through it). --kl-on uncertain ranks
+    the step's samples by `reward` and `each` ((P, G), section 6's) with `state`'s GARDO controller (a `State`)."""
     if cfg.policy_dist == "truncated":
         truncating = 0 < cfg.top_k or cfg.top_p < 1
         K = policy.config.vq_config.num_embeddings
@@ -226,7 +300,86 @@ def update(batches: list, loss_fn, policy, cfg, lesson) -> tuple[list, object]:
     threshold = None
     if cfg.entropy_bonus > 0:  # the step's, before any update, kept for all mu updates
         threshold = mean_entropy(policy, batches, cfg.temperature, cfg.train_tokens, lesson)
-    return batches, functools.partial(variant_loss, lesson_loss=loss_fn, cfg=cfg, threshold=threshold)
+    kl_weights = None
+    if cfg.kl_on == "uncertain":  # (P, G) each sample's weight on the KL, by rollout
+        groups = list({id(mb.rollout): mb for mb in batches}.values())  # a group's first micro-batch, in order
+        in_loss = torch.tensor([mb.in_loss for mb in groups], dtype=torch.bool)
+        weights = uncertain_kl_weights(reward, each, in_loss, auxiliary(cfg.reward), state.risk)
+        kl_weights = {id(mb.rollout): w for mb, w in zip(groups, weights)}
+    return batches, functools.partial(variant_loss, lesson_loss=loss_fn, cfg=cfg, threshold=threshold,
+                                      kl_weights=kl_weights)
+
+
+def auxiliary(spec: str) -> list[str]:
+    """The rewards of --reward `spec` weighed 0: logged, out of the trained sum; --kl-on uncertain ranks by them."""
+    from helpers.run import reward_weights
+    return [name for name, weight in reward_weights(spec).items() if weight == 0]
+
+
+class RiskCompensator:
+    """GARDO's share b of the samples the KL binds (scripts/train_sd3_grpo_gardo.py, class RiskCompensator, at its
+    defaults): b starts at 0.1; each step, with m the mean of the step's uncertainties >= 0, b grows 10% when m is
+    above every m of the last 20 steps and shrinks 10% when below every one, within [0.02, 0.2]."""
+
+    def __init__(self, base: float = 0.1):
+        self.base, self.share, self.window = base, base, []
+
+    def update(self, uncertain: torch.Tensor) -> float:
+        """The step's uncertainties >= 0 -> b for this step (GARDO updates before it gates)."""
+        m = uncertain.double().mean().item()
+        if not self.window:
+            self.share = self.base
+        elif m > max(self.window):
+            self.share = self.share * 1.1
+        elif m < min(self.window):
+            self.share = self.share * 0.9
+        self.share = min(max(self.share, 0.02), 0.2)
+        self.window = (self.window + [m])[-20:]
+        return self.share
+
+    def state_dict(self) -> dict:
+        return {"share": self.share, "window": list(self.window)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.share, self.window = state["share"], list(state["window"])
+
+
+def ranks(values: torch.Tensor) -> torch.Tensor:
+    """(S,) -> (S,) each value's rank, 1 the highest (GARDO's: a descending sort; ties in the order given)."""
+    order = torch.sort(values, descending=True, stable=True).indices
+    out = torch.empty_like(order)
+    out[order] = torch.arange(1, len(values) + 1)
+    return out
+
+
+def uncertainty(trained: torch.Tensor, aux: list[torch.Tensor]) -> torch.Tensor:
+    """GARDO's uncertainty of each sample of a batch: (S,) the trained reward, (S,) each auxiliary reward -> (S,)
+    its rank under the trained reward minus the mean of its ranks under the auxiliary ones (1: the best). It sums to
+    0; u > 0 where the trained reward ranks the sample below where the others do."""
+    return ranks(trained).double() - torch.stack([ranks(r) for r in aux]).double().mean(0)
+
+
+def uncertain_kl_weights(reward: torch.Tensor, each: dict, in_loss: torch.Tensor, aux: list[str],
+                         risk: RiskCompensator) -> torch.Tensor:
+    """--kl-on uncertain: (P, G) rewards (the trained sum, and each by name), (P,) groups in the loss -> (P, G) each
+    sample's weight on the KL: as GARDO's code gates, over the step's whole batch (every group of every process in
+    the loss), the samples with u > the (100 - 100 b) percentile of the u >= 0 (`uncertainty`; b from `risk`); each
+    of those weighs S / n (S the batch's samples, n those gated), the others 0, so the KL term is beta times the
+    mean KL of the gated samples, as GARDO's mean over them (no sample gated: no KL)."""
+    from .parallel import distributed
+    mine = reward[in_loss].flatten()
+    counts = gather_rows(torch.tensor([len(mine)]))  # each process's samples, in rank order
+    offset = int(counts[:torch.distributed.get_rank()].sum()) if distributed() else 0
+    u = uncertainty(gather_rows(mine), [gather_rows(each[name][in_loss].flatten()) for name in aux])
+    out = torch.zeros_like(reward)
+    if not len(u):  # no group in the loss anywhere: train_step skips the step
+        return out
+    positive = u[u >= 0]  # never empty: u sums to 0
+    share = risk.update(positive)
+    gated = u > torch.quantile(positive, 1 - share)  # numpy's percentile: linear between the order statistics
+    weight = gated.double() * len(u) / max(int(gated.sum()), 1)
+    out[in_loss] = weight[offset:offset + len(mine)].to(reward).reshape(-1, reward.shape[-1])
+    return out
 
 
 def on_truncation(mb, codebook_size: int, truncating: bool = True):
@@ -277,12 +430,13 @@ def loss_tokens(mb, train_tokens: str) -> slice:
 
 
 def variant_loss(distribution: torch.Tensor, mb, old_logprobs: torch.Tensor,
-                 ref_logprobs: torch.Tensor | None, settings, *, lesson_loss, cfg, threshold: float | None
-                 ) -> tuple[torch.Tensor, dict]:
+                 ref_logprobs: torch.Tensor | None, settings, *, lesson_loss, cfg, threshold: float | None,
+                 kl_weights: dict | None = None) -> tuple[torch.Tensor, dict]:
     """grpo.micro_batch_loss (`lesson_loss`) with the options on, through grpo_loss' symbols:
       --train-tokens all: the preview's tokens in the loss too;
       --clip-eps-high H: eps per sample, H where A > 0 (the upper clip acts only there), else eps;
       --kl-on above_mean: beta per sample, 0 where A < 0 (the mistakes go free of the KL);
+      --kl-on uncertain: beta per sample times its weight in `kl_weights` (by id of its rollout: (G,) each);
       --truncation-weight mass: each loss token's whole term times Z_t, the mass p puts on the
         sampler's nucleus (A_it = A_i Z_t and beta_t = beta Z_t, Z_t > 0);
     then --entropy-bonus B: - B mean(H_t [H_t > threshold]) over the loss tokens, H_t the trained
@@ -293,6 +447,8 @@ def variant_loss(distribution: torch.Tensor, mb, old_logprobs: torch.Tensor,
     beta = torch.full_like(A, settings.kl_beta)  # (mb, 1)
     if cfg.kl_on == "above_mean":
         beta = beta * (A >= 0)
+    if cfg.kl_on == "uncertain":
+        beta = beta * kl_weights[id(mb.rollout)][mb.rows, None].to(beta)
     if cfg.truncation_weight == "mass" and cfg.policy_dist == "full":
         mass = nucleus_mass(mb.rollout.q_logprobs[mb.rows], mb.rollout.p_logprobs[mb.rows])
         A, beta = A * mass[:, cols], beta * mass[:, cols]  # (mb, n): per token
@@ -321,3 +477,125 @@ def nucleus_mass(q_logprobs: torch.Tensor, p_logprobs: torch.Tensor) -> torch.Te
     """(S, T) log-probs of the drawn tokens under the sampler's nucleus q and its whole softmax p ->
     Z_t = p / q, the mass p puts on the nucleus, in (0, 1] (1 without top-k / top-p)."""
     return torch.exp(p_logprobs - q_logprobs).clamp(max=1.0)
+
+
+# ---- Carried from step to step: GARDO's controller and reference (saved in each checkpoint) ---------
+
+class Reference:
+    """--reference-reset-every N: the KL's reference, reset to the policy after every N-th step (GARDO copies its
+    trained LoRA into a second adapter, "old", every reset_freq epochs). Passed to train_step as its `ref_model`:
+    grpo.reference_logprobs reads it as it reads the frozen reference. `frozen`: grpo.reference_model's. With LoRA
+    (`frozen` is the policy) the reference is the adapter switched off until the first reset, then the adapter's
+    weights of the last reset, swapped in for the reading (a copy of the adapter, not of the model); with every
+    weight trained, `frozen` is the copy, and a reset copies the policy's weights into it (in its dtype)."""
+
+    def __init__(self, policy, frozen):
+        self.policy, self.frozen = policy, frozen
+        self.lora = frozen is policy
+        self.anchor = None if self.lora else list(frozen.parameters())  # the reference's own weights
+
+    def __getattr__(self, name):  # the model's config, its forward ...: the frozen reference's
+        if name == "frozen":  # (not set yet: a copy being made)
+            raise AttributeError(name)
+        return getattr(self.frozen, name)
+
+    def __call__(self, *args, **kwargs):
+        return self.frozen(*args, **kwargs)
+
+    def trained(self) -> list:
+        return [p for p in self.policy.parameters() if p.requires_grad]
+
+    @torch.no_grad()
+    def reset(self) -> None:
+        """The reference becomes the policy as it is now."""
+        if self.lora:
+            self.anchor = [p.detach().clone() for p in self.trained()]
+        else:
+            for mine, policy in zip(self.anchor, self.policy.parameters(), strict=True):
+                mine.copy_(policy.detach())
+
+    def disable_adapter(self):
+        """What grpo.reference_logprobs enters to read the reference: the adapter off (no reset yet), the last
+        reset's adapter swapped in and out, or (every weight trained) nothing."""
+        if self.lora and self.anchor is None:
+            return self.policy.disable_adapter()
+        if self.lora:
+            return swapped(self.trained(), self.anchor)
+        return contextlib.nullcontext()
+
+    def state_dict(self) -> dict:
+        """The reference's weights, full (gathered from every process under FSDP), on the CPU; {} before a reset
+        with LoRA (the adapter off)."""
+        if self.anchor is None:
+            return {}
+        return {"weights": [full(w) for w in self.anchor]}
+
+    @torch.no_grad()
+    def load_state_dict(self, state: dict) -> None:
+        if not state:
+            return
+        like = self.trained() if self.lora else self.anchor
+        weights = [local(saved, w) for saved, w in zip(state["weights"], like, strict=True)]
+        if self.lora:
+            self.anchor = weights
+        else:
+            for mine, saved in zip(self.anchor, weights):
+                mine.copy_(saved)
+
+
+@contextlib.contextmanager
+def swapped(params: list, values: list):
+    """`params` hold `values` inside the block, their own weights again after it (bit for bit)."""
+    with torch.no_grad():
+        own = [p.detach().clone() for p in params]
+        for p, v in zip(params, values):
+            p.copy_(v)
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for p, v in zip(params, own):
+                p.copy_(v)
+
+
+def full(t: torch.Tensor) -> torch.Tensor:
+    """A weight, whole (a DTensor gathered from its shards: every process must call it), on the CPU."""
+    return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().cpu()
+
+
+def local(saved: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """A whole saved weight -> one like `like` (its device and dtype; sharded as it is, for a DTensor)."""
+    if hasattr(like, "device_mesh"):
+        from torch.distributed.tensor import distribute_tensor
+        return distribute_tensor(saved.to(like.device, like.dtype), like.device_mesh, like.placements)
+    return saved.to(like.device, like.dtype).clone()
+
+
+@dataclasses.dataclass
+class State:
+    """The variants' state carried from step to step, saved in each checkpoint (trainer_state.pt's "variants") so
+    that --resume continues as if never stopped: GARDO's controller (--kl-on uncertain) and the resettable reference
+    (--reference-reset-every)."""
+    risk: RiskCompensator | None = None
+    reference: Reference | None = None
+
+    @classmethod
+    def of(cls, cfg, ref_model) -> "State":
+        return cls(risk=RiskCompensator() if getattr(cfg, "kl_on", "all") == "uncertain" else None,
+                   reference=ref_model if isinstance(ref_model, Reference) else None)
+
+    def state_dict(self) -> dict:
+        state = {"risk": self.risk and self.risk.state_dict(), "reference": self.reference and self.reference.state_dict()}
+        return {key: value for key, value in state.items() if value}
+
+    def load_state_dict(self, state: dict) -> None:
+        if self.risk and state.get("risk"):
+            self.risk.load_state_dict(state["risk"])
+        if self.reference and state.get("reference"):
+            self.reference.load_state_dict(state["reference"])
+
+
+def after_step(state: State, step: int, cfg) -> None:
+    """After step `step` (before its checkpoint): GARDO's reset of the reference, every --reference-reset-every."""
+    if state.reference is not None and step % cfg.reference_reset_every == 0:
+        state.reference.reset()

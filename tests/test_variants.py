@@ -18,6 +18,7 @@ import grpo
 from helpers import diagnostics, fast_decode, run, variants
 from tests.conftest import CORRECTIONS, PARITY, T, TINY, run_record, sample_group, sampled_rows, write_example
 from tests.conftest import pipe, random_pipe  # noqa: F401  the tiny pipelines (fixtures)
+from tests.test_rewards import dino_folder  # noqa: F401  a tiny random DINOv2 (a fixture)
 from tools.record_variants import ROWS, record
 
 BEFORE = json.loads((Path(__file__).parent / "data" / "variants_before.json").read_text())
@@ -533,3 +534,193 @@ def test_float32_corrections(random_pipe):
     assert m["truncation/nucleus_mass/mean"] < 0.95 and m["truncation/nucleus_mass/min"] >= 0.75 - 1e-6
     unweighted, _ = step_gradients(random_pipe, [r], adv, cfg_with(**{**options, "truncation_weight": "none"}), 4, lr=0.0)
     assert torch.sqrt(sum((g ** 2).sum() for g in unweighted.values())) > 1.05 * norm
+
+
+# ---- issue 67: GARDO's gate and reset, DiverseGRPO's clusters --------------------------------------
+
+def test_cluster_bonus():
+    """--cluster-bonus: clusters by single linkage within --cluster-radius (a chain links 0-1-2 though 0 and 2 are two
+    cells apart), radius 0 gives the identical grids (`repeats`); the bonus B / c goes to each group's best samples
+    only, before the z-score."""
+    grids = [torch.tensor([[0, 0, 0, 0], [0, 0, 0, 1], [0, 0, 1, 1], [2, 2, 2, 2]]),
+             torch.tensor([[1, 1, 1, 1], [1, 1, 1, 1], [3, 3, 3, 3], [1, 1, 1, 2]])]
+    assert torch.equal(variants.cluster_sizes(grids, 0.25), torch.tensor([[3, 3, 3, 1], [3, 3, 1, 3]]))
+    assert torch.equal(variants.cluster_sizes(grids, 0.0), variants.repeats(grids))
+    reward = torch.tensor([[1.0, 1.0, 0.5, 1.0], [1.0, 1.0, 1.0, 0.0]])
+    adv = seam(grpo.group_advantages(reward), reward, [rollout(g) for g in grids],
+               cfg_with(cluster_bonus=0.3, cluster_radius=0.25))
+    bonus = torch.tensor([[1 / 3, 1 / 3, 0.0, 1.0], [1 / 3, 1 / 3, 1.0, 0.0]])  # sample (0, 2) is not among the best
+    assert torch.allclose(adv, grpo.group_advantages(reward + 0.3 * bonus))
+    assert adv[0, 3] > adv[0, 0] == adv[0, 1] and adv[1, 2] > adv[1, 0]  # the lone right layout above its cluster
+
+
+class GardoRiskCompensator:
+    """GARDO's RiskCompensator, transcribed from tinnerhrhe/GARDO 1cc77fb, scripts/train_sd3_grpo_gardo.py L219-238."""
+    def __init__(self, base=0.1, beta=0.1):
+        import numpy as np
+        self.np = np
+        self.risk_buffer, self.base, self.alpha, self.beta, self.beta_min, self.beta_max = [], base, 0.1, beta, 0.02, 0.2
+
+    def update(self, pad_scores):
+        np = self.np
+        if len(self.risk_buffer) == 0:
+            self.beta = self.base
+        elif np.mean(pad_scores) > max(self.risk_buffer):
+            self.beta = self.beta * (1 + self.alpha)
+        elif np.mean(pad_scores) < min(self.risk_buffer):
+            self.beta = self.beta * (1 - self.alpha)
+        self.beta = np.clip(self.beta, self.beta_min, self.beta_max)
+        self.risk_buffer.append(np.mean(pad_scores))
+        if len(self.risk_buffer) > 20:
+            self.risk_buffer = self.risk_buffer[-20:]
+
+
+def gardo_gate(main, aux, controller):
+    """GARDO's uncertainty gate over a batch, transcribed from the same file, L825-837 (its two auxiliary rewards,
+    aesthetic and imagereward, are `aux`)."""
+    import numpy as np
+    reward_std = []
+    for item in [*aux, main]:
+        _, indices = torch.sort(torch.tensor(item), descending=True)
+        ranks = torch.empty_like(torch.tensor(item)).long()
+        ranks[indices] = torch.arange(1, len(item) + 1)
+        reward_std.append(ranks.float())
+    reward_std = reward_std[-1] - (reward_std[0] + reward_std[1]) / 2
+    controller.update(np.array([p for p in reward_std.cpu().numpy() if p >= 0]))
+    threshold = np.percentile(np.array([p for p in reward_std.cpu().numpy() if p >= 0]), 100 - controller.beta * 100)
+    return reward_std > threshold
+
+
+def test_uncertain_kl_weights():
+    """--kl-on uncertain gates as GARDO's code, step after step (its controller's b moving): on 30 random batches of
+    3 groups of 8, one out of the loss, the gated samples are GARDO's, each weighs S / n and the rest 0, the groups
+    out of the loss 0, and b is GARDO's."""
+    g = torch.Generator().manual_seed(0)
+    ours, theirs = variants.RiskCompensator(), GardoRiskCompensator()
+    in_loss = torch.tensor([True, False, True])
+    shares, gated = set(), 0
+    for step in range(30):
+        spread = 1 + 3 * (step % 7 == 3)  # now and then a step far more uncertain: b moves
+        reward = torch.rand(3, 8, generator=g)
+        each = {"main": reward, "a": reward + spread * torch.rand(3, 8, generator=g),
+                "b": reward + spread * torch.rand(3, 8, generator=g)}
+        w = variants.uncertain_kl_weights(reward, each, in_loss, ["a", "b"], ours)
+        gate = gardo_gate(reward[in_loss].flatten().numpy(), [each[n][in_loss].flatten().numpy() for n in "ab"], theirs)
+        assert torch.equal(w[in_loss].flatten() > 0, gate), step
+        assert torch.allclose(w[in_loss].flatten()[gate], 16 / gate.sum().clamp(min=1).float())
+        gated += int(gate.sum())
+        assert w[1].eq(0).all() and ours.share == pytest.approx(float(theirs.beta)), step
+        shares.add(round(ours.share, 6))
+    assert len(shares) > 2 and gated > 10  # b moved, and samples were gated
+
+
+def test_variant_loss_kl_uncertain():
+    """--kl-on uncertain: the KL term is beta times the mean k3 of the gated samples (weights S / n), the others go
+    free; the logged KL is over every sample."""
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, 4, 6, generator=g)
+    mb = sampled_rows(logits, 1.0, g, advantages=(1.0, -1.0, 0.0))
+    distribution = grpo.code_logprobs(logits, T, 6).requires_grad_()
+    old = grpo.logprob_of(distribution, mb.tokens).detach()
+    ref = old + torch.randn(3, 4, generator=g) * 0.3
+    cfg = cfg_with(kl_beta=0.5, kl_on="uncertain", reward="shapes,size=0")
+    settings = grpo.LossSettings(clip_eps=cfg.clip_eps, kl_beta=cfg.kl_beta)
+    weights = {id(mb.rollout): torch.tensor([0.0, 3.0, 0.0])}  # one of three gated
+    gated, m = variants.variant_loss(distribution, mb, old, ref, settings, lesson_loss=grpo.micro_batch_loss, cfg=cfg,
+                                     threshold=None, kl_weights=weights)
+    free, _ = loss_of(distribution, mb, old, ref, cfg_with(kl_beta=0.0))
+    d = ref - old
+    k3 = d.exp() - d - 1
+    assert torch.allclose(gated - free, 0.5 * k3[1].mean())
+    assert m["kl"] == pytest.approx(k3.mean().item())
+
+
+def test_validate_gardo():
+    """The gate needs a weight-0 reward and the KL; the reset needs the KL; the radius is a share."""
+    with pytest.raises(ValueError, match="weight-0 rewards.*--reward shapes,size=0"):
+        variants.validate(cfg_with(kl_on="uncertain", reward="shapes", kl_beta=0.1))
+    with pytest.raises(ValueError, match="--kl-beta 0"):
+        variants.validate(cfg_with(reference_reset_every=5, kl_beta=0))
+    with pytest.raises(ValueError, match="--cluster-radius 1.0"):
+        variants.validate(cfg_with(cluster_radius=1.0))
+    variants.validate(cfg_with(kl_on="uncertain", reward="shapes,size=0", kl_beta=0.1, reference_reset_every=5))
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_reference_reset(random_pipe, lora):
+    """--reference-reset-every: the reference is the initial policy until a reset, then the policy as it was at the
+    reset (bit for bit, in float32), while the policy moves on; reading it leaves the policy's weights untouched; its
+    state_dict restores it in a fresh run (resume)."""
+    from tests.conftest import lora_policy
+    rollout_ = sample_group(random_pipe, "a red circle", 2, 64, 64, 1.0, 0)
+    mb, = grpo.micro_batches([rollout_], torch.zeros(1, 2), 2)
+
+    def make():
+        ar = copy.deepcopy(random_pipe.vision_language_encoder)
+        policy = lora_policy(type("P", (), {"vision_language_encoder": ar})(), rank=2) if lora else ar.requires_grad_()
+        return policy, variants.Reference(policy, grpo.reference_model(policy, 0.1))
+
+    def logp(model):
+        return grpo.token_logprobs(model, mb.inputs, mb.tokens, 1.0).detach()
+
+    def move(policy, seed):
+        g = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for p in policy.parameters():
+                if p.requires_grad:
+                    p.add_(torch.randn(p.shape, generator=g) * 0.05)
+
+    policy, ref = make()
+    initial = grpo.reference_logprobs(ref, mb, 1.0)
+    move(policy, 1)
+    assert torch.equal(grpo.reference_logprobs(ref, mb, 1.0), initial)  # not reset: the initial weights
+    ref.reset()
+    at_reset, weights = logp(policy), [p.detach().clone() for p in policy.parameters()]
+    move(policy, 2)
+    assert torch.equal(grpo.reference_logprobs(ref, mb, 1.0), at_reset)
+    assert not torch.equal(logp(policy), at_reset)
+    again, ref2 = make()  # a resumed run: its policy from the checkpoint, its reference from the state
+    ref2.load_state_dict(ref.state_dict())
+    assert torch.equal(grpo.reference_logprobs(ref2, mb, 1.0), at_reset)
+    moved = [p.detach().clone() for p in policy.parameters()]
+    grpo.reference_logprobs(ref, mb, 1.0)
+    assert all(torch.equal(p, q) for p, q in zip(policy.parameters(), moved))  # the reading swapped back
+    assert not all(torch.equal(p, q) for p, q in zip(moved, weights))
+
+
+def test_main_gardo_resume(tmp_path):
+    """GARDO whole in a run (--kl-on uncertain with the size reward at weight 0, --reference-reset-every 2,
+    --gardo-diversity tokens) and DiverseGRPO's bonus, with LoRA: 5 steps == 3 steps + resume + 2 steps (the
+    controller's b and the reset reference come back from the checkpoint); at mu 1 the KL logged (the first update's)
+    is 0 right after a reset, the reference being the policy bit for bit."""
+    from tests.conftest import tiny_run
+    flags = ["--kl-beta", "0.1", "--kl-on", "uncertain", "--reward", "shapes,size=0", "--reference-reset-every", "2",
+             "--gardo-diversity", "tokens", "--cluster-bonus", "0.2", "--lora-rank", "2", "--mu", "1",
+             "--prompts", str(Path(grpo.__file__).parent / "examples" / "shapes.txt"), "--lr", "1e-2"]
+    tiny_run(tmp_path, tmp_path / "whole", "--steps", "5", *flags)
+    tiny_run(tmp_path, tmp_path / "part", "--steps", "3", *flags)  # step 4 reads step 2's reference from the checkpoint
+    grpo.main(["--resume", str(tmp_path / "part"), "--steps", "5"])
+    whole = run_record(tmp_path / "whole")
+    assert whole == run_record(tmp_path / "part")
+    assert whole[0]["kl_share"] == 0.1 and len({r["kl_share"] for r in whole}) > 1
+    # step 1's samples all score 0: nothing moves before step 2; resets after steps 2 and 4
+    assert [r["kl"] > 0 for r in whole] == [False, False, False, True, False]
+
+
+def test_gardo_diversity_dino(dino_folder):
+    """--gardo-diversity dino: d is 1 - cosine of the pictures' DINOv2 features (the dino reward's checkpoint, here
+    --reward's dino@FOLDER), nearest group-mate's; two copies of one picture give d = 0 and lose their credit."""
+    from helpers import rewards
+    g = torch.Generator().manual_seed(0)
+    pictures = torch.rand(4, 3, 32, 32, generator=g)
+    pictures[1] = pictures[0]
+    reward = torch.tensor([[1.0, 1.0, 0.2, 0.9]])
+    cfg = cfg_with(gardo_diversity="dino", reward=f"ssim,dino@{dino_folder}=0")
+    kept = torch.ones(1, dtype=torch.bool)
+    z = grpo.group_advantages(reward)
+    adv = variants.advantages(z, [rollout(torch.zeros(4, 4, dtype=torch.long))], reward, {"ssim": reward}, kept, cfg,
+                              grpo, [pictures])
+    f = rewards.dino_features(pictures, str(dino_folder))
+    d = variants.nearest(1 - f @ f.T)
+    assert torch.allclose(adv[0], z[0] * variants.gardo_factor(d, z[0]), atol=1e-6)
+    assert adv[0, :2].abs().max() < 1e-5 and adv[0, 3] > 0  # the copies lose their credit, the other right one keeps it

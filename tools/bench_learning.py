@@ -69,6 +69,15 @@ ROWS = {
     "entropy": ("an entropy bonus on the less certain tokens", ["--entropy-bonus", "0.02"]),
     "unlikely": ("the unlikeliness in place of the KL", ["--kl-beta", "0", "--unlikeliness", "1"]),
     "unlikely_kl": ("the unlikeliness on the defaults", ["--unlikeliness", "1"]),
+    # issue 67: GARDO's three parts as its code does them, alone and whole (its reset_freq 15), and DiverseGRPO's
+    # cluster bonus (grids differing in at most 1 of the 9 cells share a cluster; the bonus to each group's best)
+    "gardo_div": ("GARDO's diversity factor on the codes", ["--gardo-diversity", "tokens"]),
+    "gardo_gate": ("GARDO's uncertainty-gated KL (size as the second reward)",
+                   ["--kl-on", "uncertain", "--reward", "shapes=1,size=0"]),
+    "gardo_reset": ("GARDO's reference reset every 15 steps", ["--reference-reset-every", "15"]),
+    "gardo": ("GARDO whole: the three parts", ["--gardo-diversity", "tokens", "--kl-on", "uncertain", "--reward",
+                                               "shapes=1,size=0", "--reference-reset-every", "15"]),
+    "clusters": ("DiverseGRPO's cluster bonus on the best", ["--cluster-bonus", "0.2"]),
 }  # every GRPO row has the tiny defaults' mu 2 (the clip acts); rows of other flags come from `-- flags`
 HELD_OUT = ["--eval-prompts", str(ROOT / "examples" / "shapes_heldout.jsonl"), "--eval-every", "0",
             "--eval-samples", "8", "--eval-reward", "shapes_exact"]
@@ -133,7 +142,8 @@ def run_shapes(row: str, seed: int, steps: int, extra: list[str], runs: Path) ->
     cfg = grpo.parse_config(argv)
     settings = {k: getattr(cfg, k) for k in ("kl_beta", "mu", "diversity", "lr", "top_p", "policy_dist",
                                              "scale_rewards", "truncation_weight", "kl_on", "entropy_bonus",
-                                             "unlikeliness")}
+                                             "unlikeliness", "gardo_diversity", "cluster_bonus", "cluster_radius",
+                                             "reference_reset_every", "reward")}
     evals, training = [x for x in lines if x.get("eval")], [x for x in lines if not x.get("eval")]
 
     def held_out(x):
