@@ -782,6 +782,9 @@ def optimizer_step(optimizer, parts: list[tuple[dict, float]], max_grad_norm: fl
     finite = math.isfinite(grad_norm) and all(math.isfinite(m["loss"]) for m, _ in parts)
     if all_agree(finite):  # every process steps, or none
         optimizer.step()
+        # bf16 autocast keeps the copies of the weights it cast until its region ends, and train_step runs in one:
+        # without this the next update would read the weights before this step (pi = pi_old, r = 1, no clip)
+        torch.clear_autocast_cache()
         return grad_norm, True
     optimizer.zero_grad(set_to_none=True)
     return grad_norm, False

@@ -744,6 +744,18 @@ def test_train_step_mu(random_pipe):
     assert (m["ratio_max"] > 1.2 or m["ratio_min"] < 0.8) and m["clip_frac"] > 0
 
 
+def test_train_step_mu_autocast(random_pipe):
+    """Under bf16 autocast (the real model's --dtype) the later updates read the weights the optimizer stepped, not
+    the bf16 copies autocast cast at the first update (it keeps them until its region ends): their ratios leave 1."""
+    from tests.conftest import lora_policy
+    r = sample_group(random_pipe, "a cat", 4, 64, 64, T, seed=0)
+    ar = copy.deepcopy(random_pipe.vision_language_encoder)
+    policy = lora_policy(type("Pipe", (), {"vision_language_encoder": ar})(), rank=2)  # only Linear weights train
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        _, m = gradients(policy, [r], torch.tensor([[1.0, -1.0, 1.0, -1.0]]), 4, mu=2, lr=5.0)
+    assert m["ratio_max"] > 1.05 or m["ratio_min"] < 0.95
+
+
 def test_loss_shares(monkeypatch):
     """Each micro-batch weighs its rows over the sequences in the loss (0 out of the loss), so the shares of one
     process sum to 1; under torchrun the count is the mean over the processes (rows_per_process)."""

@@ -550,12 +550,14 @@ def swapped(params: list, values: list):
         own = [p.detach().clone() for p in params]
         for p, v in zip(params, values):
             p.copy_(v)
+    torch.clear_autocast_cache()  # bf16 autocast's copies of the weights it cast would outlive the swap
     try:
         yield
     finally:
         with torch.no_grad():
             for p, v in zip(params, own):
                 p.copy_(v)
+        torch.clear_autocast_cache()
 
 
 def full(t: torch.Tensor) -> torch.Tensor:
