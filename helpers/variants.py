@@ -43,7 +43,7 @@ class VariantSettings:  # grpo.py's flags for the options beside the lesson: all
     gardo_diversity: str = _setting("none", "GARDO's diversity factor: each advantage >= 0 times d / mean(d) of "
                                             "its group, d a sample's distance to its nearest group-mate (tokens: "
                                             "the share of its large grid's codes that differ; dino: 1 - cosine of "
-                                            "the pictures' DINOv2 features, as GARDO's DINOv3)",
+                                            "the pictures' DINOv2 features; GARDO: DINOv3's)",
                                     ("none", "tokens", "dino"))
     cluster_bonus: float = _setting(0.0, "DiverseGRPO's cluster bonus: + bonus / c on each of a group's best "
                                          "samples, c the samples of its cluster (large grids linked when they differ "
@@ -56,9 +56,9 @@ class VariantSettings:  # grpo.py's flags for the options beside the lesson: all
     clip_eps_high: float | None = _setting(None, "DAPO's clip-higher: the upper clip 1 + this "
                                                  "(default: --clip-eps)")
     kl_on: str = _setting("all", "the KL on every sample; only on those with A >= 0 (above_mean: a gate by the "
-                                 "advantage's sign); or GARDO's gate, on the samples whose rank under the trained "
-                                 "reward falls furthest below their rank under the weight-0 rewards of --reward "
-                                 "(uncertain)", ("all", "above_mean", "uncertain"))
+                                 "advantage's sign); or GARDO's gate, on the samples the trained reward ranks "
+                                 "furthest below where the weight-0 rewards of --reward rank them (uncertain)",
+                          ("all", "above_mean", "uncertain"))
     reference_reset_every: int = _setting(0, "GARDO's reset: every N steps the KL's reference becomes the policy "
                                              "as it is (0: never; the reference stays the initial weights)")
     entropy_bonus: float = _setting(0.0, "+ bonus x entropy on the tokens less certain than the step's "
@@ -208,7 +208,7 @@ def feature_similarity(images: torch.Tensor, checkpoint: str) -> torch.Tensor:
     dino_features, the dino reward's, from `checkpoint`). GARDO's code uses DINOv3's."""
     from helpers.rewards import dino_features
     features = dino_features(images, checkpoint)  # (G, D), unit length
-    return features @ features.T
+    return (features @ features.T).clamp(-1, 1)  # as GARDO's clip: d = 1 - cosine >= 0
 
 
 def dino_checkpoint(spec: str) -> str:
@@ -237,11 +237,12 @@ def cluster_sizes(grids: list[torch.Tensor], radius: float) -> torch.Tensor:
 def gardo_factor(d: torch.Tensor, advantages: torch.Tensor) -> torch.Tensor:
     """GARDO's diversity factor, as its code (flow_grpo/stat_tracking.py, PerPromptStatTracker.update, type 'gardo')
     computes it: (P, G) nearest distances d and advantages -> d / mean(d) over the group where A >= 0, 1 where A < 0
-    (a sample below its group's mean keeps its advantage). A group whose samples all repeat (mean d = 0) keeps 1.
+    (a sample below its group's mean keeps its advantage). A group whose samples all repeat (mean d below 1e-6, a
+    feature distance's rounding) keeps 1.
     GARDO multiplies R - mean, not divided by the std; here the factor multiplies the lesson's advantages, which
     --scale-rewards none makes R - mean."""
     mean = d.mean(-1, keepdim=True)
-    relative = torch.where(mean > 0, d / mean.clamp(min=1e-12), torch.ones_like(d))
+    relative = torch.where(mean > 1e-6, d / mean.clamp(min=1e-6), torch.ones_like(d))
     return torch.where(advantages < 0, torch.ones_like(d), relative)
 
 
@@ -302,10 +303,11 @@ def update(batches: list, loss_fn, policy, cfg, lesson, reward: torch.Tensor | N
         threshold = mean_entropy(policy, batches, cfg.temperature, cfg.train_tokens, lesson)
     kl_weights = None
     if cfg.kl_on == "uncertain":  # (P, G) each sample's weight on the KL, by rollout
-        groups = list({id(mb.rollout): mb for mb in batches}.values())  # a group's first micro-batch, in order
-        in_loss = torch.tensor([mb.in_loss for mb in groups], dtype=torch.bool)
-        weights = uncertain_kl_weights(reward, each, in_loss, auxiliary(cfg.reward), state.risk)
-        kl_weights = {id(mb.rollout): w for mb, w in zip(groups, weights)}
+        rollouts = list({id(mb.rollout): mb.rollout for mb in batches}.values())  # the groups, in order
+        in_loss = torch.tensor([next(mb.in_loss for mb in batches if mb.rollout is r) for r in rollouts])
+        A = torch.stack([torch.cat([mb.advantages for mb in batches if mb.rollout is r]) for r in rollouts])
+        weights = uncertain_kl_weights(reward, each, in_loss, A.to(reward), auxiliary(cfg.reward), state.risk)
+        kl_weights = {id(r): w for r, w in zip(rollouts, weights)}
     return batches, functools.partial(variant_loss, lesson_loss=loss_fn, cfg=cfg, threshold=threshold,
                                       kl_weights=kl_weights)
 
@@ -345,38 +347,42 @@ class RiskCompensator:
 
 
 def ranks(values: torch.Tensor) -> torch.Tensor:
-    """(S,) -> (S,) each value's rank, 1 the highest (GARDO's: a descending sort; ties in the order given)."""
-    order = torch.sort(values, descending=True, stable=True).indices
-    out = torch.empty_like(order)
-    out[order] = torch.arange(1, len(values) + 1)
-    return out
+    """(S,) -> (S,) float64 each value's rank, 1 the highest, as GARDO's descending sort ranks distinct values; tied
+    values share their mean rank (GARDO's sort orders ties as its kernel does, so a tie's ranks would follow the
+    samples' places in the batch); a value that is not finite ranks last."""
+    v = torch.nan_to_num(values.double(), nan=-math.inf)  # NaN last, as -inf
+    above = (v[None, :] > v[:, None]).sum(-1)  # (S,) values above each
+    tied = (v[None, :] == v[:, None]).sum(-1)  # itself included
+    return 1 + above + (tied - 1) / 2
 
 
 def uncertainty(trained: torch.Tensor, aux: list[torch.Tensor]) -> torch.Tensor:
     """GARDO's uncertainty of each sample of a batch: (S,) the trained reward, (S,) each auxiliary reward -> (S,)
     its rank under the trained reward minus the mean of its ranks under the auxiliary ones (1: the best). It sums to
     0; u > 0 where the trained reward ranks the sample below where the others do."""
-    return ranks(trained).double() - torch.stack([ranks(r) for r in aux]).double().mean(0)
+    return ranks(trained) - torch.stack([ranks(r) for r in aux]).mean(0)
 
 
-def uncertain_kl_weights(reward: torch.Tensor, each: dict, in_loss: torch.Tensor, aux: list[str],
-                         risk: RiskCompensator) -> torch.Tensor:
-    """--kl-on uncertain: (P, G) rewards (the trained sum, and each by name), (P,) groups in the loss -> (P, G) each
-    sample's weight on the KL: as GARDO's code gates, over the step's whole batch (every group of every process in
-    the loss), the samples with u > the (100 - 100 b) percentile of the u >= 0 (`uncertainty`; b from `risk`); each
-    of those weighs S / n (S the batch's samples, n those gated), the others 0, so the KL term is beta times the
-    mean KL of the gated samples, as GARDO's mean over them (no sample gated: no KL)."""
+def uncertain_kl_weights(reward: torch.Tensor, each: dict, in_loss: torch.Tensor, advantages: torch.Tensor,
+                         aux: list[str], risk: RiskCompensator) -> torch.Tensor:
+    """--kl-on uncertain: (P, G) rewards (the trained sum, and each by name), (P,) groups in the loss, (P, G)
+    advantages -> (P, G) each sample's weight on the KL. As GARDO's code gates, over the step's whole batch (every
+    group of every process in the loss): the samples with u > the (100 - 100 b) percentile of the u >= 0
+    (`uncertainty`; b from `risk`), less those with A = 0, which GARDO's code leaves out of its update. Each of those
+    weighs S / n (S the batch's samples, n those gated), the others 0, so the KL term is beta times the mean KL of
+    the gated samples, as GARDO's mean over them (no sample gated: no KL)."""
     from .parallel import distributed
-    mine = reward[in_loss].flatten()
+    mine = reward[in_loss].flatten().cpu()
     counts = gather_rows(torch.tensor([len(mine)]))  # each process's samples, in rank order
     offset = int(counts[:torch.distributed.get_rank()].sum()) if distributed() else 0
-    u = uncertainty(gather_rows(mine), [gather_rows(each[name][in_loss].flatten()) for name in aux])
+    u = uncertainty(gather_rows(mine), [gather_rows(each[name][in_loss].flatten().cpu()) for name in aux])
+    trained = gather_rows(advantages[in_loss].flatten().cpu()) != 0
     out = torch.zeros_like(reward)
     if not len(u):  # no group in the loss anywhere: train_step skips the step
         return out
     positive = u[u >= 0]  # never empty: u sums to 0
     share = risk.update(positive)
-    gated = u > torch.quantile(positive, 1 - share)  # numpy's percentile: linear between the order statistics
+    gated = (u > torch.quantile(positive, (100 - 100 * share) / 100)) & trained  # numpy's percentile: linear
     weight = gated.double() * len(u) / max(int(gated.sum()), 1)
     out[in_loss] = weight[offset:offset + len(mine)].to(reward).reshape(-1, reward.shape[-1])
     return out
@@ -493,9 +499,10 @@ class Reference:
         self.policy, self.frozen = policy, frozen
         self.lora = frozen is policy
         self.anchor = None if self.lora else list(frozen.parameters())  # the reference's own weights
+        self.was_reset = False  # before a reset the reference is the initial weights, rebuilt from the model
 
     def __getattr__(self, name):  # the model's config, its forward ...: the frozen reference's
-        if name == "frozen":  # (not set yet: a copy being made)
+        if name == "frozen":  # before __init__ set it (a copy being made): no endless recursion
             raise AttributeError(name)
         return getattr(self.frozen, name)
 
@@ -513,10 +520,11 @@ class Reference:
         else:
             for mine, policy in zip(self.anchor, self.policy.parameters(), strict=True):
                 mine.copy_(policy.detach())
+        self.was_reset = True
 
     def disable_adapter(self):
-        """What grpo.reference_logprobs enters to read the reference: the adapter off (no reset yet), the last
-        reset's adapter swapped in and out, or (every weight trained) nothing."""
+        """What grpo.reference_logprobs enters to read the reference (hence the name, peft's): the adapter off (no
+        reset yet), the last reset's adapter swapped in and out again, or (every weight trained) nothing."""
         if self.lora and self.anchor is None:
             return self.policy.disable_adapter()
         if self.lora:
@@ -524,23 +532,24 @@ class Reference:
         return contextlib.nullcontext()
 
     def state_dict(self) -> dict:
-        """The reference's weights, full (gathered from every process under FSDP), on the CPU; {} before a reset
-        with LoRA (the adapter off)."""
-        if self.anchor is None:
+        """The reference's weights, whole (gathered from every process under FSDP; kept on rank 0, which saves
+        them), on the CPU; {} before the first reset (the initial weights: the model, or the adapter off)."""
+        if not self.was_reset:
             return {}
-        return {"weights": [full(w) for w in self.anchor]}
+        return {"weights": [gathered(w) for w in self.anchor]}
 
     @torch.no_grad()
     def load_state_dict(self, state: dict) -> None:
         if not state:
             return
         like = self.trained() if self.lora else self.anchor
-        weights = [local(saved, w) for saved, w in zip(state["weights"], like, strict=True)]
+        weights = [sharded_like(saved, w) for saved, w in zip(state["weights"], like, strict=True)]
         if self.lora:
             self.anchor = weights
         else:
             for mine, saved in zip(self.anchor, weights):
                 mine.copy_(saved)
+        self.was_reset = True
 
 
 @contextlib.contextmanager
@@ -560,12 +569,15 @@ def swapped(params: list, values: list):
         torch.clear_autocast_cache()
 
 
-def full(t: torch.Tensor) -> torch.Tensor:
-    """A weight, whole (a DTensor gathered from its shards: every process must call it), on the CPU."""
-    return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().cpu()
+def gathered(t: torch.Tensor) -> torch.Tensor | None:
+    """A weight, whole (a DTensor gathered from its shards: every process must call it), on the CPU of rank 0;
+    None on the other processes, which save nothing."""
+    from .parallel import distributed
+    whole = (t.full_tensor() if hasattr(t, "full_tensor") else t).detach()
+    return None if distributed() and torch.distributed.get_rank() else whole.cpu()
 
 
-def local(saved: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+def sharded_like(saved: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     """A whole saved weight -> one like `like` (its device and dtype; sharded as it is, for a DTensor)."""
     if hasattr(like, "device_mesh"):
         from torch.distributed.tensor import distribute_tensor

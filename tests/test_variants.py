@@ -593,8 +593,8 @@ def gardo_gate(main, aux, controller):
 
 def test_uncertain_kl_weights():
     """--kl-on uncertain gates as GARDO's code, step after step (its controller's b moving): on 30 random batches of
-    3 groups of 8, one out of the loss, the gated samples are GARDO's, each weighs S / n and the rest 0, the groups
-    out of the loss 0, and b is GARDO's."""
+    3 groups of 8, one out of the loss, the gated samples are GARDO's less those with A = 0 (which GARDO's update
+    leaves out), each weighs S / n and the rest 0, the groups out of the loss 0, and b is GARDO's."""
     g = torch.Generator().manual_seed(0)
     ours, theirs = variants.RiskCompensator(), GardoRiskCompensator()
     in_loss = torch.tensor([True, False, True])
@@ -604,14 +604,27 @@ def test_uncertain_kl_weights():
         reward = torch.rand(3, 8, generator=g)
         each = {"main": reward, "a": reward + spread * torch.rand(3, 8, generator=g),
                 "b": reward + spread * torch.rand(3, 8, generator=g)}
-        w = variants.uncertain_kl_weights(reward, each, in_loss, ["a", "b"], ours)
+        A = torch.randn(3, 8, generator=g)
+        A[2, :2] = 0  # GARDO's update leaves out the samples with A = 0: no KL on them
+        w = variants.uncertain_kl_weights(reward, each, in_loss, A, ["a", "b"], ours)
         gate = gardo_gate(reward[in_loss].flatten().numpy(), [each[n][in_loss].flatten().numpy() for n in "ab"], theirs)
+        gate &= A[in_loss].flatten() != 0
         assert torch.equal(w[in_loss].flatten() > 0, gate), step
         assert torch.allclose(w[in_loss].flatten()[gate], 16 / gate.sum().clamp(min=1).float())
         gated += int(gate.sum())
         assert w[1].eq(0).all() and ours.share == pytest.approx(float(theirs.beta)), step
         shares.add(round(ours.share, 6))
     assert len(shares) > 2 and gated > 10  # b moved, and samples were gated
+
+
+def test_ranks_ties():
+    """Ranks as GARDO's descending sort gives distinct values (1 the highest); tied values share their mean rank (so
+    a tie's order in the batch does not decide who is uncertain); NaN ranks last."""
+    assert variants.ranks(torch.tensor([0.2, 0.9, 0.5])).tolist() == [3, 1, 2]
+    assert variants.ranks(torch.tensor([1.0, 0.5, 1.0, 0.5, 0.0])).tolist() == [1.5, 3.5, 1.5, 3.5, 5]
+    assert variants.ranks(torch.tensor([float("nan"), 0.1, 0.3])).tolist() == [3, 2, 1]
+    trained, aux = torch.tensor([1.0, 1.0, 0.0, 0.0]), torch.tensor([0.4, 0.9, 0.1, 0.2])
+    assert variants.uncertainty(trained, [aux]).tolist() == [-0.5, 0.5, -0.5, 0.5]  # within a tie, the aux decides
 
 
 def test_variant_loss_kl_uncertain():
@@ -690,7 +703,7 @@ def test_reference_reset(random_pipe, lora):
 
 def test_main_gardo_resume(tmp_path):
     """GARDO whole in a run (--kl-on uncertain with the size reward at weight 0, --reference-reset-every 2,
-    --gardo-diversity tokens) and DiverseGRPO's bonus, with LoRA: 5 steps == 3 steps + resume + 2 steps (the
+    --gardo-diversity tokens) and DiverseGRPO's bonus, with LoRA: 5 steps == 4 steps + resume + 1 step (the
     controller's b and the reset reference come back from the checkpoint); at mu 1 the KL logged (the first update's)
     is 0 right after a reset, the reference being the policy bit for bit."""
     from tests.conftest import tiny_run
@@ -698,11 +711,11 @@ def test_main_gardo_resume(tmp_path):
              "--gardo-diversity", "tokens", "--cluster-bonus", "0.2", "--lora-rank", "2", "--mu", "1",
              "--prompts", str(Path(grpo.__file__).parent / "examples" / "shapes.txt"), "--lr", "1e-2"]
     tiny_run(tmp_path, tmp_path / "whole", "--steps", "5", *flags)
-    tiny_run(tmp_path, tmp_path / "part", "--steps", "3", *flags)  # step 4 reads step 2's reference from the checkpoint
+    tiny_run(tmp_path, tmp_path / "part", "--steps", "4", *flags)  # its checkpoint: after step 4's reset
     grpo.main(["--resume", str(tmp_path / "part"), "--steps", "5"])
     whole = run_record(tmp_path / "whole")
     assert whole == run_record(tmp_path / "part")
-    assert whole[0]["kl_share"] == 0.1 and len({r["kl_share"] for r in whole}) > 1
+    assert whole[0]["kl_share"] == 0.1 and whole[4]["kl_share"] != 0.1  # a fresh controller would start at 0.1
     # step 1's samples all score 0: nothing moves before step 2; resets after steps 2 and 4
     assert [r["kl"] > 0 for r in whole] == [False, False, False, True, False]
 

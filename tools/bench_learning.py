@@ -69,14 +69,15 @@ ROWS = {
     "entropy": ("an entropy bonus on the less certain tokens", ["--entropy-bonus", "0.02"]),
     "unlikely": ("the unlikeliness in place of the KL", ["--kl-beta", "0", "--unlikeliness", "1"]),
     "unlikely_kl": ("the unlikeliness on the defaults", ["--unlikeliness", "1"]),
-    # issue 67: GARDO's three parts as its code does them, alone and whole (its reset_freq 15), and DiverseGRPO's
+    # issue 67: GARDO's three parts as its code does them, alone and whole (reset_freq 15: its code resets when more
+    # than 15 epochs have passed, every 16th), and DiverseGRPO's
     # cluster bonus (grids differing in at most 1 of the 9 cells share a cluster; the bonus to each group's best)
     "gardo_div": ("GARDO's diversity factor on the codes", ["--gardo-diversity", "tokens"]),
     "gardo_gate": ("GARDO's uncertainty-gated KL (size as the second reward)",
                    ["--kl-on", "uncertain", "--reward", "shapes=1,size=0"]),
-    "gardo_reset": ("GARDO's reference reset every 15 steps", ["--reference-reset-every", "15"]),
+    "gardo_reset": ("GARDO's reference reset every 16 steps", ["--reference-reset-every", "16"]),
     "gardo": ("GARDO whole: the three parts", ["--gardo-diversity", "tokens", "--kl-on", "uncertain", "--reward",
-                                               "shapes=1,size=0", "--reference-reset-every", "15"]),
+                                               "shapes=1,size=0", "--reference-reset-every", "16"]),
     "clusters": ("DiverseGRPO's cluster bonus on the best", ["--cluster-bonus", "0.2"]),
 }  # every GRPO row has the tiny defaults' mu 2 (the clip acts); rows of other flags come from `-- flags`
 HELD_OUT = ["--eval-prompts", str(ROOT / "examples" / "shapes_heldout.jsonl"), "--eval-every", "0",
