@@ -19,7 +19,8 @@ The symbols, as the code names them:
   p       the whole softmax(logits / temperature) over the K codes: the trained policy pi
   q       p cut to top-k / top-p and renormalised: what the sampler draws from (q = p without them)
   pi_old  p as the trainer's first forward computes it for the sampled codes (train_step)
-  ref     the frozen reference of the KL: the initial weights (with LoRA: the adapter off)
+  ref     the frozen reference of the KL: the initial weights (with LoRA: the adapter off); a variant,
+          --reference-reset-every, moves it to the policy every N steps (helpers/variants.py)
   R, A    a sample's reward (group_rewards) and its advantage (group_advantages)
   r       the ratio pi / pi_old of a sampled code (pi_theta: pi at the current weights, in train_step)
   micro   a step's MicroBatches: some rows of one group each, one forward pass each (mb: one of them)
@@ -215,7 +216,8 @@ def disable_dropout(model) -> None:
 
 def reference_model(policy, kl_beta: float):
     """The frozen KL reference: None when beta is 0 (no KL term); with LoRA the policy itself, whose
-    adapter is switched off to read it (no copy); else a frozen copy of the initial weights."""
+    adapter is switched off to read it (no copy); else a frozen copy of the initial weights. (Frozen
+    within a run unless --reference-reset-every resets it: helpers/variants.py's Reference.)"""
     if kl_beta == 0:
         return None
     if hasattr(policy, "disable_adapter"):
@@ -736,7 +738,7 @@ def train_step(policy, optimizer, batches: list[MicroBatch], ref_model, loss_fn,
         return {"skipped": mu}
     K = policy.config.vq_config.num_embeddings
     shares = loss_shares(batches)  # the loss is a mean over sequences: each micro-batch's weight
-    ref_logprobs = [reference_logprobs(ref_model, mb, temperature) for mb in batches]  # frozen
+    ref_logprobs = [reference_logprobs(ref_model, mb, temperature) for mb in batches]  # no gradient
     old_logprobs = [None] * len(batches)  # pi_old's, filled by the first update
     updates, skipped = [], 0  # each update's micro-batches: (metrics, share)
     for _ in range(mu):  # mu updates on the same samples
