@@ -294,8 +294,12 @@ def test_readme_commands():
                                    ["--kl-beta", "0", "--scale-rewards", "batch", "--top-p", "0.9",
                                     "--policy-dist", "truncated", "--entropy-bonus", "0.1"],  # variants: their
                                    # step-wide numbers (the batch's std, the entropy's threshold) over both processes
-                                   ["--lora-rank", "4", "--kl-beta", "0.04"], ["--lora-rank", "4", "--kl-beta", "0"]],
-                         ids=["full-kl", "variants", "lora-kl", "lora"])
+                                   ["--lora-rank", "4", "--kl-beta", "0.04"], ["--lora-rank", "4", "--kl-beta", "0"],
+                                   ["--lora-rank", "4", "--kl-beta", "0.04", "--kl-on", "uncertain", "--reward",
+                                    "ssim,mse=0", "--reference-reset-every", "2", "--gardo-diversity", "tokens",
+                                    "--cluster-bonus", "0.2"]],  # GARDO: the gate over both processes' samples, the
+                         # reset adapter swapped into FSDP's shards at step 3
+                         ids=["full-kl", "variants", "lora-kl", "lora", "gardo"])
 def test_torchrun_equals_one_process(tmp_path, extra):
     """2 processes x 1 prompt per step make the same updates as 1 process x 2 prompts: same prompts and samples,
     the same per-step metrics and the same final/ weights within 1e-5 (float32), and final models that score

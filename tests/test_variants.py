@@ -737,3 +737,29 @@ def test_gardo_diversity_dino(dino_folder):
     d = variants.nearest(1 - f @ f.T)
     assert torch.allclose(adv[0], z[0] * variants.gardo_factor(d, z[0]), atol=1e-6)
     assert adv[0, :2].abs().max() < 1e-5 and adv[0, 3] > 0  # the copies lose their credit, the other right one keeps it
+
+
+def test_uncertain_kl_weights_two_processes(monkeypatch):
+    """Under torchrun the gate reads the whole batch and each process takes its own rows: as rank 1 of 2 (the other
+    process's samples made up), the weights equal the last group's of one process holding both groups."""
+    from helpers import parallel
+
+    def other(t):  # what rank 0 holds: another batch of the same sizes
+        return t.flip(0) * 0.5 + 0.1 if t.is_floating_point() else t
+
+    g = torch.Generator().manual_seed(1)
+    reward = torch.rand(1, 8, generator=g)
+    each = {"main": reward, "a": torch.rand(1, 8, generator=g), "b": torch.rand(1, 8, generator=g)}
+    A = torch.randn(1, 8, generator=g)
+    both = {"reward": torch.stack([other(reward.flatten()), reward.flatten()]),
+            "a": torch.stack([other(each["a"].flatten()), each["a"].flatten()]),
+            "b": torch.stack([other(each["b"].flatten()), each["b"].flatten()]),
+            "A": torch.stack([other(A.flatten()), A.flatten()])}
+    one = variants.uncertain_kl_weights(both["reward"], {"a": both["a"], "b": both["b"]}, torch.ones(2, dtype=torch.bool),
+                                        both["A"], ["a", "b"], variants.RiskCompensator(base=0.2))
+    monkeypatch.setattr(variants, "gather_rows", lambda t: torch.cat([other(t), t]))
+    monkeypatch.setattr(parallel, "distributed", lambda: True)
+    monkeypatch.setattr(torch.distributed, "get_rank", lambda: 1)
+    mine = variants.uncertain_kl_weights(reward, each, torch.ones(1, dtype=torch.bool), A, ["a", "b"],
+                                         variants.RiskCompensator(base=0.2))
+    assert one.sum() > 0 and torch.equal(mine[0], one[1])
