@@ -2,7 +2,7 @@
 that differ) agree with the layout the world's reader sees in the decoded pictures?
 
   OMP_NUM_THREADS=2 python tools/code_distance.py                      # the pre-trained tiny model, 40 captions x 8
-  OMP_NUM_THREADS=2 python tools/code_distance.py --model runs/bench_learning/default_seed0/final
+  OMP_NUM_THREADS=2 python tools/code_distance.py --model runs/bench_learning/default_seed0    # a run's final/
 
 For each pair of a caption's samples (the held-out captions that leave the place free, the evaluation's seeds) it
 takes the codes' distance (helpers/variants.py `code_distance`: the share of the 9 codes that differ) and the reader's
@@ -46,14 +46,18 @@ def reader_distance(scenes: list[list]) -> torch.Tensor:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="tiny")
+    parser.add_argument("--model", default="tiny", help="tiny, or a tools/bench_learning.py run's folder")
     parser.add_argument("--captions", type=int, default=40, help="the first N free-place held-out captions")
     parser.add_argument("--samples", type=int, default=8)
     parser.add_argument("--results", type=Path, default=ROOT / "docs" / "records" / "code_distance.jsonl")
     args = parser.parse_args()
     torch.manual_seed(0)
     cfg = grpo.parse_config(["--model", "tiny"])
-    pipe = grpo.load_glm_image(args.model, "cpu")
+    if args.model == "tiny":
+        pipe = grpo.load_glm_image("tiny", "cpu")
+    else:  # a run's folder: the tiny pipeline with the AR of its final/
+        from tools.bench_learning import trained_pipe
+        pipe = trained_pipe(Path(args.model))
     free = [c for c in world.caption_split()[1] if world.parse_caption(c)["kind"] != "position"][:args.captions]
     codes, read, nearest_codes, nearest_read = [], [], [], []
     for i, caption in enumerate(free):
