@@ -584,6 +584,8 @@ def prepare(cfg, argv: list[str] | None, table: dict, lesson, train: str = "ar")
         rewards = parse_rewards(cfg.reward, table)
         examples = load_examples(read_prompts(cfg.prompts), rewards, cfg.height, cfg.width)
         check_rewards(rewards, examples[0], cfg.height, cfg.width)
+        if getattr(cfg, "gardo_diversity", "none") == "dino":  # its DINOv2 loads now, not at step 1
+            variants.feature_similarity(torch.full((2, 3, cfg.height, cfg.width), 0.5), variants.dino_checkpoint(cfg.reward))
         if cfg.train == "dit" and any(e["source"] is not None for e in examples):
             raise ValueError(f"--train dit is text-to-image only for now, and {cfg.prompts} has source images; train "
                              "the AR on edits (--train ar)")

@@ -763,3 +763,15 @@ def test_uncertain_kl_weights_two_processes(monkeypatch):
     mine = variants.uncertain_kl_weights(reward, each, torch.ones(1, dtype=torch.bool), A, ["a", "b"],
                                          variants.RiskCompensator(base=0.2))
     assert one.sum() > 0 and torch.equal(mine[0], one[1])
+
+
+def test_gardo_dino_checked_first(tmp_path, monkeypatch, capsys):
+    """--gardo-diversity dino loads its DINOv2 before the run starts: a checkpoint that is not there stops it in one
+    line, with nothing written."""
+    from tests.conftest import expect_exit
+    monkeypatch.setattr(variants, "dino_checkpoint", lambda spec: str(tmp_path / "no-dino"))
+    prompts = write_example(tmp_path, ["a red circle"])
+    expect_exit([*TINY, "--prompts", str(prompts), "--out", str(tmp_path / "run"), "--reward", "shapes",
+                 "--gardo-diversity", "dino"], 2,
+                "no-dino", capsys)
+    assert not (tmp_path / "run").exists()
