@@ -39,6 +39,7 @@ sys.path.insert(0, str(ROOT))  # grpo.py and the files it imports live in the re
 
 import grpo  # noqa: E402
 from helpers import run  # noqa: E402
+from helpers import variants  # noqa: E402
 from helpers import world  # noqa: E402
 from helpers.rewards import shapes_reward  # noqa: E402
 from tools import rejection_sampling  # noqa: E402
@@ -163,7 +164,7 @@ def run_shapes(row: str, seed: int, steps: int, extra: list[str], runs: Path) ->
 
 def describe(r: dict) -> tuple:
     """A run's setting: the settings it recorded, else its flags over today's defaults (a later flag wins)."""
-    fields = {f.name for f in dataclasses.fields(grpo.Config)}
+    fields = {f.name for f in dataclasses.fields(grpo.parse_config(["--prompts", "x"]))}  # the variants' too
     if "settings" in r:  # a setting since removed (diversity_to) is named below, not looked up
         cfg = dataclasses.replace(grpo.parse_config(["--prompts", "x"]),
                                   **{k: v for k, v in r["settings"].items() if k in fields})
@@ -176,7 +177,13 @@ def describe(r: dict) -> tuple:
     best = r.get("settings", {}).get("diversity_to") == "best"  # issue 48's --diversity-to best, since removed
     parts += [f"diversity bonus {cfg.diversity:g}" + (" to each group's best (removed)" if best else "")
               ] if cfg.diversity else []
-    parts += ["the KL gated to A >= 0 (--kl-on above_mean)"] if cfg.kl_on != "all" else []
+    parts += ["the KL gated to A >= 0 (--kl-on above_mean)"] if cfg.kl_on == "above_mean" else []
+    aux = ", ".join(variants.auxiliary(cfg.reward))
+    parts += [f"GARDO's uncertainty-gated KL (beside {aux})"] if cfg.kl_on == "uncertain" else []
+    parts += [f"GARDO's diversity factor ({cfg.gardo_diversity})"] if cfg.gardo_diversity != "none" else []
+    parts += [f"reference reset every {cfg.reference_reset_every}"] if cfg.reference_reset_every else []
+    parts += [f"cluster bonus {cfg.cluster_bonus:g} (radius {cfg.cluster_radius:g})"] if cfg.cluster_bonus else []
+    parts += [r["note"]] if r.get("note") else []
     parts += [f"entropy bonus {cfg.entropy_bonus:g}"] if cfg.entropy_bonus else []
     parts += [f"unlikeliness {cfg.unlikeliness:g}" + (f" {r['variant']}" if r.get("variant") else "")
               ] if cfg.unlikeliness else []
