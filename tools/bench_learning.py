@@ -179,9 +179,12 @@ def describe(r: dict) -> tuple:
               ] if cfg.diversity else []
     parts += ["the KL gated to A >= 0 (--kl-on above_mean)"] if cfg.kl_on == "above_mean" else []
     aux = ", ".join(variants.auxiliary(cfg.reward))
-    parts += [f"GARDO's uncertainty-gated KL (beside {aux})"] if cfg.kl_on == "uncertain" else []
-    parts += [f"GARDO's diversity factor ({cfg.gardo_diversity})"] if cfg.gardo_diversity != "none" else []
-    parts += [f"reference reset every {cfg.reference_reset_every}"] if cfg.reference_reset_every else []
+    whole = cfg.kl_on == "uncertain" and cfg.gardo_diversity != "none" and cfg.reference_reset_every
+    parts += [f"GARDO whole (beside {aux}, {cfg.gardo_diversity}, reset every {cfg.reference_reset_every})"
+              ] if whole else []
+    parts += [f"GARDO's uncertainty-gated KL (beside {aux})"] if cfg.kl_on == "uncertain" and not whole else []
+    parts += [f"GARDO's diversity factor ({cfg.gardo_diversity})"] if cfg.gardo_diversity != "none" and not whole else []
+    parts += [f"reference reset every {cfg.reference_reset_every}"] if cfg.reference_reset_every and not whole else []
     parts += [f"cluster bonus {cfg.cluster_bonus:g} (radius {cfg.cluster_radius:g})"] if cfg.cluster_bonus else []
     parts += [r["note"]] if r.get("note") else []
     parts += [f"entropy bonus {cfg.entropy_bonus:g}"] if cfg.entropy_bonus else []
@@ -237,6 +240,8 @@ def frontier(results: list[dict], path: Path) -> None:
     import matplotlib.pyplot as plt
     groups = {}
     for r in results:
+        if r.get("note"):  # a run its setting's later runs replace (its note says why)
+            continue
         name = "rejection sampling" if r["row"] == "rs" else describe(r)[0].removeprefix("GRPO, ")
         groups.setdefault(name + ("" if r["steps"] == 400 else f", {r['steps']} steps"), []).append(r)
     fig, ax = plt.subplots(figsize=(13, 6.5))
