@@ -489,7 +489,8 @@ def nucleus_mass(q_logprobs: torch.Tensor, p_logprobs: torch.Tensor) -> torch.Te
 
 class Reference:
     """--reference-reset-every N: the KL's reference, reset to the policy after every N-th step (GARDO copies its
-    trained LoRA into a second adapter, "old", every reset_freq epochs). Passed to train_step as its `ref_model`:
+    trained LoRA into a second adapter, "old", when more than reset_freq epochs have passed since the last reset:
+    every 16th at its reset_freq 15). Passed to train_step as its `ref_model`:
     grpo.reference_logprobs reads it as it reads the frozen reference. `frozen`: grpo.reference_model's. With LoRA
     (`frozen` is the policy) the reference is the adapter switched off until the first reset, then the adapter's
     weights of the last reset, swapped in for the reading (a copy of the adapter, not of the model); with every

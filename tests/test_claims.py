@@ -6,6 +6,9 @@ test measures the difference the docs state.
 """
 
 import math
+import re
+from bisect import bisect_right
+from pathlib import Path
 
 import pytest
 import torch
@@ -208,3 +211,117 @@ def test_k3_gradient():
     kl_pi_ref = (torch.softmax(logits, 0) * (torch.log_softmax(logits, 0) - ref.log())).sum()
     (other,) = torch.autograd.grad(kl_pi_ref, logits)
     assert not torch.allclose(expected, other, atol=1e-3)  # not KL(pi || ref)'s
+
+
+# ---- docs/claims.md's quotes, against the files they cite (text only) ----------------------------------------------
+
+CLAIMS = Path(__file__).resolve().parent.parent / "docs" / "claims.md"
+PLACE = re.compile(r"([\w./-]+\.(?:md|py|yaml))((?::\d+(?:-\d+)?(?:, \d+(?:-\d+)?)*)?)")  # path[:LINE[-END][, LINE]]
+
+
+def normalised(text: str, python: bool = False) -> tuple[str, list[int], list[int]]:
+    """`text` as claims.md's quotes are compared with it: markdown's `**`, backticks and `#` dropped, `\\|` read as `|`,
+    each run of whitespace one space; `python`: adjacent string literals joined (`"a " "b"` reads `a b`), so that a
+    help string split over lines reads whole. Returns the text and, for the line lookup, the offsets at which its
+    stretches start and each stretch's line (a stretch never spans a line break)."""
+    out, starts, lines = [], [], []
+    size, line, pos, space = 0, 1, 0, True
+    for m in re.finditer(r'\*\*|`|#|\\\||\s+' + (r'|"\s*f?"' if python else ""), text):
+        piece = text[pos:m.start()] + ("|" if m.group() == "\\|" else "")
+        if piece:
+            starts.append(size)
+            lines.append(line)
+            out.append(piece)
+            size, space = size + len(piece), False
+        if m.group()[0].isspace() and not space:
+            out.append(" ")
+            size, space = size + 1, True
+        line, pos = line + m.group().count("\n"), m.end()
+    starts.append(size)
+    lines.append(line)
+    out.append(text[pos:])
+    return "".join(out), starts, lines
+
+
+def claimed_quotes(sentence: str) -> list[list[str]]:
+    """A row's "the sentence" cell -> its quotes, each as its verbatim fragments: the stretches between `...` of 8
+    characters or more, normalised. Quotes are separated by `"; "` (or `", "`, `" / "`); a row that gives an earlier
+    wording (`was: "..."; now: "..."`) is read from `now:` on."""
+    if "now:" in sentence:
+        sentence = sentence.split("now:", 1)[1]
+    if sentence.count('"') < 2:
+        return []
+    inner = sentence[sentence.index('"') + 1:sentence.rindex('"')]
+    return [[f for f in (normalised(part)[0].strip() for part in re.split(r"\.\.\.|…", quote)) if len(f) >= 8]
+            for quote in re.split(r'"\s*[;,/]\s*"', inner)]
+
+
+def occurrences(versions: list, fragments: list[str]) -> list[tuple[int, int, int]]:
+    """Each place where `fragments` occur in order, as (first line, last line, length), in the first of a file's
+    normalised `versions` that has one."""
+    found = []
+    for text, starts, lines in versions:
+        begin = text.find(fragments[0])
+        while begin >= 0:
+            end = begin + len(fragments[0])
+            for fragment in fragments[1:]:
+                at = text.find(fragment, end)
+                end = -1 if at < 0 else at + len(fragment)
+                if end < 0:
+                    break
+            if end >= 0:
+                found.append((lines[bisect_right(starts, begin) - 1], lines[bisect_right(starts, end - 1) - 1],
+                              end - begin))
+            begin = text.find(fragments[0], begin + 1)
+        if found:
+            return found
+    return found
+
+
+def test_claims_quotes_are_in_their_files():
+    """Every quoted sentence of docs/claims.md is where its row says: each fragment of the quote (between `...`) in
+    each file the row's `where` cites, in order, the first starting at the cited line or up to 2 lines after it.
+    Quotes and places pair up in order when a row has as many of each; one quote holds at each place; several quotes
+    of one place all hold in its file, the first at its line. A failure names the row and the line to write."""
+    root, files, wrong, checked = CLAIMS.parent.parent, {}, [], 0
+    for number, row in enumerate(CLAIMS.read_text().splitlines(), 1):
+        cells = [cell.strip() for cell in re.split(r"(?<!\\)\|", row)[1:-1]]
+        if not row.startswith("| ") or len(cells) < 4 or cells[0] == "where" or not cells[0].strip("-"):
+            continue
+        places = [(m.group(1), int(n.split("-")[0]) if n else None) for m in PLACE.finditer(cells[0])
+                  for n in (m.group(2)[1:].split(", ") if m.group(2) else [""])]
+        quotes = claimed_quotes(cells[1])
+        if not places or not quotes:
+            continue
+        if len(quotes) == len(places):
+            pairs = list(zip(quotes, places))
+        elif len(places) == 1:
+            pairs = [(quote, places[0] if i == 0 else (places[0][0], None)) for i, quote in enumerate(quotes)]
+        elif len(quotes) == 1:
+            pairs = [(quotes[0], place) for place in places]
+        else:
+            wrong.append(f"docs/claims.md:{number}: {len(quotes)} quotes for {len(places)} places (give one place, "
+                         f"one quote, or as many places as quotes)")
+            continue
+        for fragments, (path, line) in pairs:
+            if not fragments:
+                continue
+            if path not in files:
+                text = (root / path).read_text() if (root / path).is_file() else None
+                files[path] = text and [normalised(text)] + ([normalised(text, True)] if path.endswith(".py") else [])
+            if not files[path]:
+                wrong.append(f"docs/claims.md:{number}: {path} does not exist")
+                continue
+            checked += 1
+            found = occurrences(files[path], fragments)
+            if not found:
+                missing = [f for f in fragments if not any(f in text for text, _, _ in files[path])]
+                wrong.append(f"docs/claims.md:{number}: not in {path}: "
+                             + (repr(missing[0]) if missing else "the fragments, but not in this order"))
+            elif line is not None and not any(line <= start <= line + 2 for start, _, _ in found):
+                start, end, _ = min(found, key=lambda f: (f[2], abs(f[0] - line)))
+                wrong.append(f"docs/claims.md:{number}: {path}:{line} should be {path}:{start}"
+                             + (f" (the quote ends at line {end})" if end > start else ""))
+    assert checked > 100
+    assert not wrong, "stale quotes or lines in docs/claims.md:\n" + "\n".join(wrong)
+

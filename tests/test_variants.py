@@ -175,6 +175,22 @@ def trl_normalize_then_sum(rewards_per_func: torch.Tensor, reward_weights: torch
     return (rewards - torch.nanmean(rewards)) / (std_rewards + 1e-4)
 
 
+def trl_sum_then_normalize(rewards_per_func: torch.Tensor, reward_weights: torch.Tensor, num_generations: int):
+    """TRL's default, multi_objective_aggregation="sum_then_normalize" with scale_rewards="group", transcribed from the
+    same file (f2cd577, lines 2681-2708; docs/peer_readings.md 1a)."""
+    def nanstd(x, dim=None):  # as above
+        mean = torch.nanmean(x, dim=dim, keepdim=True)
+        count = torch.sum(~torch.isnan(x), dim=dim)
+        return torch.sqrt(torch.nanmean((x - mean) ** 2, dim=dim) * count / (count - 1))
+
+    rewards = (rewards_per_func * reward_weights.unsqueeze(0)).nansum(dim=1)
+    mean_grouped_rewards = torch.nanmean(rewards.view(-1, num_generations), dim=1)
+    std_rewards = nanstd(rewards.view(-1, num_generations), dim=1)
+    mean_grouped_rewards = mean_grouped_rewards.repeat_interleave(num_generations, dim=0)
+    std_rewards = std_rewards.repeat_interleave(num_generations, dim=0)
+    return (rewards - mean_grouped_rewards) / (std_rewards + 1e-4)
+
+
 def test_reward_aggregation():
     """--reward-aggregation normalize is TRL's normalize_then_sum (GDPO): each reward z-scored within its group, the
     weighted sum normalised over the whole batch. On two groups of two rewards, one where both agree and one where
@@ -192,6 +208,8 @@ def test_reward_aggregation():
     assert ours.abs()[:, 1].tolist() == pytest.approx([1.0954, 0.5477], abs=1e-4)
     plain = grpo.group_advantages(a + b)  # the lesson's sum, z-scored per group: both groups alike
     assert torch.allclose(plain.abs(), torch.ones(2, 2))
+    trl_default = trl_sum_then_normalize(torch.stack([a.flatten(), b.flatten()], dim=1), torch.tensor([1.0, 1.0]), 2)
+    assert trl_default.abs().tolist() == pytest.approx([0.7071] * 4, abs=1e-4)  # docs/rewards.md: 0.707 in TRL's default
 
     g = torch.Generator().manual_seed(0)
     ocr, aesthetic = torch.rand(3, 4, generator=g), 1 + 9 * torch.rand(3, 4, generator=g)
