@@ -223,7 +223,7 @@ def dino_checkpoint(spec: str) -> str:
 def cluster_sizes(grids: list[torch.Tensor], radius: float) -> torch.Tensor:
     """Each group's (G, n) large grids -> (P, G) c: the samples of each one's cluster, two samples linked when their
     grids differ in at most `radius` of their codes, a cluster everything linked through a chain of links (single
-    linkage: DiverseGRPO's clusters of similar samples; radius 0 gives `repeats`)."""
+    linkage, this repository's choice, for DiverseGRPO's clusters of similar samples; radius 0 gives `repeats`)."""
     out = []
     for grid in grids:
         linked = code_distance(grid) <= radius + 1e-6  # (G, G), the diagonal included; 1e-6: k / n rounding
@@ -490,7 +490,7 @@ def nucleus_mass(q_logprobs: torch.Tensor, p_logprobs: torch.Tensor) -> torch.Te
 class Reference:
     """--reference-reset-every N: the KL's reference, reset to the policy after every N-th step (GARDO copies its
     trained LoRA into a second adapter, "old", when more than reset_freq epochs have passed since the last reset:
-    every 16th at its reset_freq 15). Passed to train_step as its `ref_model`:
+    every 16th at its reset_freq 15, unless its KL trigger fires first). Passed to train_step as its `ref_model`:
     grpo.reference_logprobs reads it as it reads the frozen reference. `frozen`: grpo.reference_model's. With LoRA
     (`frozen` is the policy) the reference is the adapter switched off until the first reset, then the adapter's
     weights of the last reset, swapped in for the reading (a copy of the adapter, not of the model); with every

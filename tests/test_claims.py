@@ -280,7 +280,7 @@ def occurrences(versions: list, fragments: list[str]) -> list[tuple[int, int, in
 
 def test_claims_quotes_are_in_their_files():
     """Every quoted sentence of docs/claims.md is where its row says: each fragment of the quote (between `...`) in
-    each file the row's `where` cites, in order, the first starting at the cited line or up to 2 lines after it.
+    each file the row's `where` cites, in order, the first starting at the cited line.
     Quotes and places pair up in order when a row has as many of each; one quote holds at each place; several quotes
     of one place all hold in its file, the first at its line. A failure names the row and the line to write."""
     root, files, wrong, checked = CLAIMS.parent.parent, {}, [], 0
@@ -305,6 +305,7 @@ def test_claims_quotes_are_in_their_files():
             continue
         for fragments, (path, line) in pairs:
             if not fragments:
+                wrong.append(f"docs/claims.md:{number}: a quote without 8 verbatim characters to look for")
                 continue
             if path not in files:
                 text = (root / path).read_text() if (root / path).is_file() else None
@@ -318,7 +319,7 @@ def test_claims_quotes_are_in_their_files():
                 missing = [f for f in fragments if not any(f in text for text, _, _ in files[path])]
                 wrong.append(f"docs/claims.md:{number}: not in {path}: "
                              + (repr(missing[0]) if missing else "the fragments, but not in this order"))
-            elif line is not None and not any(line <= start <= line + 2 for start, _, _ in found):
+            elif line is not None and not any(start == line for start, _, _ in found):
                 start, end, _ = min(found, key=lambda f: (f[2], abs(f[0] - line)))
                 wrong.append(f"docs/claims.md:{number}: {path}:{line} should be {path}:{start}"
                              + (f" (the quote ends at line {end})" if end > start else ""))

@@ -10,6 +10,7 @@ import dataclasses
 import json
 import math
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -209,7 +210,9 @@ def test_reward_aggregation():
     plain = grpo.group_advantages(a + b)  # the lesson's sum, z-scored per group: both groups alike
     assert torch.allclose(plain.abs(), torch.ones(2, 2))
     trl_default = trl_sum_then_normalize(torch.stack([a.flatten(), b.flatten()], dim=1), torch.tensor([1.0, 1.0]), 2)
-    assert trl_default.abs().tolist() == pytest.approx([0.7071] * 4, abs=1e-4)  # docs/rewards.md: 0.707 in TRL's default
+    # docs/rewards.md: 0.707 in TRL's default (at G = 2 any std over n - 1 gives |A| 1 / sqrt(2), but for the 1e-4)
+    want = [1 / (math.sqrt(2) + 1e-4)] * 2 + [0.5 / (math.sqrt(0.5) + 1e-4)] * 2
+    assert trl_default.abs().tolist() == pytest.approx(want, abs=1e-7)
 
     g = torch.Generator().manual_seed(0)
     ocr, aesthetic = torch.rand(3, 4, generator=g), 1 + 9 * torch.rand(3, 4, generator=g)
@@ -736,6 +739,22 @@ def test_main_gardo_resume(tmp_path):
     assert whole[0]["kl_share"] == 0.1 and whole[4]["kl_share"] != 0.1  # a fresh controller would start at 0.1
     # step 1's samples all score 0: nothing moves before step 2; resets after steps 2 and 4
     assert [r["kl"] > 0 for r in whole] == [False, False, False, True, False]
+
+
+def test_reset_schedule_as_gardo():
+    """--reference-reset-every 16 resets when GARDO's code does at its reset_freq = 15 (scripts/train_sd3_grpo_gardo.py
+    L789, docs/peer_readings.md 5; its KL trigger never firing): after 16, 32, 48, 64 rounds of sampling and updates.
+    GARDO checks at the start of epoch e (0-based: e rounds done), this code after step s (1-based: s rounds done)."""
+    gardo, prev_epoch, reset = [], 0, False
+    for epoch in range(65):
+        if (epoch != 0 and reset) or (epoch - prev_epoch) > 15:  # GARDO's line
+            gardo.append(epoch)
+            prev_epoch = epoch
+    ours = []
+    for step in range(1, 65):
+        state = variants.State(reference=SimpleNamespace(reset=lambda: ours.append(step)))  # noqa: B023  this step's
+        variants.after_step(state, step, SimpleNamespace(reference_reset_every=16))
+    assert ours == gardo == [16, 32, 48, 64]
 
 
 def test_gardo_diversity_dino(dino_folder):
