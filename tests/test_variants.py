@@ -156,16 +156,18 @@ def test_gardo_diversity():
     assert torch.allclose(on_z, z * factor) and torch.equal(factor[z < 0], torch.ones_like(factor[z < 0]))
 
 
+def nanstd(x, dim=None, keepdim=False):
+    """TRL's nanstd (trl/trainer/utils.py): Bessel-corrected, NaNs left out."""
+    mean = torch.nanmean(x, dim=dim, keepdim=True)
+    count = torch.sum(~torch.isnan(x), dim=dim, keepdim=keepdim)
+    variance = torch.nanmean((x - mean) ** 2, dim=dim, keepdim=keepdim) * count / (count - 1)
+    return torch.sqrt(variance)
+
+
 def trl_normalize_then_sum(rewards_per_func: torch.Tensor, reward_weights: torch.Tensor, num_generations: int):
     """TRL's advantages under multi_objective_aggregation="normalize_then_sum", transcribed from
     trl/trainer/grpo_trainer.py (huggingface/trl f2cd577, lines 2710-2719; nanstd from trl/trainer/utils.py: the std
     over n - 1): rewards_per_func (B, K), one column per reward function, B = groups x G in group order."""
-    def nanstd(x, dim=None, keepdim=False):  # TRL's: Bessel-corrected, NaNs left out
-        mean = torch.nanmean(x, dim=dim, keepdim=True)
-        count = torch.sum(~torch.isnan(x), dim=dim, keepdim=keepdim)
-        variance = torch.nanmean((x - mean) ** 2, dim=dim, keepdim=keepdim) * count / (count - 1)
-        return torch.sqrt(variance)
-
     grouped = rewards_per_func.view(-1, num_generations, rewards_per_func.shape[1])
     mean_k = torch.nanmean(grouped, dim=1, keepdim=True)
     std_k = nanstd(grouped, dim=1, keepdim=True) if num_generations > 1 else torch.zeros_like(mean_k)
@@ -179,11 +181,6 @@ def trl_normalize_then_sum(rewards_per_func: torch.Tensor, reward_weights: torch
 def trl_sum_then_normalize(rewards_per_func: torch.Tensor, reward_weights: torch.Tensor, num_generations: int):
     """TRL's default, multi_objective_aggregation="sum_then_normalize" with scale_rewards="group", transcribed from the
     same file (f2cd577, lines 2681-2708; docs/peer_readings.md 1a)."""
-    def nanstd(x, dim=None):  # as above
-        mean = torch.nanmean(x, dim=dim, keepdim=True)
-        count = torch.sum(~torch.isnan(x), dim=dim)
-        return torch.sqrt(torch.nanmean((x - mean) ** 2, dim=dim) * count / (count - 1))
-
     rewards = (rewards_per_func * reward_weights.unsqueeze(0)).nansum(dim=1)
     mean_grouped_rewards = torch.nanmean(rewards.view(-1, num_generations), dim=1)
     std_rewards = nanstd(rewards.view(-1, num_generations), dim=1)
