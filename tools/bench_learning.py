@@ -26,6 +26,8 @@ import argparse
 import dataclasses
 import json
 import math
+import re
+import shutil
 import sys
 import tempfile
 import time
@@ -133,12 +135,19 @@ def run_shapes(row: str, seed: int, steps: int, extra: list[str], runs: Path) ->
     """One training run of `row` with `seed` (kept in runs/<row>-seed<seed>: metrics, curves, final weights, the
     before/after grid); its held-out numbers before and after, read from its eval lines."""
     train = rejection_sampling.main if row == "rs" else grpo.main
-    out = runs / "_".join([row, *(x.lstrip("-") for x in extra), f"seed{seed}", *([f"{steps}steps"] * (steps != 400))])
+    name = "_".join([row, *(x.lstrip("-") for x in extra), f"seed{seed}"])
+    out = runs / "_".join([name, *([f"{steps}steps"] * (steps != 400))])
     argv = ["--prompts", str(ROOT / "examples" / "shapes.txt"), "--reward", "shapes=1", "--steps", str(steps),
             "--seed", str(seed), "--out", str(out), "--overwrite", "--image-every", "0", "--save-every", "0",
             *HELD_OUT, *ROWS[row][1], *extra]
+    shorter = shorter_run(runs, name, steps) if train is grpo.main else None
+    if shorter:  # the same run, done to fewer steps: continue it (a constant rate: --resume goes on as one run would)
+        earlier, done = shorter
+        print(f"{out.name}: continues {earlier.name} from its step {done} (a copy)", flush=True)
+        shutil.rmtree(out, ignore_errors=True)
+        shutil.copytree(earlier, out)
     start = time.perf_counter()
-    train(argv)
+    train(["--resume", str(out), "--steps", str(steps)] if shorter else argv)
     seconds = time.perf_counter() - start
     lines = run.read_metrics(out)
     cfg = grpo.parse_config(argv)
@@ -152,14 +161,28 @@ def run_shapes(row: str, seed: int, steps: int, extra: list[str], runs: Path) ->
         return {"right": x["eval/shapes_exact"], "layouts": x["eval/distinct_layouts"], "one": x["eval/one_layout"],
                 **{k[len("eval/shapes_exact/"):]: v for k, v in x.items() if k.startswith("eval/shapes_exact/")}}
     return {"row": row, "seed": seed, "steps": steps, "flags": ROWS[row][1] + extra, "settings": settings,
+            **({"continued_from": shorter[1]} if shorter else {}),  # its minutes: the steps after that one only
             "before": held_out(evals[0]),
-            "after": held_out(evals[-1]), "minutes": (seconds - sum(x["sec_eval"] for x in evals)) / 60,
+            "after": held_out(evals[-1]),
+            "minutes": (seconds - sum(x["sec_eval"] for x in evals if x["step"] > (shorter[1] if shorter else -1))) / 60,
             "no_gradient": float(np.mean([x.get("no_gradient_frac", 0.0) for x in training])),
             "kl": float(np.mean([x["kl"] for x in training[-50:]])),
             "clip_frac_max": max(x["clip_frac"] for x in training), "threads": torch.get_num_threads(),
             "curves": {k: [round(float(np.mean([x.get(k, np.nan) for x in training[i:i + 50]])), 4)
                            for i in range(0, len(training), 50)]
                        for k in ("entropy", "kl", "zero_std_groups", "reward_mean", "distinct_in_group")}}  # 50-step means
+
+
+def shorter_run(runs: Path, name: str, steps: int) -> tuple[Path, int] | None:
+    """The longest run of `name` (the same row, flags and seed) in `runs` that saved a checkpoint at its end and did
+    fewer than `steps` steps, as (its folder, its steps); None if there is none."""
+    found = []
+    for folder in runs.glob(name + "*"):
+        match = re.fullmatch(re.escape(name) + r"(?:_(\d+)steps)?", folder.name)  # a 400-step run has no suffix
+        done = int(match.group(1) or 400) if match else 0
+        if 0 < done < steps and (folder / "checkpoints" / f"step-{done}").is_dir():
+            found.append((done, folder))
+    return (max(found)[1], max(found)[0]) if found else None
 
 
 def describe(r: dict) -> tuple:
@@ -344,7 +367,8 @@ def run_edit(seed: int, steps: int, extra: list[str], runs: Path) -> dict:
         return {"right": x["eval/edit_exact"], "reward": x["eval/edit"],
                 **{k[len("eval/edit_exact/"):]: v for k, v in x.items() if k.startswith("eval/edit_exact/")}}
     return {"demo": "edit", "seed": seed, "steps": steps, "flags": extra, "before": held_out(evals[0]),
-            "after": held_out(evals[-1]), "minutes": (seconds - sum(x["sec_eval"] for x in evals)) / 60,
+            "after": held_out(evals[-1]),
+            "minutes": (seconds - sum(x["sec_eval"] for x in evals if x["step"] > (shorter[1] if shorter else -1))) / 60,
             "kl": float(np.mean([x["kl"] for x in training[-50:]])),
             "clip_frac_max": max(x["clip_frac"] for x in training), "threads": torch.get_num_threads(),
             "curves": {k: [round(float(np.mean([x.get(k, np.nan) for x in training[i:i + 50]])), 4)
