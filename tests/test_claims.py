@@ -213,6 +213,26 @@ def test_k3_gradient():
     assert not torch.allclose(expected, other, atol=1e-3)  # not KL(pi || ref)'s
 
 
+def verl_k3_kl(old_log_prob, rollout_log_prob, response_mask):
+    """verl's `rollout_corr/k3_kl`, transcribed from verl/trainer/ppo/rollout_corr_helper.py (volcengine/verl 0b4e2a8,
+    compute_offpolicy_metrics, 2b; verl_F.masked_mean is the masked sum over the mask's sum): old_log_prob the
+    trainer's, rollout_log_prob the sampler's."""
+    log_ratio = old_log_prob - rollout_log_prob
+    k3_kl_matrix = torch.exp(log_ratio) - log_ratio - 1
+    return ((k3_kl_matrix * response_mask).sum() / response_mask.sum()).item()
+
+
+def test_verl_k3_kl():
+    """helpers/diagnostics.mismatch's `sampling/k3_kl` is verl's `rollout_corr/k3_kl` (docs/real_model.md,
+    docs/healthy_training.md): the k3 of KL(sampler || trainer) over the tokens, the trainer's log-prob minus the
+    sampler's in the exponent, not the reverse."""
+    from helpers import diagnostics
+    old, sampled, _ = random_logprobs(4, 6, seed=3)
+    ours = diagnostics.mismatch(old, sampled, "token_truncate", 2.0, grpo)["sampling/k3_kl"]
+    assert ours == pytest.approx(verl_k3_kl(old, sampled, torch.ones_like(old)), rel=1e-6)
+    assert ours != pytest.approx(verl_k3_kl(sampled, old, torch.ones_like(old)), rel=1e-3)  # the direction matters
+
+
 # ---- docs/claims.md's quotes, against the files they cite (text only) ----------------------------------------------
 
 CLAIMS = Path(__file__).resolve().parent.parent / "docs" / "claims.md"

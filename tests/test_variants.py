@@ -210,6 +210,9 @@ def test_reward_aggregation():
     # docs/rewards.md: 0.707 in TRL's default (at G = 2 any std over n - 1 gives |A| 1 / sqrt(2), but for the 1e-4)
     want = [1 / (math.sqrt(2) + 1e-4)] * 2 + [0.5 / (math.sqrt(0.5) + 1e-4)] * 2
     assert trl_default.abs().tolist() == pytest.approx(want, abs=1e-7)
+    one = torch.tensor([[0.7]])  # one value in the whole batch: as TRL, no std of it, a zero advantage (not NaN)
+    trl_one = trl_normalize_then_sum(one.flatten()[:, None], torch.tensor([1.0]), 1).view(1, 1)
+    assert variants.normalize_then_sum({"a": one}, {"a": 1.0}).tolist() == trl_one.tolist() == [[0.0]]
 
     g = torch.Generator().manual_seed(0)
     ocr, aesthetic = torch.rand(3, 4, generator=g), 1 + 9 * torch.rand(3, 4, generator=g)
