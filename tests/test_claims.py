@@ -300,7 +300,8 @@ def occurrences(versions: list, fragments: list[str]) -> list[tuple[int, int, in
 
 def test_claims_quotes_are_in_their_files():
     """Every quoted sentence of docs/claims.md is where its row says: each fragment of the quote (between `...`) in
-    each file the row's `where` cites, in order, the first starting at the cited line.
+    each file the row's `where` cites, in order, the first starting at the cited line and the last ending at or before
+    the line a `LINE-END` ends at.
     Quotes and places pair up in order when a row has as many of each; one quote holds at each place; several quotes
     of one place all hold in its file, the first at its line. A failure names the row and the line to write."""
     root, files, wrong, checked = CLAIMS.parent.parent, {}, [], 0
@@ -308,22 +309,22 @@ def test_claims_quotes_are_in_their_files():
         cells = [cell.strip() for cell in re.split(r"(?<!\\)\|", row)[1:-1]]
         if not row.startswith("| ") or len(cells) < 4 or cells[0] == "where" or not cells[0].strip("-"):
             continue
-        places = [(m.group(1), int(n.split("-")[0]) if n else None) for m in PLACE.finditer(cells[0])
-                  for n in (m.group(2)[1:].split(", ") if m.group(2) else [""])]
+        places = [(m.group(1), *((int(n.split("-")[0]), int(n.split("-")[1]) if "-" in n else None) if n else (None, None)))
+                  for m in PLACE.finditer(cells[0]) for n in (m.group(2)[1:].split(", ") if m.group(2) else [""])]
         quotes = claimed_quotes(cells[1])
         if not places or not quotes:
             continue
         if len(quotes) == len(places):
             pairs = list(zip(quotes, places))
         elif len(places) == 1:
-            pairs = [(quote, places[0] if i == 0 else (places[0][0], None)) for i, quote in enumerate(quotes)]
+            pairs = [(quote, places[0] if i == 0 else (places[0][0], None, None)) for i, quote in enumerate(quotes)]
         elif len(quotes) == 1:
             pairs = [(quotes[0], place) for place in places]
         else:
             wrong.append(f"docs/claims.md:{number}: {len(quotes)} quotes for {len(places)} places (give one place, "
                          f"one quote, or as many places as quotes)")
             continue
-        for fragments, (path, line) in pairs:
+        for fragments, (path, line, last) in pairs:
             if not fragments:
                 wrong.append(f"docs/claims.md:{number}: a quote without 8 verbatim characters to look for")
                 continue
@@ -343,6 +344,10 @@ def test_claims_quotes_are_in_their_files():
                 start, end, _ = min(found, key=lambda f: (f[2], abs(f[0] - line)))
                 wrong.append(f"docs/claims.md:{number}: {path}:{line} should be {path}:{start}"
                              + (f" (the quote ends at line {end})" if end > start else ""))
+            elif last is not None and not any(start == line and end <= last for start, end, _ in found):
+                end = min(end for start, end, _ in found if start == line)
+                wrong.append(f"docs/claims.md:{number}: {path}:{line}-{last} should be {path}:{line}-{end} (the quote "
+                             "ends there)")
     assert checked > 100
     assert not wrong, "stale quotes or lines in docs/claims.md:\n" + "\n".join(wrong)
 
