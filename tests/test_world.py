@@ -242,3 +242,17 @@ def test_tiny_model_draws_what_it_is_asked():
     assert result["accuracy"] >= 0.4, result
     report = json.loads((ROOT / "tiny_glm_image" / "training_report.json").read_text())
     assert report["held_out"]["accuracy"] > 0.3 and report["size_mb"] < 30
+
+
+def test_bench_learning_continues_its_shorter_runs(tmp_path):
+    """tools/bench_learning.py's --steps N continues the longest shorter run of the same row, flags and seed that saved
+    its end checkpoint (a 400-step run's folder has no suffix); another seed's, or one without that checkpoint, never."""
+    sys.path.insert(0, str(ROOT / "tools"))
+    from bench_learning import shorter_run
+    for name, step in [("clusters_seed2", 400), ("clusters_seed2_800steps", 800), ("clusters_seed2_3200steps", 3200),
+                       ("clusters_seed20_1200steps", 1200), ("clusters_seed2_1000steps", None)]:
+        (tmp_path / name / "checkpoints" / f"step-{step or 10}").mkdir(parents=True)
+    assert shorter_run(tmp_path, "clusters_seed2", 1600) == (tmp_path / "clusters_seed2_800steps", 800)
+    assert shorter_run(tmp_path, "clusters_seed2", 800) == (tmp_path / "clusters_seed2", 400)
+    assert shorter_run(tmp_path, "clusters_seed2", 400) is None
+    assert shorter_run(tmp_path, "default_seed2", 1600) is None
