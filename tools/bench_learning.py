@@ -367,8 +367,7 @@ def run_edit(seed: int, steps: int, extra: list[str], runs: Path) -> dict:
         return {"right": x["eval/edit_exact"], "reward": x["eval/edit"],
                 **{k[len("eval/edit_exact/"):]: v for k, v in x.items() if k.startswith("eval/edit_exact/")}}
     return {"demo": "edit", "seed": seed, "steps": steps, "flags": extra, "before": held_out(evals[0]),
-            "after": held_out(evals[-1]),
-            "minutes": (seconds - sum(x["sec_eval"] for x in evals if x["step"] > (shorter[1] if shorter else -1))) / 60,
+            "after": held_out(evals[-1]), "minutes": (seconds - sum(x["sec_eval"] for x in evals)) / 60,
             "kl": float(np.mean([x["kl"] for x in training[-50:]])),
             "clip_frac_max": max(x["clip_frac"] for x in training), "threads": torch.get_num_threads(),
             "curves": {k: [round(float(np.mean([x.get(k, np.nan) for x in training[i:i + 50]])), 4)
