@@ -4,7 +4,6 @@
 import dataclasses
 import math
 import re
-from pathlib import Path
 
 import pytest
 import torch

@@ -3,7 +3,6 @@
 bookkeeping at the real model's sizes (N = 1280 tokens, K = 16384 codes). About 2 minutes on 2 cores."""
 
 import copy
-import math
 
 import pytest
 import torch

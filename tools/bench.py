@@ -361,7 +361,7 @@ def copy_bandwidth(device) -> float:
 
 
 def sampler_gpu(emit_row):
-    from helpers.offline_model import PUBLISHED, TINY, glm_image
+    from helpers.offline_model import PUBLISHED, glm_image
     emit_row("GPU", f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
     start = time.perf_counter()
     torch.set_default_dtype(torch.bfloat16)
@@ -384,7 +384,7 @@ def sampler_gpu(emit_row):
             if ms:
                 emit_row(f"full depth, G = {group}: a group's sampling / the floor", f"{ms * 1280 / 1e3:.1f} s / "
                          f"{ms / floor:.2f}x the floor")
-    del pipe
+    pipe = None  # the full-depth model's memory back before the tiny one (the lambdas above close over the name)
     torch.cuda.empty_cache()
     tiny = grpo.load_glm_image("tiny", "cuda", torch.float32)
     attempt(lambda: sampler_compare(tiny, "tiny model on the GPU, float32, 96x96", "cuda", 8, H, W, repeats=3,
