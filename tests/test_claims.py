@@ -215,11 +215,11 @@ def test_k3_gradient():
 
 def verl_k3_kl(old_log_prob, rollout_log_prob, response_mask):
     """verl's `rollout_corr/k3_kl`, transcribed from verl/trainer/ppo/rollout_corr_helper.py (volcengine/verl 0b4e2a8,
-    compute_offpolicy_metrics, 2b; verl_F.masked_mean is the masked sum over the mask's sum): old_log_prob the
-    trainer's, rollout_log_prob the sampler's."""
+    compute_offpolicy_metrics, 2b; verl_F.masked_mean(x, mask) of verl/utils/torch_functional.py is
+    (x * mask).sum() / (mask.sum() + 1e-8)): old_log_prob the trainer's, rollout_log_prob the sampler's."""
     log_ratio = old_log_prob - rollout_log_prob
     k3_kl_matrix = torch.exp(log_ratio) - log_ratio - 1
-    return ((k3_kl_matrix * response_mask).sum() / response_mask.sum()).item()
+    return ((k3_kl_matrix * response_mask).sum() / (response_mask.sum() + 1e-8)).item()
 
 
 def test_verl_k3_kl():
@@ -300,8 +300,8 @@ def occurrences(versions: list, fragments: list[str]) -> list[tuple[int, int, in
 
 def test_claims_quotes_are_in_their_files():
     """Every quoted sentence of docs/claims.md is where its row says: each fragment of the quote (between `...`) in
-    each file the row's `where` cites, in order, the first starting at the cited line and the last ending at or before
-    the line a `LINE-END` ends at.
+    each file the row's `where` cites, in order, the first starting at the cited line; a `LINE-END` place's quotes
+    all within its lines, the last ending at END.
     Quotes and places pair up in order when a row has as many of each; one quote holds at each place; several quotes
     of one place all hold in its file, the first at its line. A failure names the row and the line to write."""
     root, files, wrong, checked = CLAIMS.parent.parent, {}, [], 0
@@ -314,17 +314,17 @@ def test_claims_quotes_are_in_their_files():
         quotes = claimed_quotes(cells[1])
         if not places or not quotes:
             continue
-        if len(quotes) == len(places):
-            pairs = list(zip(quotes, places))
-        elif len(places) == 1:
-            pairs = [(quote, places[0] if i == 0 else (places[0][0], None, None)) for i, quote in enumerate(quotes)]
-        elif len(quotes) == 1:
-            pairs = [(quotes[0], place) for place in places]
+        if len(quotes) == len(places) or len(quotes) == 1:  # (quote, path, its first line, the place's span)
+            pairs = [(quote, path, line, line, last) for quote, (path, line, last) in
+                     (zip(quotes, places) if len(quotes) == len(places) else ((quotes[0], p) for p in places))]
+        elif len(places) == 1:  # several quotes of one place: the first at its line, all within its span
+            path, line, last = places[0]
+            pairs = [(quote, path, line if i == 0 else None, line, last) for i, quote in enumerate(quotes)]
         else:
             wrong.append(f"docs/claims.md:{number}: {len(quotes)} quotes for {len(places)} places (give one place, "
                          f"one quote, or as many places as quotes)")
             continue
-        for fragments, (path, line, last) in pairs:
+        for i, (fragments, path, line, low, last) in enumerate(pairs):
             if not fragments:
                 wrong.append(f"docs/claims.md:{number}: a quote without 8 verbatim characters to look for")
                 continue
@@ -336,6 +336,7 @@ def test_claims_quotes_are_in_their_files():
                 continue
             checked += 1
             found = occurrences(files[path], fragments)
+            final = i == len(pairs) - 1 or pairs[i + 1][1:] != (path, None, low, last)  # the place's last quote
             if not found:
                 missing = [f for f in fragments if not any(f in text for text, _, _ in files[path])]
                 wrong.append(f"docs/claims.md:{number}: not in {path}: "
@@ -344,10 +345,13 @@ def test_claims_quotes_are_in_their_files():
                 start, end, _ = min(found, key=lambda f: (f[2], abs(f[0] - line)))
                 wrong.append(f"docs/claims.md:{number}: {path}:{line} should be {path}:{start}"
                              + (f" (the quote ends at line {end})" if end > start else ""))
-            elif last is not None and not any(start == line and end <= last for start, end, _ in found):
-                end = min(end for start, end, _ in found if start == line)
-                wrong.append(f"docs/claims.md:{number}: {path}:{line}-{last} should be {path}:{line}-{end} (the quote "
-                             "ends there)")
+            elif last is not None and not any((start == line if line else start >= low) and end <= last
+                                              and (end == last or not final) for start, end, _ in found):
+                end = min((end for start, end, _ in found if (start == line if line else start >= low)),
+                          default=None)
+                wrong.append(f"docs/claims.md:{number}: {path}:{low}-{last} should be {path}:{low}-{end} (where its "
+                             f"{'last ' if line is None else ''}quote ends)" if end else
+                             f"docs/claims.md:{number}: a quote of {path}:{low}-{last} is not within those lines")
     assert checked > 100
     assert not wrong, "stale quotes or lines in docs/claims.md:\n" + "\n".join(wrong)
 

@@ -3,6 +3,7 @@
     python -m pytest -q tests/test_world.py
 """
 
+import dataclasses
 import json
 import random
 import subprocess
@@ -248,11 +249,18 @@ def test_bench_learning_continues_its_shorter_runs(tmp_path):
     """tools/bench_learning.py's --steps N continues the longest shorter run of the same row, flags and seed that saved
     its end checkpoint (a 400-step run's folder has no suffix); another seed's, or one without that checkpoint, never."""
     sys.path.insert(0, str(ROOT / "tools"))
-    from bench_learning import shorter_run
+    from bench_learning import same_settings, shorter_run
     for name, step in [("clusters_seed2", 400), ("clusters_seed2_800steps", 800), ("clusters_seed2_3200steps", 3200),
-                       ("clusters_seed20_1200steps", 1200), ("clusters_seed2_1000steps", None)]:
+                       ("clusters_seed20", 400), ("clusters_seed20_1200steps", 1200), ("clusters_seed2_1000steps", None)]:
         (tmp_path / name / "checkpoints" / f"step-{step or 10}").mkdir(parents=True)
     assert shorter_run(tmp_path, "clusters_seed2", 1600) == (tmp_path / "clusters_seed2_800steps", 800)
     assert shorter_run(tmp_path, "clusters_seed2", 800) == (tmp_path / "clusters_seed2", 400)
     assert shorter_run(tmp_path, "clusters_seed2", 400) is None
     assert shorter_run(tmp_path, "default_seed2", 1600) is None
+    argv = ["--prompts", str(ROOT / "examples" / "shapes.txt"), "--reward", "shapes=1", "--seed", "2"]
+    saved = tmp_path / "clusters_seed2"
+    for flags, same in [([], True), (["--lr", "2e-4"], False), (["--lr-scheduler", "linear"], False)]:
+        cfg = grpo.parse_config([*argv, "--steps", "400", "--out", str(saved), *flags])
+        (saved / "config.json").write_text(json.dumps(dataclasses.asdict(cfg)))  # as the run saved it
+        assert same_settings(saved, [*argv, "--steps", "1600", "--out", str(tmp_path / "x"), "--overwrite",
+                                     *(flags if "--lr-scheduler" in flags else [])]) == same, flags

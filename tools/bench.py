@@ -384,7 +384,7 @@ def sampler_gpu(emit_row):
             if ms:
                 emit_row(f"full depth, G = {group}: a group's sampling / the floor", f"{ms * 1280 / 1e3:.1f} s / "
                          f"{ms / floor:.2f}x the floor")
-    pipe = None  # the full-depth model's memory back before the tiny one (the lambdas above close over the name)
+    pipe = lm = None  # the full-depth model's memory back before the tiny one (the lambdas above close over pipe)
     torch.cuda.empty_cache()
     tiny = grpo.load_glm_image("tiny", "cuda", torch.float32)
     attempt(lambda: sampler_compare(tiny, "tiny model on the GPU, float32, 96x96", "cuda", 8, H, W, repeats=3,

@@ -16,7 +16,9 @@ reward scores 1; "distinct layouts" the mean number of different large grids (a 
 caption's 8 samples over the 139 captions that leave the place free; "one layout" the share of those drawn the same
 way 8 times. Also the training minutes (evaluation excluded) and the share of the loss's tokens whose trained
 distribution is one code (no gradient: --policy-dist truncated with top-p). The rejection-sampling row is
-tools/rejection_sampling.py (fine-tuning on each group's best sample) with the same samples.
+tools/rejection_sampling.py (fine-tuning on each group's best sample) with the same samples. A run longer than one
+already in the runs folder with the same row, flags, seed and settings continues it from its end checkpoint (a copy;
+--resume trains on as one run of the new length would) and records which run it continued.
 
 Each run appends one line to --results (default docs/records/bench_learning.jsonl, beside the docs that quote it), so rows can be run one at a time and the
 table printed from all of them. Run it alone: two CPU-heavy processes on 2 cores slow each other down many times.
@@ -141,7 +143,11 @@ def run_shapes(row: str, seed: int, steps: int, extra: list[str], runs: Path) ->
             "--seed", str(seed), "--out", str(out), "--overwrite", "--image-every", "0", "--save-every", "0",
             *HELD_OUT, *ROWS[row][1], *extra]
     shorter = shorter_run(runs, name, steps) if train is grpo.main else None
-    if shorter:  # the same run, done to fewer steps: continue it (a constant rate: --resume goes on as one run would)
+    if shorter and not same_settings(shorter[0], argv):
+        print(f"{out.name}: {shorter[0].name} was trained with other settings (or a rate that spans its steps): "
+              "a fresh run", flush=True)
+        shorter = None
+    if shorter:  # the same run, done to fewer steps: continue it (--resume goes on as one run of this length would)
         earlier, done = shorter
         print(f"{out.name}: continues {earlier.name} from its step {done} (a copy)", flush=True)
         shutil.rmtree(out, ignore_errors=True)
@@ -161,7 +167,8 @@ def run_shapes(row: str, seed: int, steps: int, extra: list[str], runs: Path) ->
         return {"right": x["eval/shapes_exact"], "layouts": x["eval/distinct_layouts"], "one": x["eval/one_layout"],
                 **{k[len("eval/shapes_exact/"):]: v for k, v in x.items() if k.startswith("eval/shapes_exact/")}}
     return {"row": row, "seed": seed, "steps": steps, "flags": ROWS[row][1] + extra, "settings": settings,
-            **({"continued_from": shorter[1]} if shorter else {}),  # its minutes: the steps after that one only
+            **({"continued_from": {"run": shorter[0].name, "step": shorter[1]}} if shorter else {}),  # its minutes:
+            # the steps after that one only, so the table leaves them out
             "before": held_out(evals[0]),
             "after": held_out(evals[-1]),
             "minutes": (seconds - sum(x["sec_eval"] for x in evals if x["step"] > (shorter[1] if shorter else -1))) / 60,
@@ -183,6 +190,17 @@ def shorter_run(runs: Path, name: str, steps: int) -> tuple[Path, int] | None:
         if 0 < done < steps and (folder / "checkpoints" / f"step-{done}").is_dir():
             found.append((done, folder))
     return (max(found)[1], max(found)[0]) if found else None
+
+
+def same_settings(folder: Path, argv: list[str]) -> bool:
+    """Whether the run in `folder` trained with `argv`'s settings, its length and place aside, at a constant rate: a
+    --resume to more steps then trains as one run of that length would (weights, optimizer, generators, variants'
+    state and the prompts' order are in its checkpoint)."""
+    saved = json.loads((folder / "config.json").read_text())
+    wanted = json.loads(json.dumps(dataclasses.asdict(grpo.parse_config(argv))))
+    free = ("steps", "out", "overwrite", "resume")
+    return saved.get("lr_scheduler") == "constant" and \
+        {k: v for k, v in saved.items() if k not in free} == {k: v for k, v in wanted.items() if k not in free}
 
 
 def describe(r: dict) -> tuple:
@@ -249,8 +267,9 @@ def table(results: list[dict]) -> str:
 
 
 def minutes(rs: list[dict]) -> str:
-    """The mean training minutes of runs, "-" where a record has none (transcribed)."""
-    known = [r["minutes"] for r in rs if r.get("minutes") is not None]
+    """The mean training minutes of runs, "-" where no record has them: transcribed ones, and continued ones (their
+    minutes count only the steps after the run they continued)."""
+    known = [r["minutes"] for r in rs if r.get("minutes") is not None and "continued_from" not in r]
     return f"{np.mean(known):.1f}" if known else "-"
 
 
