@@ -140,7 +140,7 @@ def run_shapes(row: str, seed: int, steps: int, extra: list[str], runs: Path) ->
     name = "_".join([row, *(x.lstrip("-") for x in extra), f"seed{seed}"])
     out = runs / "_".join([name, *([f"{steps}steps"] * (steps != 400))])
     argv = ["--prompts", str(ROOT / "examples" / "shapes.txt"), "--reward", "shapes=1", "--steps", str(steps),
-            "--seed", str(seed), "--out", str(out), "--overwrite", "--image-every", "0", "--save-every", "0",
+            "--seed", str(seed), "--out", str(out), "--overwrite", "--image-every", "0", "--save-every", "400",
             *HELD_OUT, *ROWS[row][1], *extra]
     shorter = shorter_run(runs, name, steps) if train is grpo.main else None
     if shorter and not same_settings(shorter[0], argv):
@@ -198,7 +198,7 @@ def same_settings(folder: Path, argv: list[str]) -> bool:
     state and the prompts' order are in its checkpoint)."""
     saved = json.loads((folder / "config.json").read_text())
     wanted = json.loads(json.dumps(dataclasses.asdict(grpo.parse_config(argv))))
-    free = ("steps", "out", "overwrite", "resume")
+    free = ("out", "resume", *run.RESUMABLE)  # what --resume may change: the length, bookkeeping
     return saved.get("lr_scheduler") == "constant" and \
         {k: v for k, v in saved.items() if k not in free} == {k: v for k, v in wanted.items() if k not in free}
 
