@@ -276,7 +276,8 @@ def minutes(rs: list[dict]) -> str:
 def frontier(results: list[dict], path: Path) -> None:
     """Held-out fully right against distinct layouts, one point per setting (its seeds' mean, their range as
     error bars; filled: 3 seeds, hollow: a one-seed screen), the pre-trained model and issue 48's goal marked: where
-    the accuracy / diversity trade-off lies. Runs of other lengths than 400 steps carry their steps in the label."""
+    the accuracy / diversity trade-off lies. Runs of other lengths than 400 steps carry their steps in the label and
+    beside their point."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -305,6 +306,9 @@ def frontier(results: list[dict], path: Path) -> None:
         x = np.array([r["after"]["layouts"] for r in rs])
         y = np.array([r["after"]["right"] for r in rs])
         label = f"{name} ({len(rs)} seed{'s' if len(rs) > 1 else ''})"
+        if rs[0]["steps"] != 400:  # a longer (or shorter) run: its steps beside the point too
+            ax.annotate(f"{rs[0]['steps']} steps", (x.mean(), y.mean()), xytext=(6, 5), textcoords="offset points",
+                        fontsize=7, color=colour)
         if len(rs) == 1:  # a screen: no range to show
             ax.plot(x, y, marker, ms=7, color=colour, mfc="none", mew=1.5, label=label)
             continue
@@ -317,7 +321,7 @@ def frontier(results: list[dict], path: Path) -> None:
     ax.set_ylim(0.45, 1.0)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=6.5, loc="upper left", bbox_to_anchor=(1.01, 1.0))
-    ax.set_title("GRPO on the tiny model, 400 steps of --reward shapes (other lengths: in the label)")
+    ax.set_title("GRPO on the tiny model, 400 steps of --reward shapes (other lengths: marked)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     print(f"frontier: {path}")
