@@ -189,7 +189,10 @@ def shorter_run(runs: Path, name: str, steps: int) -> tuple[Path, int] | None:
         done = int(match.group(1) or 400) if match else 0
         if 0 < done < steps and (folder / "checkpoints" / f"step-{done}").is_dir():
             found.append((done, folder))
-    return (max(found)[1], max(found)[0]) if found else None
+    if not found:
+        return None
+    done, folder = max(found)
+    return folder, done
 
 
 def same_settings(folder: Path, argv: list[str]) -> bool:
