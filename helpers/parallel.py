@@ -165,11 +165,14 @@ def merge_parts(parts: list[tuple[dict, float]]) -> dict:
 
 def merge_metrics(updates: list[list[tuple[dict, float]]]) -> dict:
     """grpo.train_step's mu updates, each a list of micro-batches' (metrics, share) -> one dict: the last update's
-    means, the extremes over all updates (counted once), and the sampler's own readings (sampler_gap,
-    outside_truncation) from the first update."""
+    means, the extremes over all updates (counted once), the sampler's own readings (sampler_gap,
+    outside_truncation) from the first update, and with mu > 1 kl_peak, the largest update's mean kl (GARDO's KL
+    trigger reads every update's: variants.after_step)."""
     first, every = merge_parts(updates[0]), merge_parts([part for update in updates for part in update])
+    kls = [m["kl"] for m in map(merge_parts, updates) if "kl" in m]
     return {**merge_parts(updates[-1]), **{k: v for k, v in every.items() if extreme(k)},
-            **{k: first[k] for k in ("sampler_gap", "outside_truncation") if k in first}}
+            **{k: first[k] for k in ("sampler_gap", "outside_truncation") if k in first},
+            **({"kl_peak": max(kls)} if len(updates) > 1 and kls else {})}
 
 
 def reduce_metrics(metrics: dict) -> dict:

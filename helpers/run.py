@@ -1054,7 +1054,7 @@ def after_step(r: Run, step: int, batch: list[dict], images: list[torch.Tensor],
     processes), an evaluation when due; an interrupt in any process stops all after this step."""
     cfg = r.cfg
     r.scheduler.step()  # the next step's learning rate (a checkpoint below saves it)
-    variants.after_step(r.variants, step, cfg)  # --reference-reset-every (a checkpoint below saves it)
+    variants.after_step(r.variants, step, cfg, r.history[-1])  # --reference-reset-every (a checkpoint below saves it)
     if r.rank == 0 and cfg.image_every and ((step - 1) % cfg.image_every == 0 or step == cfg.steps):
         path = r.out / "images" / f"step_{step:05d}.png"
         save_grid(path, batch, images, reward, [f"step {step}: {ex['prompt']}" for ex in batch],

@@ -61,6 +61,9 @@ class VariantSettings:  # grpo.py's flags for the options beside the lesson: all
                           ("all", "above_mean", "uncertain"))
     reference_reset_every: int = _setting(0, "GARDO's reset: every N steps the KL's reference becomes the policy "
                                              "as it is (0: never; the reference stays the initial weights)")
+    reference_reset_kl: float = _setting(0.0, "GARDO's KL trigger, with --reference-reset-every: a reset also after "
+                                              "a step one of whose updates had a mean KL above this, the count of N "
+                                              "starting again (0: off; GARDO's kl_thres)")
     entropy_bonus: float = _setting(0.0, "+ bonus x entropy on the tokens less certain than the step's "
                                          "mean (after EG-GRPO's idea; its code differs: docs/claims.md)")
     train_tokens: str = _setting("large", "tokens in the loss: the large grid, or all (the "
@@ -83,7 +86,8 @@ def given(cfg) -> list[str]:
 
 def validate(cfg) -> None:
     """Raise ValueError with a one-line fix for a variant setting that cannot run."""
-    for name in ("diversity", "unlikeliness", "entropy_bonus", "cluster_bonus", "reference_reset_every"):
+    for name in ("diversity", "unlikeliness", "entropy_bonus", "cluster_bonus", "reference_reset_every",
+                 "reference_reset_kl"):
         if not getattr(cfg, name) >= 0:
             flag = "--" + name.replace("_", "-")
             raise ValueError(f"{flag} {getattr(cfg, name)} is out of range; it must be >= 0")
@@ -95,6 +99,9 @@ def validate(cfg) -> None:
                      (f"--reference-reset-every {cfg.reference_reset_every}", cfg.reference_reset_every > 0)):
         if on and cfg.kl_beta == 0:
             raise ValueError(f"{flag} acts on the KL, which --kl-beta 0 turns off; give --kl-beta > 0 or drop it")
+    if cfg.reference_reset_kl > 0 and not cfg.reference_reset_every > 0:
+        raise ValueError(f"--reference-reset-kl {cfg.reference_reset_kl} triggers the reset that "
+                         "--reference-reset-every N schedules; give both (GARDO's: N 16)")
     if cfg.kl_on == "uncertain" and not auxiliary(cfg.reward):
         raise ValueError(f"--kl-on uncertain ranks the samples by the weight-0 rewards of --reward too, and "
                          f"'{cfg.reward}' has none: add one, e.g. --reward {cfg.reward.split(',')[0]},size=0")
@@ -488,9 +495,10 @@ def nucleus_mass(q_logprobs: torch.Tensor, p_logprobs: torch.Tensor) -> torch.Te
 # ---- Carried from step to step: GARDO's controller and reference (saved in each checkpoint) ---------
 
 class Reference:
-    """--reference-reset-every N: the KL's reference, reset to the policy after every N-th step (GARDO copies its
-    trained LoRA into a second adapter, "old", when more than reset_freq epochs have passed since the last reset:
-    every 16th at its reset_freq 15, unless its KL trigger fires first). Passed to train_step as its `ref_model`:
+    """--reference-reset-every N: the KL's reference, reset to the policy N steps after its last reset, or sooner
+    under --reference-reset-kl (after_step: GARDO copies its trained LoRA into a second adapter, "old", when more than
+    reset_freq epochs have passed since the last reset, every 16th at its reset_freq 15, or after an epoch one of whose
+    updates' KL went above its kl_thres). Passed to train_step as its `ref_model`:
     grpo.reference_logprobs reads it as it reads the frozen reference. `frozen`: grpo.reference_model's. With LoRA
     (`frozen` is the policy) the reference is the adapter switched off until the first reset, then the adapter's
     weights of the last reset, swapped in for the reading (a copy of the adapter, not of the model); with every
@@ -501,6 +509,7 @@ class Reference:
         self.lora = frozen is policy
         self.anchor = None if self.lora else list(frozen.parameters())  # the reference's own weights
         self.was_reset = False  # before a reset the reference is the initial weights, rebuilt from the model
+        self.last = 0  # the step of the last reset (0: none yet)
 
     def __getattr__(self, name):  # the model's config, its forward ...: the frozen reference's
         if name == "frozen":  # before __init__ set it (a copy being made): no endless recursion
@@ -514,14 +523,14 @@ class Reference:
         return [p for p in self.policy.parameters() if p.requires_grad]
 
     @torch.no_grad()
-    def reset(self) -> None:
-        """The reference becomes the policy as it is now."""
+    def reset(self, step: int) -> None:
+        """The reference becomes the policy as it is after `step`."""
         if self.lora:
             self.anchor = [p.detach().clone() for p in self.trained()]
         else:
             for mine, policy in zip(self.anchor, self.policy.parameters(), strict=True):
                 mine.copy_(policy.detach())
-        self.was_reset = True
+        self.was_reset, self.last = True, step
 
     def disable_adapter(self):
         """What grpo.reference_logprobs enters to read the reference (hence the name, peft's): the adapter off (no
@@ -534,10 +543,11 @@ class Reference:
 
     def state_dict(self) -> dict:
         """The reference's weights, whole (gathered from every process under FSDP; kept on rank 0, which saves
-        them), on the CPU; {} before the first reset (the initial weights: the model, or the adapter off)."""
+        them), on the CPU, and the step of the last reset; {} before the first reset (the initial weights: the model,
+        or the adapter off)."""
         if not self.was_reset:
             return {}
-        return {"weights": [gathered(w) for w in self.anchor]}
+        return {"weights": [gathered(w) for w in self.anchor], "last": self.last}
 
     @torch.no_grad()
     def load_state_dict(self, state: dict) -> None:
@@ -550,7 +560,7 @@ class Reference:
         else:
             for mine, saved in zip(self.anchor, weights):
                 mine.copy_(saved)
-        self.was_reset = True
+        self.was_reset, self.last = True, state.get("last")  # None: saved before --reference-reset-kl (after_step)
 
 
 @contextlib.contextmanager
@@ -610,7 +620,18 @@ class State:
             self.reference.load_state_dict(state["reference"])
 
 
-def after_step(state: State, step: int, cfg) -> None:
-    """After step `step` (before its checkpoint): GARDO's reset of the reference, every --reference-reset-every."""
-    if state.reference is not None and step % cfg.reference_reset_every == 0:
-        state.reference.reset()
+def after_step(state: State, step: int, cfg, metrics: dict) -> None:
+    """After step `step` (before its checkpoint), given its logged `metrics`: GARDO's reset of the reference, as its
+    loop does it (L789 and L1042, docs/peer_readings.md 5): N = --reference-reset-every steps after the last reset
+    (more than its reset_freq = N - 1 epochs), or after a step one of whose updates had a mean KL above
+    T = --reference-reset-kl (its kl_thres; kl_peak, the largest of the step's --mu updates' kl), which starts the
+    count of N again. GARDO's KL is the mean over the samples its gate lets the KL bind; here the logged kl, the mean
+    over every sample's loss tokens (the same under --kl-on all)."""
+    reference = state.reference
+    if reference is None:
+        return
+    if reference.last is None:  # a checkpoint saved before the KL trigger: its resets came on every N-th step
+        reference.last = (step - 1) // cfg.reference_reset_every * cfg.reference_reset_every
+    kl = metrics.get("kl_peak", metrics.get("kl", 0.0))  # a skipped step has none
+    if step - reference.last >= cfg.reference_reset_every or 0 < cfg.reference_reset_kl < kl:
+        reference.reset(step)

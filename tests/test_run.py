@@ -241,11 +241,14 @@ def test_merge_parts():
 
 def test_merge_metrics():
     """train_step's mu updates -> the last update's means, extremes over every update, the sampler's readings from
-    the first update only (later updates read the changed policy)."""
+    the first update only (later updates read the changed policy), the largest update's kl as kl_peak (mu > 1)."""
     first = [({"loss": 1.0, "ratio_min": 1.0, "sampler_gap": 1e-7, "outside_truncation": 0}, 1.0)]
     last = [({"loss": 3.0, "ratio_min": 0.7, "sampler_gap": 0.5, "outside_truncation": 4}, 1.0)]
     assert parallel.merge_metrics([first, last]) == {"loss": 3.0, "ratio_min": 0.7, "sampler_gap": 1e-7,
                                                      "outside_truncation": 0}
+    first[0][0]["kl"], last[0][0]["kl"] = 0.5, 0.25  # with a KL: the last update's, and the largest (kl_peak)
+    assert parallel.merge_metrics([first, last]) | {"kl": 0.25, "kl_peak": 0.5} == parallel.merge_metrics([first, last])
+    assert "kl_peak" not in parallel.merge_metrics([last])  # one update: its kl
 
 
 def test_extreme():

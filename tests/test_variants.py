@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import grpo
-from helpers import diagnostics, fast_decode, run, variants
+from helpers import diagnostics, fast_decode, parallel, run, variants
 from tests.conftest import CORRECTIONS, PARITY, T, TINY, run_record, sample_group, sampled_rows, write_example
 from tests.conftest import pipe, random_pipe  # noqa: F401  the tiny pipelines (fixtures)
 from tests.test_rewards import dino_folder  # noqa: F401  a tiny random DINOv2 (a fixture)
@@ -677,14 +677,17 @@ def test_validate_gardo():
         variants.validate(cfg_with(reference_reset_every=5, kl_beta=0))
     with pytest.raises(ValueError, match="--cluster-radius 1.0"):
         variants.validate(cfg_with(cluster_radius=1.0))
-    variants.validate(cfg_with(kl_on="uncertain", reward="shapes,size=0", kl_beta=0.1, reference_reset_every=5))
+    with pytest.raises(ValueError, match="--reference-reset-kl 0.001 triggers .* give both"):
+        variants.validate(cfg_with(reference_reset_kl=1e-3, kl_beta=0.1))
+    variants.validate(cfg_with(kl_on="uncertain", reward="shapes,size=0", kl_beta=0.1, reference_reset_every=5,
+                               reference_reset_kl=1e-3))
 
 
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
 def test_reference_reset(random_pipe, lora):
     """--reference-reset-every: the reference is the initial policy until a reset, then the policy as it was at the
     reset (bit for bit, in float32), while the policy moves on; reading it leaves the policy's weights untouched; its
-    state_dict restores it in a fresh run (resume)."""
+    state_dict restores it, and the step of the reset, in a fresh run (resume)."""
     from tests.conftest import lora_policy
     rollout_ = sample_group(random_pipe, "a red circle", 2, 64, 64, 1.0, 0)
     mb, = grpo.micro_batches([rollout_], torch.zeros(1, 2), 2)
@@ -708,14 +711,14 @@ def test_reference_reset(random_pipe, lora):
     initial = grpo.reference_logprobs(ref, mb, 1.0)
     move(policy, 1)
     assert torch.equal(grpo.reference_logprobs(ref, mb, 1.0), initial)  # not reset: the initial weights
-    ref.reset()
+    ref.reset(7)
     at_reset, weights = logp(policy), [p.detach().clone() for p in policy.parameters()]
     move(policy, 2)
     assert torch.equal(grpo.reference_logprobs(ref, mb, 1.0), at_reset)
     assert not torch.equal(logp(policy), at_reset)
     again, ref2 = make()  # a resumed run: its policy from the checkpoint, its reference from the state
     ref2.load_state_dict(ref.state_dict())
-    assert torch.equal(grpo.reference_logprobs(ref2, mb, 1.0), at_reset)
+    assert torch.equal(grpo.reference_logprobs(ref2, mb, 1.0), at_reset) and ref2.last == 7
     moved = [p.detach().clone() for p in policy.parameters()]
     grpo.reference_logprobs(ref, mb, 1.0)
     assert all(torch.equal(p, q) for p, q in zip(policy.parameters(), moved))  # the reading swapped back
@@ -723,38 +726,71 @@ def test_reference_reset(random_pipe, lora):
 
 
 def test_main_gardo_resume(tmp_path):
-    """GARDO whole in a run (--kl-on uncertain with the size reward at weight 0, --reference-reset-every 2,
-    --gardo-diversity tokens) and DiverseGRPO's bonus, with LoRA: 5 steps == 4 steps + resume + 1 step (the
-    controller's b and the reset reference come back from the checkpoint); at mu 1 the KL logged (the first update's)
-    is 0 right after a reset, the reference being the policy bit for bit."""
+    """GARDO whole in a run (--kl-on uncertain with the size reward at weight 0, --reference-reset-every 3 with its
+    KL trigger, --gardo-diversity tokens) and DiverseGRPO's bonus, with LoRA: 6 steps == 4 steps + resume + 2 steps
+    (the controller's b and the reset reference come back from the checkpoint); at mu 1 the KL logged (the first
+    update's) is 0 right after a reset, the reference being the policy bit for bit."""
     from tests.conftest import tiny_run
-    flags = ["--kl-beta", "0.1", "--kl-on", "uncertain", "--reward", "shapes,size=0", "--reference-reset-every", "2",
+    flags = ["--kl-beta", "0.1", "--kl-on", "uncertain", "--reward", "shapes,size=0", "--reference-reset-every", "3",
+             "--reference-reset-kl", "1e-6",
              "--gardo-diversity", "tokens", "--cluster-bonus", "0.2", "--lora-rank", "2", "--mu", "1",
              "--prompts", str(Path(grpo.__file__).parent / "examples" / "shapes.txt"), "--lr", "1e-2"]
-    tiny_run(tmp_path, tmp_path / "whole", "--steps", "5", *flags)
-    tiny_run(tmp_path, tmp_path / "part", "--steps", "4", *flags)  # its checkpoint: after step 4's reset
-    grpo.main(["--resume", str(tmp_path / "part"), "--steps", "5"])
+    tiny_run(tmp_path, tmp_path / "whole", "--steps", "6", *flags)
+    tiny_run(tmp_path, tmp_path / "part", "--steps", "4", *flags)  # its checkpoint: after step 3's reset
+    grpo.main(["--resume", str(tmp_path / "part"), "--steps", "6"])
     whole = run_record(tmp_path / "whole")
     assert whole == run_record(tmp_path / "part")
     assert whole[0]["kl_share"] == 0.1 and whole[4]["kl_share"] != 0.1  # a fresh controller would start at 0.1
-    # step 1's samples all score 0: nothing moves before step 2; resets after steps 2 and 4
-    assert [r["kl"] > 0 for r in whole] == [False, False, False, True, False]
+    # step 1's samples all score 0: nothing moves before step 2; resets after step 3 (its count) and 5 (its KL; the
+    # count alone would reset after 6)
+    assert [r["kl"] > 0 for r in whole] == [False, False, True, False, True, False]
 
 
 def test_reset_schedule_as_gardo():
-    """--reference-reset-every 16 resets when GARDO's code does at its reset_freq = 15 (scripts/train_sd3_grpo_gardo.py
-    L789, docs/peer_readings.md 5; its KL trigger never firing): after 16, 32, 48, 64 rounds of sampling and updates.
-    GARDO checks at the start of epoch e (0-based: e rounds done), this code after step s (1-based: s rounds done)."""
-    gardo, prev_epoch, reset = [], 0, False
-    for epoch in range(65):
-        if (epoch != 0 and reset) or (epoch - prev_epoch) > 15:  # GARDO's line
-            gardo.append(epoch)
-            prev_epoch = epoch
-    ours = []
-    for step in range(1, 65):
-        state = variants.State(reference=SimpleNamespace(reset=lambda: ours.append(step)))  # noqa: B023  this step's
-        variants.after_step(state, step, SimpleNamespace(reference_reset_every=16))
-    assert ours == gardo == [16, 32, 48, 64]
+    """GARDO's reset schedule (scripts/train_sd3_grpo_gardo.py L789 and L1042-1043, docs/peer_readings.md 5),
+    transcribed: at the start of epoch e (0-based: e rounds done) it resets when more than reset_freq epochs have
+    passed since the last reset, or when one of the last epoch's optimizer steps logged a KL above kl_thres; this code
+    after step s (1-based: s rounds done), N = reset_freq + 1, its mu = 2 updates' KL merged as train_step merges
+    them. Without the trigger (T = 0): every 16th. With it: the same resets as GARDO's, also where only the first of
+    a step's updates went above T, and across a resume from a checkpoint (the last reset's step comes back)."""
+    kls = [[0.1, 0.1] for _ in range(64)]  # each round's two updates' KL, above T = 0.3 in rounds 5 and 30:
+    kls[4] = [0.5, 0.1]  # only the first update (the last update's kl alone would miss it)
+    kls[29] = [0.1, 0.6]  # only the last
+
+    def gardo(thres: float) -> list[int]:
+        resets, prev_epoch, reset = [], 0, False
+        for epoch in range(65):
+            if (epoch != 0 and reset) or (epoch - prev_epoch) > 15:  # GARDO's L789
+                resets.append(epoch)
+                reset, prev_epoch = False, epoch
+            for kl in kls[epoch] if epoch < 64 else []:  # the epoch's optimizer steps
+                if kl > thres:  # GARDO's L1042 (its thres is config.kl_thres)
+                    reset = True
+        return resets
+
+    def ours(T: float, resume_at: int | None = None, legacy: bool = False) -> list[int]:
+        resets, cfg = [], SimpleNamespace(reference_reset_every=16, reference_reset_kl=T)
+        policy = torch.nn.Linear(2, 2)
+
+        def fresh():  # a Reference that notes its resets
+            reference = variants.Reference(policy, copy.deepcopy(policy))
+            reset = reference.reset
+            reference.reset = lambda step: (resets.append(step), reset(step))
+            return reference
+
+        reference = fresh()
+        for step in range(1, 65):
+            if step == resume_at:  # a fresh run loads the checkpoint saved after step - 1
+                saved, reference = reference.state_dict(), fresh()
+                reference.load_state_dict({k: v for k, v in saved.items() if not (legacy and k == "last")})
+            metrics = parallel.merge_metrics([[({"kl": kl}, 1.0)] for kl in kls[step - 1]])
+            variants.after_step(variants.State(reference=reference), step, cfg, metrics)
+        return resets
+
+    assert ours(0.0) == gardo(float("inf")) == [16, 32, 48, 64]  # T = 0: the trigger off
+    assert ours(0.3) == gardo(0.3) == [5, 21, 30, 46, 62]  # the count of 16 starts again at each reset
+    assert ours(0.3, resume_at=25) == gardo(0.3)  # the last reset (21, the count's) comes back
+    assert ours(0.0, resume_at=40, legacy=True) == [16, 32, 48, 64]  # saved before the trigger: no "last"
 
 
 def test_gardo_diversity_dino(dino_folder):
@@ -779,8 +815,6 @@ def test_gardo_diversity_dino(dino_folder):
 def test_uncertain_kl_weights_two_processes(monkeypatch):
     """Under torchrun the gate reads the whole batch and each process takes its own rows: as rank 1 of 2 (the other
     process's samples made up), the weights equal the last group's of one process holding both groups."""
-    from helpers import parallel
-
     def other(t):  # what rank 0 holds: another batch of the same sizes
         return t.flip(0) * 0.5 + 0.1 if t.is_floating_point() else t
 

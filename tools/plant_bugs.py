@@ -40,12 +40,20 @@ PLANTS = [
      "self.anchor = [p.detach().clone() for p in self.trained()]",
      "self.anchor = [p.detach() for p in self.trained()]", "reset or gardo"),
     ("reset on the wrong step", "helpers/variants.py",
-     "step % cfg.reference_reset_every == 0", "step % cfg.reference_reset_every == 1", "reset or gardo"),
+     "step - reference.last >= cfg.reference_reset_every", "step - reference.last > cfg.reference_reset_every",
+     "reset or gardo"),
+    ("reset count not restarted by the KL trigger", "helpers/variants.py",
+     "step - reference.last >= cfg.reference_reset_every", "step % cfg.reference_reset_every == 0",
+     "reset_schedule"),
+    ("KL trigger reads the last update only", "helpers/parallel.py",
+     '{"kl_peak": max(kls)}', '{"kl_peak": kls[-1]}', "reset_schedule"),
+    ("last reset's step not saved", "helpers/variants.py",
+     '"last": self.last}', "}", "reset_schedule or reference_reset"),
     ("swap not restored", "helpers/variants.py",
      "            for p, v in zip(params, own):\n                p.copy_(v)\n",
      "            pass\n", "reset or gardo"),
     ("reference state not saved", "helpers/variants.py",
-     'return {"weights": [gathered(w) for w in self.anchor]}', "return {}", "reset or gardo"),
+     'return {"weights": [gathered(w) for w in self.anchor], "last": self.last}', "return {}", "reset or gardo"),
 ]
 rows = []
 REPO = pathlib.Path(tempfile.mkdtemp()) / "repo"
