@@ -259,8 +259,10 @@ def test_bench_learning_continues_its_shorter_runs(tmp_path):
     assert shorter_run(tmp_path, "default_seed2", 1600) is None
     argv = ["--prompts", str(ROOT / "examples" / "shapes.txt"), "--reward", "shapes=1", "--seed", "2"]
     saved = tmp_path / "clusters_seed2"
-    for flags, same in [([], True), (["--lr", "2e-4"], False), (["--lr-scheduler", "linear"], False)]:
-        cfg = grpo.parse_config([*argv, "--steps", "400", "--out", str(saved), *flags])
-        (saved / "config.json").write_text(json.dumps(dataclasses.asdict(cfg)))  # as the run saved it
+    for flags, same in [([], True), (["--lr", "2e-4"], False), (["--lr-scheduler", "linear"], False), (None, True)]:
+        cfg = grpo.parse_config([*argv, "--steps", "400", "--out", str(saved), *(flags or [])])
+        config = dataclasses.asdict(cfg)  # as the run saved it; None: saved before --reference-reset-kl existed
+        (saved / "config.json").write_text(json.dumps(config if flags is not None else
+                                                      {k: v for k, v in config.items() if k != "reference_reset_kl"}))
         assert same_settings(saved, [*argv, "--steps", "1600", "--out", str(tmp_path / "x"), "--overwrite",
-                                     *(flags if "--lr-scheduler" in flags else [])]) == same, flags
+                                     *(flags if "--lr-scheduler" in (flags or []) else [])]) == same, flags

@@ -200,10 +200,12 @@ def same_settings(folder: Path, argv: list[str]) -> bool:
     --resume to more steps then trains as one run of that length would (weights, optimizer, generators, variants'
     state and the prompts' order are in its checkpoint)."""
     saved = json.loads((folder / "config.json").read_text())
-    wanted = json.loads(json.dumps(dataclasses.asdict(grpo.parse_config(argv))))
-    free = ("out", "resume", *run.RESUMABLE)  # what --resume may change: the length, bookkeeping
-    return saved.get("lr_scheduler") == "constant" and \
-        {k: v for k, v in saved.items() if k not in free} == {k: v for k, v in wanted.items() if k not in free}
+    cfg = grpo.parse_config(argv)
+    wanted, unset = (json.loads(json.dumps(dataclasses.asdict(c))) for c in (cfg, type(cfg)()))
+    free = {"out", "resume", *run.RESUMABLE}  # what --resume may change: the length, bookkeeping
+    # a setting added since the run was saved: that run had it at its default (off), as --resume reads it
+    return saved.get("lr_scheduler") == "constant" and not set(saved) - set(wanted) - free and \
+        all(saved.get(k, unset[k]) == v for k, v in wanted.items() if k not in free)
 
 
 def describe(r: dict) -> tuple:
