@@ -59,11 +59,12 @@ class VariantSettings:  # grpo.py's flags for the options beside the lesson: all
                                  "advantage's sign); or GARDO's gate, on the samples the trained reward ranks "
                                  "furthest below where the weight-0 rewards of --reward rank them (uncertain)",
                           ("all", "above_mean", "uncertain"))
-    reference_reset_every: int = _setting(0, "GARDO's reset: every N steps the KL's reference becomes the policy "
-                                             "as it is (0: never; the reference stays the initial weights)")
+    reference_reset_every: int = _setting(0, "GARDO's reset: N steps after its last reset the KL's reference "
+                                             "becomes the policy as it is (0: never; the reference stays the "
+                                             "initial weights)")
     reference_reset_kl: float = _setting(0.0, "GARDO's KL trigger, with --reference-reset-every: a reset also after "
-                                              "a step one of whose updates had a mean KL above this, the count of N "
-                                              "starting again (0: off; GARDO's kl_thres)")
+                                              "a step one of whose updates had a mean kl above this (0: off; GARDO's "
+                                              "kl_thres, whose 3e-4 is on another KL's scale: not measured here)")
     entropy_bonus: float = _setting(0.0, "+ bonus x entropy on the tokens less certain than the step's "
                                          "mean (after EG-GRPO's idea; its code differs: docs/claims.md)")
     train_tokens: str = _setting("large", "tokens in the loss: the large grid, or all (the "
@@ -621,12 +622,13 @@ class State:
 
 
 def after_step(state: State, step: int, cfg, metrics: dict) -> None:
-    """After step `step` (before its checkpoint), given its logged `metrics`: GARDO's reset of the reference, as its
-    loop does it (L789 and L1042, docs/peer_readings.md 5): N = --reference-reset-every steps after the last reset
+    """After step `step` (before its checkpoint), given its logged `metrics`: GARDO's reset of the reference, on its
+    loop's schedule (L789 and L1042, docs/peer_readings.md 5): N = --reference-reset-every steps after the last reset
     (more than its reset_freq = N - 1 epochs), or after a step one of whose updates had a mean KL above
     T = --reference-reset-kl (its kl_thres; kl_peak, the largest of the step's --mu updates' kl), which starts the
-    count of N again. GARDO's KL is the mean over the samples its gate lets the KL bind; here the logged kl, the mean
-    over every sample's loss tokens (the same under --kl-on all)."""
+    count of N again. What it compares differs: GARDO's KL is its denoising steps' Gaussian KL, averaged over the
+    samples its gate lets the KL bind, and its configs take two optimizer steps an epoch, each on half the samples;
+    here the logged kl, over every sample's loss tokens (the same under --kl-on all), each update on the whole batch."""
     reference = state.reference
     if reference is None:
         return

@@ -9,6 +9,7 @@ tests below are named after the behaviour of a run they guard.
 
 import dataclasses
 import json
+import math
 import re
 import shutil
 import subprocess
@@ -247,8 +248,11 @@ def test_merge_metrics():
     assert parallel.merge_metrics([first, last]) == {"loss": 3.0, "ratio_min": 0.7, "sampler_gap": 1e-7,
                                                      "outside_truncation": 0}
     first[0][0]["kl"], last[0][0]["kl"] = 0.5, 0.25  # with a KL: the last update's, and the largest (kl_peak)
-    assert parallel.merge_metrics([first, last]) | {"kl": 0.25, "kl_peak": 0.5} == parallel.merge_metrics([first, last])
+    merged = parallel.merge_metrics([first, last])
+    assert merged["kl"] == 0.25 and merged["kl_peak"] == 0.5
     assert "kl_peak" not in parallel.merge_metrics([last])  # one update: its kl
+    first[0][0]["kl"] = math.nan  # a non-finite update's KL: the others' peak
+    assert parallel.merge_metrics([first, last])["kl_peak"] == 0.25
 
 
 def test_extreme():

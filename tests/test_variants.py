@@ -727,23 +727,24 @@ def test_reference_reset(random_pipe, lora):
 
 def test_main_gardo_resume(tmp_path):
     """GARDO whole in a run (--kl-on uncertain with the size reward at weight 0, --reference-reset-every 3 with its
-    KL trigger, --gardo-diversity tokens) and DiverseGRPO's bonus, with LoRA: 6 steps == 4 steps + resume + 2 steps
+    KL trigger, --gardo-diversity tokens) and DiverseGRPO's bonus, with LoRA: 7 steps == 5 steps + resume + 2 steps
     (the controller's b and the reset reference come back from the checkpoint); at mu 1 the KL logged (the first
-    update's) is 0 right after a reset, the reference being the policy bit for bit."""
+    update's) is 0 right after a reset, the reference being the policy bit for bit. Resumed after step 5's reset, the
+    KL's: without its step in the checkpoint the count would reset again after step 6."""
     from tests.conftest import tiny_run
     flags = ["--kl-beta", "0.1", "--kl-on", "uncertain", "--reward", "shapes,size=0", "--reference-reset-every", "3",
              "--reference-reset-kl", "1e-6",
              "--gardo-diversity", "tokens", "--cluster-bonus", "0.2", "--lora-rank", "2", "--mu", "1",
              "--prompts", str(Path(grpo.__file__).parent / "examples" / "shapes.txt"), "--lr", "1e-2"]
-    tiny_run(tmp_path, tmp_path / "whole", "--steps", "6", *flags)
-    tiny_run(tmp_path, tmp_path / "part", "--steps", "4", *flags)  # its checkpoint: after step 3's reset
-    grpo.main(["--resume", str(tmp_path / "part"), "--steps", "6"])
+    tiny_run(tmp_path, tmp_path / "whole", "--steps", "7", *flags)
+    tiny_run(tmp_path, tmp_path / "part", "--steps", "5", *flags)  # its checkpoint: after step 5's reset
+    grpo.main(["--resume", str(tmp_path / "part"), "--steps", "7"])
     whole = run_record(tmp_path / "whole")
     assert whole == run_record(tmp_path / "part")
     assert whole[0]["kl_share"] == 0.1 and whole[4]["kl_share"] != 0.1  # a fresh controller would start at 0.1
     # step 1's samples all score 0: nothing moves before step 2; resets after step 3 (its count) and 5 (its KL; the
-    # count alone would reset after 6)
-    assert [r["kl"] > 0 for r in whole] == [False, False, True, False, True, False]
+    # count alone would reset after 6), not after 6 (one step after the last)
+    assert [r["kl"] > 0 for r in whole] == [False, False, True, False, True, False, True]
 
 
 def test_reset_schedule_as_gardo():
@@ -789,8 +790,8 @@ def test_reset_schedule_as_gardo():
 
     assert ours(0.0) == gardo(float("inf")) == [16, 32, 48, 64]  # T = 0: the trigger off
     assert ours(0.3) == gardo(0.3) == [5, 21, 30, 46, 62]  # the count of 16 starts again at each reset
-    assert ours(0.3, resume_at=25) == gardo(0.3)  # the last reset (21, the count's) comes back
-    assert ours(0.0, resume_at=40, legacy=True) == [16, 32, 48, 64]  # saved before the trigger: no "last"
+    assert ours(0.3, resume_at=10) == gardo(0.3)  # the last reset (5, the KL's) comes back: the next is at 21
+    assert ours(0.0, resume_at=32, legacy=True) == [16, 32, 48, 64]  # saved before the trigger (no "last") after 31
 
 
 def test_gardo_diversity_dino(dino_folder):
