@@ -272,9 +272,10 @@ def table(results: list[dict]) -> str:
 
 
 def minutes(rs: list[dict]) -> str:
-    """The mean training minutes of runs, "-" where no record has them: transcribed ones, and continued ones (their
-    minutes count only the steps after the run they continued)."""
-    known = [r["minutes"] for r in rs if r.get("minutes") is not None and "continued_from" not in r]
+    """The mean training minutes of runs, "-" where no record has them: transcribed ones, continued ones (their
+    minutes count only the steps after the run they continued) and ones that shared the CPU (their "shared_cpu")."""
+    known = [r["minutes"] for r in rs if r.get("minutes") is not None and "continued_from" not in r
+             and "shared_cpu" not in r]
     return f"{np.mean(known):.1f}" if known else "-"
 
 
