@@ -169,9 +169,9 @@ def merge_metrics(updates: list[list[tuple[dict, float]]]) -> dict:
     means, the extremes over all updates (counted once), the sampler's own readings (sampler_gap,
     outside_truncation) from the first update, and with mu > 1 kl_peak, the largest update's mean kl (GARDO's KL
     trigger reads every update's: variants.after_step)."""
-    first, every = merge_parts(updates[0]), merge_parts([part for update in updates for part in update])
-    kls = [m["kl"] for m in map(merge_parts, updates) if "kl" in m and math.isfinite(m["kl"])]
-    return {**merge_parts(updates[-1]), **{k: v for k, v in every.items() if extreme(k)},
+    each, every = [merge_parts(update) for update in updates], merge_parts([part for update in updates for part in update])
+    first, kls = each[0], [m["kl"] for m in each if "kl" in m and math.isfinite(m["kl"])]
+    return {**each[-1], **{k: v for k, v in every.items() if extreme(k)},
             **{k: first[k] for k in ("sampler_gap", "outside_truncation") if k in first},
             **({"kl_peak": max(kls)} if len(updates) > 1 and kls else {})}
 
