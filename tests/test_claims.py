@@ -303,7 +303,15 @@ def test_claims_quotes_are_in_their_files():
     each file the row's `where` cites, in order, the first starting at the cited line; a `LINE-END` place's quotes
     all within its lines, the last ending at END.
     Quotes and places pair up in order when a row has as many of each; one quote holds at each place; several quotes
-    of one place all hold in its file, the first at its line. A failure names the row and the line to write."""
+    of one place all hold in its file, the first at its line. A failure names the row and the line to write
+    (`python tools/fix_claims.py` writes them)."""
+    checked, wrong = claim_problems()
+    assert checked > 100
+    assert not wrong, "stale quotes or lines in docs/claims.md:\n" + "\n".join(wrong)
+
+
+def claim_problems() -> tuple[int, list[str]]:
+    """(the quotes checked, a line for each quote not where its row says)."""
     root, files, wrong, checked = CLAIMS.parent.parent, {}, [], 0
     for number, row in enumerate(CLAIMS.read_text().splitlines(), 1):
         cells = [cell.strip() for cell in re.split(r"(?<!\\)\|", row)[1:-1]]
@@ -352,6 +360,5 @@ def test_claims_quotes_are_in_their_files():
                 wrong.append(f"docs/claims.md:{number}: {path}:{low}-{last} should be {path}:{low}-{end} (where its "
                              f"{'last ' if line is None else ''}quote ends)" if end else
                              f"docs/claims.md:{number}: a quote of {path}:{low}-{last} is not within those lines")
-    assert checked > 100
-    assert not wrong, "stale quotes or lines in docs/claims.md:\n" + "\n".join(wrong)
+    return checked, wrong
 
