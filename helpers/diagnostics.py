@@ -87,5 +87,6 @@ def mismatch(old: torch.Tensor, sampled: torch.Tensor, mode: str, cap: float, le
             "sampling/importance_sampling_ratio/max": weights.max().item(),
             "sampling/raw_importance_sampling_ratio/min": ratio.min().item(),  # before it
             "sampling/raw_importance_sampling_ratio/max": ratio.max().item(),
-            "sampling/k3_kl": (log_ratio.exp() - 1 - log_ratio).mean().item(),  # KL(sampler || old)
+            # KL(sampler || old); k3 >= 0 for each token, and the clamp removes float32's rounding below it
+            "sampling/k3_kl": (log_ratio.exp() - 1 - log_ratio).clamp_min(0).mean().item(),
             "sampling/capped_frac": (ratio > cap).float().mean().item() if mode != "none" else 0.0}

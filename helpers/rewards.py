@@ -31,9 +31,7 @@ import sys
 import warnings
 from pathlib import Path
 
-import numpy as np
 import torch
-from PIL import Image
 
 from . import world
 
@@ -128,14 +126,12 @@ def shapes_exact_reward(images: torch.Tensor, example: dict) -> torch.Tensor:
 
 # ---- edit ----------------------------------------------------------------------------------------
 
-def edit_asked(example: dict, source=None) -> tuple[tuple, dict]:
-    """An edit example -> (its key, the scene asked for): the instruction parsed (world.parse_edit), the source read
-    off its pixels (world.read_scene: the world's reader, as for the result) and the edit applied to it."""
+def edit_asked(example: dict) -> tuple[tuple, dict]:
+    """An edit example (its "source" a (3, H, W) image in [0, 1], as the run loaded it) -> (its key, the scene asked
+    for): the instruction parsed (world.parse_edit), the source read off its pixels (world.read_scene: the world's
+    reader, as for the result) and the edit applied to it."""
     key = world.parse_edit(example["prompt"])
-    if source is None:  # before the run: the source's file
-        with Image.open(example["source"]) as image:
-            source = np.asarray(image.convert("RGB"))
-    scene = {(row, col): obj for row, col, obj in world.read_scene(source)}
+    scene = {(row, col): obj for row, col, obj in world.read_scene(to_uint8(example["source"][None])[0])}
     return key, None if key is None else world.apply_edit(scene, key)
 
 
@@ -155,7 +151,7 @@ def edit_reward(images: torch.Tensor, example: dict) -> torch.Tensor:
     """(G, 3, H, W) in [0, 1], example["prompt"] an edit of world.py and example["source"] its (3, H, W) source ->
     (G,) score in [0, 1] (world.check_edit): half for a picture fully as asked (the edit done, nothing else changed),
     half the share of its 9 cells as asked. The source and the results are read by the same reader; no target."""
-    _, want = edit_asked(example, to_uint8(example["source"][None])[0])
+    _, want = edit_asked(example)
     scores = [world.check_edit(world.read_scene(image), want) for image in to_uint8(images)]
     return torch.tensor(scores, dtype=torch.float32, device=images.device)
 

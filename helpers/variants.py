@@ -22,6 +22,7 @@ import math
 
 import torch
 
+from .user_input import reward_weights, split_reward
 from .parallel import gather_rows
 
 
@@ -86,16 +87,8 @@ def given(cfg) -> list[str]:
 
 
 def validate(cfg) -> None:
-    """Raise ValueError with a one-line fix for a variant setting that cannot run."""
-    for name in ("diversity", "unlikeliness", "entropy_bonus", "cluster_bonus", "reference_reset_every",
-                 "reference_reset_kl"):
-        if not getattr(cfg, name) >= 0:
-            flag = "--" + name.replace("_", "-")
-            raise ValueError(f"{flag} {getattr(cfg, name)} is out of range; it must be >= 0")
-    if cfg.clip_eps_high is not None and not cfg.clip_eps_high > 0:
-        raise ValueError(f"--clip-eps-high {cfg.clip_eps_high} is out of range; it must be > 0")
-    if not 0 <= cfg.cluster_radius < 1:
-        raise ValueError(f"--cluster-radius {cfg.cluster_radius} is out of range; it must be in [0, 1)")
+    """Raise ValueError with a one-line fix for variant settings that cannot go together (each number's own range:
+    helpers/user_input.py's RULES)."""
     for flag, on in (("--kl-on uncertain", cfg.kl_on == "uncertain"),
                      (f"--reference-reset-every {cfg.reference_reset_every}", cfg.reference_reset_every > 0)):
         if on and cfg.kl_beta == 0:
@@ -143,7 +136,6 @@ def advantages(z_scores: torch.Tensor, rollouts: list, reward: torch.Tensor, eac
         shaped = shaped + cfg.diversity * bonus + cfg.cluster_bonus * clustered
         A = lesson.group_advantages(shaped)
     if cfg.reward_aggregation == "normalize":  # a reward's scale no longer weighs: each has std 1
-        from helpers.run import reward_weights
         # the bonuses join as more rewards, of weights --diversity and --cluster-bonus
         A = normalize_then_sum(each | {"diversity": bonus, "clusters": clustered},
                                reward_weights(cfg.reward) | {"diversity": cfg.diversity, "clusters": cfg.cluster_bonus})
@@ -223,7 +215,6 @@ def dino_checkpoint(spec: str) -> str:
     """The DINOv2 checkpoint --gardo-diversity dino reads: the one --reward `spec` gives the dino reward
     (dino@where), else the dino reward's default."""
     from helpers.rewards import LEARNED
-    from helpers.run import split_reward
     given = [where for name, where, _ in map(split_reward, spec.split(",")) if name == "dino" and where]
     return given[0] if given else LEARNED["dino"][0]
 
@@ -322,7 +313,6 @@ def update(batches: list, loss_fn, policy, cfg, lesson, reward: torch.Tensor | N
 
 def auxiliary(spec: str) -> list[str]:
     """The rewards of --reward `spec` weighed 0: logged, out of the trained sum; --kl-on uncertain ranks by them."""
-    from helpers.run import reward_weights
     return [name for name, weight in reward_weights(spec).items() if weight == 0]
 
 
@@ -432,8 +422,9 @@ def mean_entropy(policy, batches: list, temperature: float, train_tokens: str, l
 
 
 def entropy(distribution: torch.Tensor) -> torch.Tensor:
-    """(..., K) log-probs -> (...) entropy in nats; codes outside a truncation (-inf) add 0."""
-    return -(distribution.exp() * distribution.nan_to_num(neginf=0.0)).sum(dim=-1)
+    """(..., K) log-probs -> (...) entropy in nats, >= 0; codes outside a truncation (-inf) add 0. (A log-softmax can
+    round its largest log-prob a little above 0: the clamp keeps a one-code distribution's entropy at 0, not -1e-7.)"""
+    return -(distribution.exp() * distribution.nan_to_num(neginf=0.0)).sum(dim=-1).clamp_min(0)
 
 
 def loss_tokens(mb, train_tokens: str) -> slice:

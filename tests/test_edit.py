@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import grpo
-from helpers import rewards
+from helpers import user_input, rewards
 from helpers import run
 from helpers import world
 from conftest import ROOT, TINY, picture, run_record, sample_group
@@ -93,9 +93,10 @@ def test_edit_reward_refuses_bad_lines(tmp_path):
     world.render({(0, 0): ("red", "circle")}).save(tmp_path / "s.png")
     for prompt, words in (("make it night", "not an edit of the shapes world"),
                           ("remove the blue square", "does not apply to its source")):
-        example = {"prompt": prompt, "source": str(tmp_path / "s.png")}
+        example = {"prompt": prompt, "source": user_input.load_image(tmp_path / "s.png", 96, 96, "source")}
         assert words in rewards.not_a_world_edit(example)
-    assert rewards.not_a_world_edit({"prompt": "remove the red circle", "source": str(tmp_path / "s.png")}) is None
+    source = user_input.load_image(tmp_path / "s.png", 96, 96, "source")
+    assert rewards.not_a_world_edit({"prompt": "remove the red circle", "source": source}) is None
 
 
 def test_edit_examples():
@@ -108,7 +109,8 @@ def test_edit_examples():
         assert {x["category"] for x in lines} == set(world.EDIT_KINDS)
         for x in lines:
             assert world.parse_edit(x["prompt"]) in keys
-            assert rewards.not_a_world_edit({**x, "source": str(ROOT / "examples" / x["source"])}) is None
+            source = user_input.load_image(ROOT / "examples" / x["source"], world.SIZE, world.SIZE, "source")
+            assert rewards.not_a_world_edit({**x, "source": source}) is None
 
 
 def test_train_tiny_edit_quick(tmp_path):

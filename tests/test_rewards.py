@@ -13,7 +13,7 @@ from PIL import Image
 
 import grpo
 from helpers import rewards
-from helpers import run
+from helpers import user_input
 from conftest import DEVICE, TINY, expect_exit, write_example
 
 
@@ -95,7 +95,7 @@ def test_clip_reward(clip_folder):
     from transformers import CLIPModel, CLIPProcessor
     images, example = pictures(), {"prompt": "a red circle"}
     rewards.load_scorer.cache_clear()
-    fn = run.parse_rewards(f"clip@{clip_folder}=1", grpo.REWARDS)["clip"][0]
+    fn = user_input.parse_rewards(f"clip@{clip_folder}=1", grpo.REWARDS)["clip"][0]
     got = fn(images, example)
     model, processor = CLIPModel.from_pretrained(clip_folder).eval(), CLIPProcessor.from_pretrained(clip_folder)
     with torch.no_grad():
@@ -108,7 +108,7 @@ def test_clip_reward(clip_folder):
         model.get_text_features(**processor(text=[example["prompt"]], return_tensors="pt")).pooler_output), atol=1e-5)
     other = rewards.clip_reward(images, {"prompt": "three blue squares"}, str(clip_folder))
     assert not torch.allclose(other, got)  # the prompt matters
-    pick = run.parse_rewards(f"pickscore@{clip_folder}", grpo.REWARDS)["pickscore"][0]
+    pick = user_input.parse_rewards(f"pickscore@{clip_folder}", grpo.REWARDS)["pickscore"][0]
     assert torch.allclose(pick(images, example), got)
     assert rewards.load_scorer.cache_info().misses == 2  # clip and pickscore once each, however often called
 
@@ -144,15 +144,15 @@ def test_aesthetic_reward(aesthetic_folder):
 def test_parse_rewards_checkpoint(clip_folder):
     """name@checkpoint binds a learned reward to a hub id or folder and keeps what it needs; a name without @ keeps the
     documented default; only learned rewards take @; a reward listed twice, or an empty checkpoint, is refused."""
-    parsed = run.parse_rewards(f"clip@{clip_folder}=1,shapes=0.5", grpo.REWARDS)
+    parsed = user_input.parse_rewards(f"clip@{clip_folder}=1,shapes=0.5", grpo.REWARDS)
     assert list(parsed) == ["clip", "shapes"] and parsed["clip"][1] == 1.0 and parsed["shapes"][1] == 0.5
-    assert parsed["clip"][0].keywords == {"checkpoint": str(clip_folder)} and parsed["clip"][0].needs == ("prompt",)
-    assert run.parse_rewards("pickscore", grpo.REWARDS)["pickscore"][0] is rewards.pickscore_reward
+    assert parsed["clip"][0].__wrapped__.keywords == {"checkpoint": str(clip_folder)} and parsed["clip"][0].needs == ("prompt",)
+    assert user_input.parse_rewards("pickscore", grpo.REWARDS)["pickscore"][0].__wrapped__ is rewards.pickscore_reward
     assert rewards.LEARNED["pickscore"][0] == "yuvalkirstain/PickScore_v1"
     for bad, needle in [("ssim@x=1", "only the learned rewards"), ("clip@=1", "give a hub id or folder"),
                         (f"clip@{clip_folder},clip=1", "listed twice")]:
         with pytest.raises(ValueError, match=needle):
-            run.parse_rewards(bad, grpo.REWARDS)
+            user_input.parse_rewards(bad, grpo.REWARDS)
 
 
 def test_learned_reward_bad_checkpoint(tmp_path, clip_folder, dino_folder, capsys):
@@ -227,7 +227,7 @@ def test_ocr_reward(tmp_path):
     images = torch.stack([render_text("Hello World"), render_text("Goodbye Moon"), noise])
     (tmp_path / "p.jsonl").write_text('{"prompt": "a shop sign that says \\"HELLO\\" and \u201cworld\u201d"}\n'
                                       '{"prompt": "a sign", "text": "hello  world"}\n')
-    for example in run.read_prompts(tmp_path / "p.jsonl"):  # the text from the quotes, or the "text" field
+    for example in user_input.read_prompts(tmp_path / "p.jsonl"):  # the text from the quotes, or the "text" field
         right, wrong, nothing = rewards.ocr_reward(images, example).tolist()
         assert right > 0.8 and right > wrong + 0.4 and right > nothing + 0.4, (right, wrong, nothing)
 
@@ -270,7 +270,7 @@ def test_lpips_reward(tmp_path, capsys):
     net = rewards.lpips_model(str(tmp_path)).net  # AlexNet's feature layers 0, 3, 6, 8, 10 hold the folder's weights
     assert all(torch.equal(getattr(net, f"slice{k}")._modules[str(i)].weight, state[f"features.{i}.weight"])
                for k, i in [(1, 0), (2, 3), (3, 6), (4, 8), (5, 10)])
-    [(fn, weight)] = run.parse_rewards(f"lpips@{tmp_path}=0.4", grpo.REWARDS).values()
+    [(fn, weight)] = user_input.parse_rewards(f"lpips@{tmp_path}=0.4", grpo.REWARDS).values()
     target = torch.rand(3, 64, 64, generator=torch.Generator().manual_seed(1))
     images = torch.stack([target, torch.rand(3, 64, 64, generator=torch.Generator().manual_seed(2)), target * 0.5])
     scores = fn(images, {"target": target})
@@ -304,10 +304,10 @@ def test_ocr_languages(monkeypatch):
             return ["你好"]
 
     monkeypatch.setattr(rewards, "ocr_reader", lambda languages=("en",): asked.append(languages) or Reader())
-    table = run.parse_rewards("ocr@ch_sim+en=1,ssim=0", grpo.REWARDS)
+    table = user_input.parse_rewards("ocr@ch_sim+en=1,ssim=0", grpo.REWARDS)
     score = table["ocr"][0](torch.zeros(2, 3, 8, 8), {"text": "你好"})
     assert asked == [("ch_sim", "en")] * 2 and score.tolist() == [1.0, 1.0] and table["ocr"][0].needs == ("text",)
-    run.parse_rewards("ocr=1", grpo.REWARDS)["ocr"][0](torch.zeros(1, 3, 8, 8), {"text": "x"})
+    user_input.parse_rewards("ocr=1", grpo.REWARDS)["ocr"][0](torch.zeros(1, 3, 8, 8), {"text": "x"})
     assert asked[-1] == ("en",)
     with pytest.raises(ValueError, match="ocr its languages"):
-        run.parse_rewards("mse@en=1", grpo.REWARDS)
+        user_input.parse_rewards("mse@en=1", grpo.REWARDS)

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import grpo
-from helpers import diagnostics, fast_decode, parallel, run, variants
+from helpers import diagnostics, fast_decode, parallel, user_input, variants
 from tests.conftest import CORRECTIONS, PARITY, T, TINY, run_record, sample_group, sampled_rows, write_example
 from tests.conftest import pipe, random_pipe  # noqa: F401  the tiny pipelines (fixtures)
 from tests.test_rewards import dino_folder  # noqa: F401  a tiny random DINOv2 (a fixture)
@@ -221,7 +221,7 @@ def test_reward_aggregation():
 
     def normalized(weights: str, each: dict) -> torch.Tensor:
         cfg = cfg_with(reward=weights, reward_aggregation="normalize")
-        total = sum(w * each[n] for n, w in run.reward_weights(weights).items() if w != 0)
+        total = sum(w * each[n] for n, w in user_input.reward_weights(weights).items() if w != 0)
         return variants.advantages(grpo.group_advantages(total), [], total, each, in_loss, cfg, grpo)
 
     want = trl_normalize_then_sum(torch.stack([ocr[in_loss].flatten(), aesthetic[in_loss].flatten()], dim=1),

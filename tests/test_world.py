@@ -15,8 +15,8 @@ import pytest
 import torch
 
 import grpo
+from helpers import user_input
 from helpers import rewards
-from helpers import run
 from helpers import world
 
 from conftest import picture, sample_group
@@ -202,16 +202,16 @@ def test_shapes_reward_bad_prompt(tmp_path, capsys):
 def test_demo_files():
     """prompts.txt holds world captions with their rendered targets (each read back as its caption says); the shapes
     demo trains on training captions only and the held-out file holds the rest."""
-    examples = run.read_prompts(str(ROOT / "prompts.txt"))
+    examples = user_input.read_prompts(str(ROOT / "prompts.txt"))
     assert len(examples) >= 3
     for example in examples:
-        target = run.load_image(example["target"], world.SIZE, world.SIZE)
+        target = user_input.load_image(example["target"], world.SIZE, world.SIZE)
         assert rewards.shapes_reward(target[None], example).item() == 1.0
     train, held = world.caption_split()
-    shapes = [e["prompt"] for e in run.read_prompts(str(ROOT / "examples" / "shapes.txt"))]
-    held_file = [e["prompt"] for e in run.read_prompts(str(ROOT / "examples" / "shapes_heldout.jsonl"))]
+    shapes = [e["prompt"] for e in user_input.read_prompts(str(ROOT / "examples" / "shapes.txt"))]
+    held_file = [e["prompt"] for e in user_input.read_prompts(str(ROOT / "examples" / "shapes_heldout.jsonl"))]
     assert sorted(shapes) == sorted(train) and sorted(held_file) == sorted(held)
-    kinds = {e["category"] for e in run.read_prompts(str(ROOT / "examples" / "shapes_heldout.jsonl"))
+    kinds = {e["category"] for e in user_input.read_prompts(str(ROOT / "examples" / "shapes_heldout.jsonl"))
              if e["category"] == world.parse_caption(e["prompt"])["kind"]}
     assert kinds == set(world.KINDS)  # every line's category is its caption's kind, and every kind is there
     assert all(e["prompt"] in train for e in examples)

@@ -48,7 +48,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # grpo.py and the files it imports live in the repository root
 
 import grpo  # noqa: E402
-from helpers import diagnostics, fast_decode, run, setup, variants  # noqa: E402
+from helpers import diagnostics, fast_decode, setup, user_input, variants  # noqa: E402
 from helpers import rewards  # noqa: E402
 from tools.generate_reference import generate_group  # noqa: E402  grpo.py's sampler before its decode loop
 
@@ -94,7 +94,7 @@ def saved_activation_bytes(fn) -> int:
 
 
 def phases(pipe, policy, rows):
-    target = run.load_image(ROOT / "examples" / "target_0.png", H, W)
+    target = user_input.load_image(ROOT / "examples" / "target_0.png", H, W)
     ref = copy.deepcopy(policy).requires_grad_(False)
     opt = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=1e-3)
     t, r = timed(lambda: sample_group(pipe, PROMPT, G, H, W, T, seed=0))

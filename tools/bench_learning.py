@@ -42,6 +42,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # grpo.py and the files it imports live in the repository root
 
 import grpo  # noqa: E402
+from helpers import user_input  # noqa: E402
 from helpers import run  # noqa: E402
 from helpers import variants  # noqa: E402
 from helpers import world  # noqa: E402
@@ -342,14 +343,14 @@ def layout_reading(out: Path | None) -> dict:
     "wrong_layouts", "right" (the share fully right), and the relation captions' ("relation/...")."""
     pipe = grpo.load_glm_image("tiny") if out is None else trained_pipe(out)
     cfg = grpo.parse_config(["--model", "tiny"])
-    examples = run.read_prompts(str(ROOT / "examples" / "shapes_heldout.jsonl"))
+    examples = user_input.read_prompts(str(ROOT / "examples" / "shapes_heldout.jsonl"))
     rollouts = []  # the evaluation's draws, kept for their grids
 
     def sample_groups(*args, **kwargs):
         rollouts.extend(drawn := grpo.sample_groups(*args, **kwargs))
         return drawn
     seeds = [run.EVAL_SEED + i for i in range(len(examples))]
-    _, right, _, _ = run.evaluate(pipe, examples, seeds, run.parse_rewards("shapes_exact", grpo.REWARDS), 8, cfg,
+    _, right, _, _ = run.evaluate(pipe, examples, seeds, user_input.parse_rewards("shapes_exact", grpo.REWARDS), 8, cfg,
                                   (sample_groups, grpo.decode_images, grpo.group_rewards))
     rows = [(ex, ok == 1.0, [tuple(g) for g in ro.tokens[:, -math.prod(ro.large_hw):].tolist()])
             for ex, ok, ro in zip(examples, right, rollouts)]

@@ -25,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # grpo.py and i
 
 import dit_grpo  # noqa: E402
 import grpo  # noqa: E402
+from helpers import user_input  # noqa: E402
 from helpers import run_io  # noqa: E402
 from helpers import run  # noqa: E402
 from helpers import setup  # noqa: E402
@@ -77,7 +78,7 @@ def compare(path: Path, eval_prompts: str | None = None, eval_samples: int | Non
     if not cfg.eval_prompts:
         raise ValueError(f"{run_dir} was trained without --eval-prompts; give --eval-prompts FILE")
     run.validate(cfg)
-    evals = run.load_evals(cfg, run.parse_rewards(cfg.reward, grpo.REWARDS), grpo.REWARDS)
+    evals = run.load_evals(cfg, user_input.parse_rewards(cfg.reward, grpo.REWARDS), grpo.REWARDS)
     run.quiet_libraries()
     _, _, device = start_processes(cfg.device)  # one process: grpo.py's device choice, nothing started
     dtype = run.compute_settings(device, cfg.dtype, cfg.model)  # as grpo.py: the same threads give the same sums and samples

@@ -40,6 +40,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # grpo.py and the files it imports live in the repository root
 
 import grpo  # noqa: E402
+from helpers import user_input  # noqa: E402
 from helpers import run  # noqa: E402
 from helpers import world  # noqa: E402
 from helpers import rewards  # noqa: E402
@@ -192,7 +193,7 @@ def held_out_accuracy(pipe, pairs: list[dict], samples: int = 8, seed: int = 0) 
     cfg = grpo.parse_config(["--model", "tiny-edit"])
     right, scores, kinds = [], [], []
     for i, pair in enumerate(pairs):
-        source = run.load_image(EXAMPLES / pair["source"], SIZE, SIZE, "source")  # as grpo.py loads it
+        source = user_input.load_image(EXAMPLES / pair["source"], SIZE, SIZE, "source")  # as grpo.py loads it
         with torch.no_grad():
             rollout, = grpo.sample_groups(pipe, [pair["prompt"]], samples, cfg.height, cfg.width, cfg.temperature,
                                           [seed * 1_000_003 + i], [source], cfg.top_k, cfg.top_p)
@@ -214,8 +215,8 @@ def dit_check(pipe, pairs: list[dict]) -> float:
     cfg = grpo.parse_config(["--model", "tiny-edit"])
     right = []
     for pair in pairs:
-        source = run.load_image(EXAMPLES / pair["source"], SIZE, SIZE, "source")  # as grpo.py loads it
-        _, want = rewards.edit_asked(pair, rewards.to_uint8(source[None])[0])
+        source = user_input.load_image(EXAMPLES / pair["source"], SIZE, SIZE, "source")  # as grpo.py loads it
+        _, want = rewards.edit_asked({**pair, "source": source})
         _, _, large_hw, src = grpo.group_prompt(pipe, pair["prompt"], 1, SIZE, SIZE, source)
         images = grpo.decode_images(pipe, pair["prompt"], torch.tensor([world.labels(want)]), large_hw, SIZE, SIZE,
                                     cfg.num_inference_steps, cfg.decode_seed, cfg.guidance_scale, src)
