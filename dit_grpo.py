@@ -45,7 +45,7 @@ from diffusers.schedulers.scheduling_flow_match_euler_discrete import FlowMatchE
 
 import grpo  # the AR's sampler, the decoder, rewards, the loss and the set-up: shared with the AR's GRPO
 from helpers import run, setup, variants  # the run's plumbing, the set-up and the variants, as grpo.py's
-from helpers.parallel import all_agree, interrupts_held, rows_per_process, unsharded
+from helpers.parallel import all_agree, rows_per_process, unsharded
 
 
 def sde_step(x: torch.Tensor, v: torch.Tensor, sigma: torch.Tensor, sigma_next: torch.Tensor,
@@ -318,7 +318,7 @@ def main(argv: list[str] | None = None) -> dict:
                 in_loss = run.finite_groups(job, step, reward, each, examples)  # (P,): NaN / inf: A = 0, out, warned
                 advantages = variants.advantages(grpo.group_advantages(reward), [], reward, each, in_loss,
                                                  cfg, grpo)  # --scale-rewards
-            with interrupts_held():
+            with run.landing():  # from here the step lands whole or not at all: a stop waits
                 with run.timed(seconds, "train", cfg), job.autocast:  # 5. the update, each trained step a token
                     metrics = train_step(policy, optimizer, chains, advantages, ref_model, noise_level=cfg.sde_noise,
                                          steps=window(len(chains[0].timesteps), cfg.sde_window),
@@ -327,7 +327,8 @@ def main(argv: list[str] | None = None) -> dict:
                                          max_grad_norm=cfg.max_grad_norm, in_loss=in_loss)
                 run.log_step(job, step, group_ids, reward, each, advantages, in_loss,
                              [c.latents[:, -1] for c in chains], metrics, seconds)
-            run.after_step(job, step, examples, [c.images for c in chains], reward, each)
+                run.after_step(job, step, examples, [c.images for c in chains], reward, each)
+            run.evaluation(job, step)
     return run.finish(job)
 
 

@@ -68,8 +68,7 @@ from PIL import Image
 
 try:  # helpers/, beside this file: main's plumbing, fast decode, FSDP2, more rewards, variants
     from helpers import diagnostics, fast_decode, run, setup, variants
-    from helpers.parallel import (all_agree, interrupts_held, merge_metrics, rows_per_process,
-                                  unsharded)
+    from helpers.parallel import all_agree, merge_metrics, rows_per_process, unsharded
     from helpers.rewards import MORE_REWARDS
 except ModuleNotFoundError as missing:  # copied alone: one process
     if missing.name != "helpers":
@@ -834,7 +833,7 @@ def main(argv: list[str] | None = None) -> dict:
                 in_loss = run.finite_groups(job, step, reward, each, examples)
                 advantages = variants.advantages(  # 7. z-scores within each group (and the seam)
                     group_advantages(reward), rollouts, reward, each, in_loss, cfg, lesson, images)
-            with interrupts_held():  # an update and its log line land together (or not at all)
+            with run.landing():  # from here the step lands whole or not at all: a stop waits
                 with run.timed(seconds, "train", cfg), job.autocast:  # 8.-9. the clipped update
                     # the seam of sections 8-9: the variants' micro-batches and loss (else as given)
                     micro, loss_fn = variants.update(
@@ -845,7 +844,8 @@ def main(argv: list[str] | None = None) -> dict:
                                          max_grad_norm=cfg.max_grad_norm, readings=readings)
                 run.log_step(job, step, group_ids, reward, each, advantages, in_loss, rollouts,
                              metrics, seconds)
-            run.after_step(job, step, examples, images, reward, each)  # grids, checkpoints, evals
+                run.after_step(job, step, examples, images, reward, each)  # lr, reference, checkpoint
+            run.evaluation(job, step)  # --eval-prompts, when due
     return run.finish(job)  # the last checkpoint, final/, curves.png, the after grid, the summary
 
 

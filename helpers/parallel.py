@@ -210,8 +210,7 @@ def trainable_state(policy, optimizer) -> tuple[dict, dict]:
 
 
 def load_trainable_state(policy, optimizer, state: dict) -> None:
-    """Put what trainable_state returned (saved in a checkpoint) back into a fresh policy and optimizer, and restore
-    the RNG states."""
+    """Put what trainable_state returned (saved in a checkpoint) back into a fresh policy and optimizer."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
     for group, saved in zip(optimizer.param_groups, state["optimizer"].get("param_groups", [])):
         for key, value in saved.items():  # keys a scheduler added (initial_lr), for an optimizer without one
@@ -219,9 +218,6 @@ def load_trainable_state(policy, optimizer, state: dict) -> None:
                 group.setdefault(key, value)
     set_state_dict(policy, optimizer, model_state_dict=state["weights"], optim_state_dict=state["optimizer"],
                    options=StateDictOptions(full_state_dict=True, strict=False))  # strict=False: frozen weights absent
-    torch.random.set_rng_state(state["rng"]["torch"])
-    if state["rng"]["cuda"] and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["rng"]["cuda"])
 
 
 def final_weights(policy) -> dict | None:
@@ -235,15 +231,19 @@ def final_weights(policy) -> dict | None:
                                                                  ignore_frozen_params=lora))
 
 
-# ---- Ctrl-C: stop between steps, never between an update and its log line ------------------------
+# ---- Ctrl-C and SIGTERM: a step lands whole, or not at all ------------------------------------------
+# A step's work splits in two. Sampling, decoding and scoring change nothing the run carries, so a stop there drops
+# the step (it is redone on resume). From the update on (the update, its log line, the learning-rate schedule, the
+# reference, the variants' state, the image grid, the checkpoint when due: `landing` in helpers/run.py) a stop waits
+# for the end. One process stops at once outside that part; many processes always finish the step, and stop together.
 
 INTERRUPT = {"requested": False, "held": False, "forced": False, "agreed": False}
 
 
 def on_interrupt(signum, frame) -> None:
-    """SIGINT (Ctrl-C) or SIGTERM. One process: stop at once, unless an update is being applied and logged (then
-    when it is logged). Many processes: always finish the step, so that every process stops at the same one. A
-    second signal stops at once, without a checkpoint (the last one stays)."""
+    """SIGINT (Ctrl-C) or SIGTERM (a cluster's scheduler preempting the job). One process: stop at once, unless the
+    step is landing (then when it has landed). Many processes: always land the step, so that every process stops at
+    the same one. A second signal stops at once, without a checkpoint (the last one stays)."""
     if INTERRUPT["held"] or distributed():
         if not INTERRUPT["requested"]:
             INTERRUPT["requested"] = True
@@ -269,19 +269,21 @@ def interrupts_caught():
 
 @contextlib.contextmanager
 def interrupts_held():
-    """Within this block an interrupt waits: it is raised when the block ends (one process) or at the next
-    `stop_requested()` (many processes)."""
+    """Within this block an interrupt waits; when the block has run to its end, a stop asked for in any process
+    (`stop_requested`) is raised, in every process at once."""
     INTERRUPT["held"] = True
     try:
         yield
     finally:
         INTERRUPT["held"] = False
-    if INTERRUPT["requested"] and not distributed():
+    if stop_requested():
         raise KeyboardInterrupt
 
 
 def stop_requested() -> bool:
-    """At the end of a step every process learns whether any of them was interrupted; then all stop there."""
+    """Whether a stop was asked for, in any process (under torchrun every process learns it here, so every process
+    must call it at the same points)."""
     if distributed():
-        INTERRUPT["agreed"] = not all_agree(not INTERRUPT["requested"])
-    return INTERRUPT["agreed"]
+        INTERRUPT["agreed"] = INTERRUPT["agreed"] or not all_agree(not INTERRUPT["requested"])
+        return INTERRUPT["agreed"]
+    return INTERRUPT["requested"]

@@ -22,23 +22,23 @@ from typing import Callable
 
 import numpy as np
 import torch
-from PIL import Image
 from tqdm.auto import tqdm
 
 from .parallel import (INTERRUPT, bars_shown, final_weights, gather_list, gather_rows, inner_bar, interrupts_caught,
+                       interrupts_held,
                        load_trainable_state, reduce_metrics, start_processes, stop_processes, stop_requested,
                        trainable_state, unsharded)
-from .rewards import CheckpointError, folder_path, hub_cached, import_reward, unreachable_hub, with_checkpoint
+from .rewards import folder_path, hub_cached, unreachable_hub
+from .user_input import (RULES, RewardError, check_numbers, check_rewards, field_kind, load_examples, parse_rewards,
+                     read_config_file, read_prompts)
 from .variants import State as VariantState, VariantSettings
 from . import variants
 from .run_io import (RUN_FILES, Reporter, append_metrics, atomic_folder, atomic_write, check_out_dir, check_reporter,
                      checkpoint_steps, image_grid, open_run_dir, plot_curves, prune_checkpoints, read_checkpoint,
-                     read_metrics, read_resume, resume_point, save_checkpoint, save_image, save_trained, side_by_side,
-                     what_trained)
+                     read_metrics, read_resume, restore_rng, resume_point, rng_kept, rng_state, save_checkpoint,
+                     save_image, save_trained, seed_everything, side_by_side, what_trained)
 
 SCRIPTS = {"ar": "grpo.py", "dit": "dit_grpo.py"}  # the entry point of each --train
-ONLY_ON_THE_COMMAND_LINE = ("resume", "overwrite")  # not read from a --config file
-KIND_NAMES = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
 PROG = {"name": "grpo.py"}  # the script the messages name: set by prepare
 TINY_NAMES = ("tiny", "tiny-edit")  # grpo.TINY_MODELS' names: shipped folders, the tiny defaults, float32
 RESUMABLE = ("steps", "device", "report_to", "save_every", "save_total_limit", "save_merged", "image_every",
@@ -75,120 +75,7 @@ class Run:
     skipped: int = 0  # updates skipped for a non-finite loss or gradient
     done: int = 0  # steps whose update is applied and logged
     saved: int = -1  # the step of the last checkpoint written (or resumed from)
-
-
-# ---- Inputs: prompts files, images, rewards ------------------------------------------------------
-
-def read_prompts(path: str, flag: str = "--prompts") -> list[dict]:
-    """A prompts file -> examples: dicts with "prompt", "target" and "source" (image paths or None), "text" (the
-    text the image should show, or None), "where" (file:line, for messages) and any other fields of a .jsonl line.
-
-    Text file: 'prompt | target.png' per line (split at the last '|'), or a prompt alone (no target).
-    .jsonl: one object per line, {"prompt": "make it night", "target": "night.png", "source": "day.png"}; "target"
-    and "source" (an image to edit) are optional. Paths are relative to the prompts file. "text" is the .jsonl
-    field, else the text in quotes in the prompt (GLM-Image's convention: its glyph encoder renders quoted text).
-    Blank lines and '#' comments are skipped. Raises ValueError naming the file and line (and `flag`).
-    """
-    path = Path(path)
-    try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except (OSError, UnicodeDecodeError) as error:
-        reason = "not UTF-8 text" if isinstance(error, UnicodeDecodeError) else error.strerror or str(error)
-        raise ValueError(f"cannot read {flag} {path} ({reason}); give a text file of 'prompt | target.png' lines "
-                         "or a .jsonl file")
-    examples = []
-    for number, line in enumerate(lines, start=1):
-        line, where = line.strip(), f"{path}:{number}"
-        if not line or line.startswith("#"):
-            continue
-        fields = read_jsonl_line(line, where) if path.suffix == ".jsonl" else read_text_line(line, where)
-        quoted = " ".join(a or b for a, b in re.findall(r'"([^"]+)"|“([^”]+)”', fields["prompt"]))
-        paths = {key: path.parent / fields[key] if fields.get(key) else None for key in ("target", "source")}
-        examples.append({**fields, "text": fields.get("text") or quoted or None, "where": where, **paths})
-    if not examples:
-        raise ValueError(f"{path} has no examples; add lines of the form 'prompt | target.png'")
-    return examples
-
-
-def read_text_line(line: str, where: str) -> dict:
-    """'prompt | target.png' or a prompt alone -> {"prompt", "target"}."""
-    prompt, bar, target = (part.strip() for part in line.rpartition("|"))
-    if bar and not (prompt and target):
-        raise ValueError(f"{where}: expected 'prompt | target.png' or a prompt alone, got '{line}'")
-    return {"prompt": prompt, "target": target} if bar else {"prompt": line}
-
-
-def read_jsonl_line(line: str, where: str) -> dict:
-    """One JSON object with a "prompt" string and optional "target", "source", "text" strings -> that dict."""
-    example = '{"prompt": "make it night", "target": "night.png", "source": "day.png"}'
-    try:
-        fields = json.loads(line)
-    except json.JSONDecodeError as error:
-        raise ValueError(f"{where}: not JSON ({error.msg}); write one object per line, e.g. {example}") from None
-    if not isinstance(fields, dict) or not isinstance(fields.get("prompt"), str) or not fields["prompt"].strip():
-        raise ValueError(f'{where}: needs a "prompt" string, e.g. {example}')
-    for key in ("target", "source", "text"):
-        if fields.get(key) is not None and not (isinstance(fields[key], str) and fields[key].strip()):
-            raise ValueError(f'{where}: "{key}" must be a non-empty string, e.g. {example}')
-    return {**fields, "prompt": fields["prompt"].strip()}
-
-
-def load_image(path: str | Path, height: int, width: int, role: str = "target") -> torch.Tensor:
-    """PNG/JPEG -> (3, H, W) float32 in [0, 1], resized (bicubic) if its size differs.
-    Raises ValueError for a missing or unreadable image."""
-    if not Path(path).is_file():
-        raise ValueError(f"{role} {path} does not exist; fix its path in the prompts file")
-    try:
-        with Image.open(path) as image:
-            image = image.convert("RGB")
-            if image.size != (width, height):
-                image = image.resize((width, height), Image.BICUBIC)
-            pixels = np.asarray(image, dtype=np.float32) / 255.0  # (H, W, 3)
-    except OSError as error:
-        raise ValueError(f"{role} {path} is not a readable image ({error}); replace it or fix the prompts file")
-    return torch.from_numpy(pixels).permute(2, 0, 1).contiguous()  # (3, H, W)
-
-
-def parse_rewards(spec: str, table: dict, flag: str = "--reward") -> dict[str, tuple]:
-    """'ssim=1,ocr=0.5,pickscore@yuvalkirstain/PickScore_v1=1,mypkg.rewards:clip=1' -> {name: (fn, weight)} (a name
-    alone weighs 1): names of `table` (grpo.REWARDS; a learned one may name its checkpoint after @) or import paths
-    module:function (found like `python -m` finds modules: installed, or in the current
-    directory). Every reward listed is computed and logged; weight 0 only keeps it out of the sum. Raises ValueError
-    naming the problem."""
-    rewards = {}
-    for part in spec.split(","):
-        name, where, weight = split_reward(part, flag)
-        if name in rewards:
-            raise ValueError(f"reward '{name}' is listed twice in {flag} '{spec}'; list it once")
-        rewards[name] = (import_reward(name) if ":" in name else table.get(name), weight)
-        if rewards[name][0] is None:
-            raise ValueError(f"unknown reward '{name}' in {flag} '{spec}'; use {', '.join(table)} or an import "
-                             "path module:function")
-        if where is not None:
-            rewards[name] = (with_checkpoint(name, rewards[name][0], where), weight)
-    if sum(w for _, w in rewards.values()) <= 0:
-        raise ValueError(f"{flag} '{spec}' gives every reward weight 0; give at least one a positive weight")
-    return rewards
-
-
-def split_reward(part: str, flag: str = "--reward") -> tuple[str, str | None, float]:
-    """One entry of --reward, 'name@where=weight' -> (name, where, weight): `where` None without an @ (a learned
-    reward's checkpoint, or the ocr reward's languages); a name alone weighs 1. Raises ValueError for a weight that is
-    not a number >= 0."""
-    name, _, value = (x.strip() for x in part.rpartition("=")) if "=" in part else (part.strip(), "", "")
-    try:
-        weight = float(value) if "=" in part else 1.0
-    except ValueError:
-        raise ValueError(f"reward weight '{part}' is not name=number; write e.g. {flag} ssim=1,mse=0") from None
-    if not weight >= 0:
-        raise ValueError(f"reward weight '{part}' is negative; weights must be >= 0")
-    name, at, where = name.partition("@")
-    return name, where.strip() if at else None, weight
-
-
-def reward_weights(spec: str) -> dict[str, float]:
-    """--reward's weights by reward name (parse_rewards checked the spec before the run started)."""
-    return {name: weight for name, _, weight in map(split_reward, spec.split(","))}
+    rng: dict | None = None  # the RNG states as the last landed step left them: what a checkpoint saves
 
 
 # ---- The command line and its checks, before anything is written ---------------------------------
@@ -268,17 +155,12 @@ def config_parser(config, default=None) -> argparse.ArgumentParser:
     for f in dataclasses.fields(config):
         flag, kind = "--" + f.name.replace("_", "-"), field_kind(f)
         value = f.default if default is None else default
+        rule = f" [{RULES[f.name].text()}]" if f.name in RULES else ""  # a number's range, as validate checks it
         if kind is bool:
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=value, help=f.metadata["help"])
         else:
-            parser.add_argument(flag, type=kind, default=value, help=f.metadata["help"])
+            parser.add_argument(flag, type=kind, default=value, help=f.metadata["help"] + rule)
     return parser
-
-
-def field_kind(f: dataclasses.Field) -> type:
-    """The type a field's flag parses its value to (a preset, `int | None`, parses as int)."""
-    kinds = {"int | None": int, "float | None": float, "bool | None": bool}  # optional: a model-dependent default
-    return kinds.get(str(f.type), f.type)
 
 
 def parse_flags(config, argv: list[str] | None = None) -> dict:
@@ -304,51 +186,6 @@ def config_file(argv: list[str] | None) -> str | None:
     return pre.parse_known_args(sys.argv[1:] if argv is None else argv)[0].config
 
 
-def read_config_file(path: str, config) -> dict:
-    """--config FILE (.yaml / .yml / .json; a run's config.json too) -> {field: value}, each value of its field's type
-    (YAML reads 5e-6 as a string: it is parsed as the flag would be). ValueError naming an unknown key, a bad value or
-    an unreadable file."""
-    file = Path(path)
-    if not file.is_file():
-        raise ValueError(f"--config {path}: {'a directory; give a file in it' if file.is_dir() else 'no such file'}")
-    try:
-        if file.suffix == ".json":
-            values = json.loads(file.read_text())
-        else:
-            import yaml  # PyYAML: a dependency of transformers
-            values = yaml.safe_load(file.read_text())
-    except Exception as error:  # a syntax error: its first line says where
-        raise ValueError(f"--config {path} does not parse ({str(error).splitlines()[0]})") from None
-    if values is None:
-        return {}
-    if not isinstance(values, dict):
-        raise ValueError(f"--config {path} holds a {type(values).__name__}; it should map field names to values "
-                         "(group_size: 4)")
-    fields = {f.name: f for f in dataclasses.fields(config)}
-    unknown = [key for key in values if key not in fields]
-    if unknown:
-        raise ValueError(f"--config {path}: unknown key{'s' * (len(unknown) > 1)} {', '.join(map(str, unknown))} "
-                         "(keys are the flags' field names, as in a run's config.json: group_size, kl_beta, ...)")
-    typed = {}
-    for key, value in values.items():
-        if key in ONLY_ON_THE_COMMAND_LINE:  # what to do with --out's folder: a run's config.json holds them too
-            continue
-        kind = field_kind(fields[key])
-        if value is None and fields[key].default is None:  # a preset left to the model, or an option off
-            typed[key] = None
-        elif isinstance(value, str) and kind is not bool:  # parsed as the flag's text would be
-            try:
-                typed[key] = kind(value)
-            except ValueError:
-                raise ValueError(f"--config {path}: {key}: {value!r} is not {KIND_NAMES[kind]}") from None
-        elif isinstance(value, kind) and not (kind is int and isinstance(value, bool)) or \
-                kind is float and type(value) is int:
-            typed[key] = kind(value)
-        else:
-            raise ValueError(f"--config {path}: {key}: {value!r} is not {KIND_NAMES[kind]}")
-    return typed
-
-
 def given_flags(config, argv: list[str] | None = None, saved: dict | None = None) -> set[str]:
     """The fields of `config` the command line sets itself (not left at their defaults), its --config file's
     included; with `saved` (a resumed run's config.json) only the file's values that differ from it (a job script
@@ -360,14 +197,10 @@ def given_flags(config, argv: list[str] | None = None, saved: dict | None = None
 
 
 def validate(cfg) -> None:
-    """Raise ValueError with a one-line fix for a configuration that cannot run."""
-    for name in ("height", "width"):
-        value = getattr(cfg, name)
-        if value <= 0 or value % 32:
-            raise ValueError(f"--{name} {value} is not a positive multiple of 32 (GLM-Image tokens are 32x32 pixels)")
-    if cfg.group_size < 2:
-        raise ValueError(f"--group-size {cfg.group_size}: GRPO compares samples within a group; use 2 or more")
-    if cfg.micro_batch_size < 1 or cfg.group_size % cfg.micro_batch_size:
+    """Raise ValueError with a one-line fix for a configuration that cannot run: every number in its range
+    (user_input.RULES), every field with choices at one of them, and the settings that cannot go together."""
+    check_numbers(cfg)
+    if cfg.group_size % cfg.micro_batch_size:
         raise ValueError(f"--micro-batch-size {cfg.micro_batch_size} must divide --group-size {cfg.group_size}")
     for field in dataclasses.fields(cfg):  # fields with a fixed set of values (--train-tokens, --dtype, ...)
         choices, value = field.metadata.get("choices"), getattr(cfg, field.name)
@@ -375,42 +208,19 @@ def validate(cfg) -> None:
             flag, listed = "--" + field.name.replace("_", "-"), ", ".join(choices[:-1])
             raise ValueError(f"{flag} {value}: use {listed} or {choices[-1]}")
     variants.validate(cfg)
-    if not cfg.sampler_cap >= 1:
-        raise ValueError(f"--sampler-cap {cfg.sampler_cap}: use a cap >= 1 (below 1 it cuts even an exact sampler's "
-                         "weight)")
-    for name, ok, rule in [("clip-eps", 0 < cfg.clip_eps < 1, "in (0, 1)"), ("kl-beta", cfg.kl_beta >= 0, ">= 0"),
-                           ("lr", 0 < cfg.lr < 1, "in (0, 1)"), ("temperature", cfg.temperature > 0, "> 0"),
-                           ("max-grad-norm", cfg.max_grad_norm > 0, "> 0"), ("lora-rank", cfg.lora_rank >= 0, ">= 0"),
-                           ("top-p", 0 < cfg.top_p <= 1, "in (0, 1]"), ("top-k", cfg.top_k >= 0, ">= 0")]:
-        if not ok:
-            raise ValueError(f"--{name} {getattr(cfg, name.replace('-', '_'))} is out of range; it must be {rule}")
-    for name in ("steps", "mu", "prompts_per_step", "num_inference_steps", "eval_samples"):
-        if getattr(cfg, name) < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
     ar_only = [flag for flag in variants.given(cfg)
                if flag not in ("--scale-rewards", "--clip-eps-high", "--reward-aggregation")]
     if cfg.train == "dit" and ar_only:  # --diversity included: its layouts are the AR's large grids
         raise ValueError(f"{', '.join(ar_only)}: the options of the AR's tokens' loss or ranks; dit_grpo.py does not "
                          "use them: leave them out")
-    if cfg.train == "dit" and not (cfg.sde_noise > 0 and cfg.sde_window >= 0 and cfg.sde_steps >= 0):
-        raise ValueError(f"--sde-noise {cfg.sde_noise} / --sde-window {cfg.sde_window} / --sde-steps "
-                         f"{cfg.sde_steps}: the noise must be > 0 (the log-probs of a deterministic step do not "
-                         "exist), the window and steps >= 0")
     if cfg.train == "dit" and cfg.mu != 1:
         raise ValueError(f"--mu {cfg.mu}: --train dit makes one update per batch of chains for now; drop --mu")
-    if cfg.eval_inference_steps < 0:
-        raise ValueError(f"--eval-inference-steps {cfg.eval_inference_steps} must be >= 0 (0: the training "
-                         "--num-inference-steps)")
-    if cfg.eval_every < 0:
-        raise ValueError(f"--eval-every {cfg.eval_every} must be >= 0 (0: evaluate only at step 0 and at the end)")
-    if cfg.save_total_limit < 0:
-        raise ValueError(f"--save-total-limit {cfg.save_total_limit} must be >= 0 (0: keep every checkpoint)")
     if cfg.save_merged and cfg.model.split(":")[0] == "random":
         raise ValueError("--save-merged loads the base model again to merge into it, and random weights cannot be "
                          "loaded again: drop --save-merged (final/ holds what was trained)")
-    if not 0 <= cfg.warmup_steps < cfg.steps:
-        raise ValueError(f"--warmup-steps {cfg.warmup_steps} must be >= 0 and below --steps {cfg.steps} (the rate "
-                         "reaches --lr after the warmup)")
+    if cfg.warmup_steps >= cfg.steps:
+        raise ValueError(f"--warmup-steps {cfg.warmup_steps} must be below --steps {cfg.steps} (the rate reaches --lr "
+                         "after the warmup)")
     if cfg.push_to_hub and not re.fullmatch(r"[\w.-]+/[\w.-]+", cfg.hub_model_id):
         raise ValueError(f"--push-to-hub uploads to --hub-model-id, and {cfg.hub_model_id or 'none'!r} is not a hub "
                          "repository id: give one, e.g. --hub-model-id you/glm-image-grpo")
@@ -461,55 +271,6 @@ def check_model(model: str, revision: str = "") -> None:
     if host:
         raise ValueError(f"--model {model} is not in the hub cache and {host} cannot be reached (offline?); download "
                          f"it where there is a network (hf download {model}), or use --model tiny or a local folder")
-
-
-def load_examples(examples: list[dict], rewards: dict, height: int, width: int) -> list[dict]:
-    """Check that every reward has what it needs in every example, then read the images: "target" and "source"
-    become (3, H, W) float32 tensors in [0, 1] (resized with a one-line note if their size differs)."""
-    loaded = []
-    for example in examples:
-        for role in ("target", "source"):  # before the rewards' own checks, which may open the files
-            if example[role] is not None and not Path(example[role]).is_file():
-                raise ValueError(f"{example['where']}: {role} {example[role]} does not exist; fix its path in the "
-                                 "prompts file")
-        for name, (fn, _) in rewards.items():
-            for field in getattr(fn, "needs", ()):
-                if example.get(field) is None:
-                    raise ValueError(f"{example['where']}: reward '{name}' needs a {field} and this example has none; "
-                                     f"add one, or leave '{name}' out of --reward")
-            problem = (getattr(fn, "check", None) or (lambda _: None))(example)
-            if problem:
-                raise ValueError(f"{example['where']}: reward '{name}': {problem}")
-        for role in ("target", "source"):
-            if example[role] is not None:
-                with contextlib.suppress(OSError), Image.open(example[role]) as image:  # the header only
-                    if image.size != (width, height):
-                        print(f"note: {role} {example[role]} is {image.size[0]}x{image.size[1]}, resized to "
-                              f"{width}x{height}", file=sys.stderr)
-        try:
-            images = {role: load_image(example[role], height, width, role)
-                      for role in ("target", "source") if example[role] is not None}
-        except ValueError as error:
-            raise ValueError(f"{example['where']}: {error}") from None  # name the prompts line
-        loaded.append({**example, **images})
-    return loaded
-
-
-def check_rewards(rewards: dict, example: dict, height: int, width: int) -> None:
-    """Call every reward once on two gray images, so a missing package or a wrong return shape stops the run now."""
-    for name, (fn, _) in rewards.items():
-        try:
-            value = fn(torch.full((2, 3, height, width), 0.5), example)
-        except ImportError as error:  # an optional package (e.g. EasyOCR for ocr): the message says what to install
-            raise ValueError(f"reward '{name}': {error}") from None
-        except CheckpointError:  # a learned reward's checkpoint that does not load: its own line names the fix
-            raise
-        except Exception as error:
-            raise ValueError(f"reward '{name}' failed on two gray test images: {type(error).__name__}: "
-                             f"{str(error).strip().splitlines()[0] if str(error).strip() else ''}") from None
-        if not (torch.is_tensor(value) and value.shape == (2,)):
-            raise ValueError(f"reward '{name}' must return a (G,) tensor, one value per image; for 2 images it "
-                             f"returned {tuple(value.shape) if torch.is_tensor(value) else type(value).__name__}")
 
 
 def load_evals(cfg, rewards: dict, table: dict) -> tuple[list[dict], dict] | None:
@@ -781,12 +542,16 @@ def open_run(r: Run, policy, optimizer, ref_model=None) -> None:
     if r.checkpoint:
         state = read_checkpoint(r.checkpoint)
         load_trainable_state(policy, optimizer, state)
+        restore_rng(state["rng"])
         if "scheduler" in state:  # (a checkpoint from before --lr-scheduler was constant: nothing to restore)
             r.scheduler.load_state_dict(state["scheduler"])
         r.variants.load_state_dict(state.get("variants", {}))
         r.evaluated = {h["step"] for h in read_metrics(r.out) if h.get("eval") and h["step"] <= r.start}  # kept
     r.history = open_run_dir(r.out, r.cfg, r.start) if r.rank == 0 else []  # the training metrics before `start`
     r.skipped, r.done, r.saved = sum(h["skipped"] for h in r.history), r.start, r.start if r.checkpoint else -1
+    if not r.checkpoint:
+        seed_everything(r.cfg.seed)
+    r.rng = rng_state()  # a new run's, or the checkpoint's
     r.examples = on_device(r.examples, r.device)
     r.evals = r.evals and (on_device(r.evals[0], r.device), r.evals[1])
 
@@ -865,6 +630,8 @@ def training(r: Run):
             yield
     except KeyboardInterrupt:
         interrupted(r)
+    except RewardError as error:  # a reward raised or returned what is not scores: outside the landing, as a stop
+        reward_failed(r, error)
     except ValueError as error:  # fast_decode.check_tokens: a sample that does not fill its grid
         if not str(error).startswith("sample_groups:"):
             raise
@@ -907,10 +674,22 @@ def steps(r: Run):
     """The steps of the loop: (step, groups, batch, seconds), `step` counted from 1 (after it, `step` updates are done:
     checkpoints/step-N, metrics.jsonl's "step" and the images name the same). Groups are numbered from 0 over all
     processes (process r of W takes groups ((step - 1) W + r) P + j); a group's number picks its prompt and seeds its
-    sampling."""
+    sampling. Under torchrun a stop asked for during an evaluation stops every process here, before the next step."""
     for done in r.progress:
+        if stop_requested():
+            raise KeyboardInterrupt
         groups = [(done * r.world + r.rank) * r.cfg.prompts_per_step + j for j in range(r.cfg.prompts_per_step)]
         yield done + 1, groups, [r.examples[example_index(r, g)] for g in groups], {}
+
+
+@contextlib.contextmanager
+def landing():
+    """Around the part of a step that changes what the run carries: the update, its log line (log_step) and
+    after_step's bookkeeping (the learning-rate schedule, the reference, the variants' state, the RNG states, the
+    image grid, the checkpoint when due). It lands whole or not at all: a Ctrl-C or SIGTERM waits for its end
+    (parallel.on_interrupt); before it, the step is dropped and redone on resume (docs/robustness.md)."""
+    with interrupts_held():
+        yield
 
 
 def example_index(r: Run, group: int) -> int:
@@ -1050,11 +829,13 @@ def code_health(grids: list[torch.Tensor]) -> dict:
 
 def after_step(r: Run, step: int, batch: list[dict], images: list[torch.Tensor], reward: torch.Tensor,
                each: dict | None = None) -> None:
-    """Every --image-every steps an image grid (rank 0; and to --report-to), every --save-every steps a checkpoint (all
-    processes), an evaluation when due; an interrupt in any process stops all after this step."""
+    """The step's bookkeeping, the end of its landing: the next step's learning rate, the variants' state (the
+    reference's reset), the RNG states, every --image-every steps an image grid (rank 0; and to --report-to), every
+    --save-every steps a checkpoint (all processes)."""
     cfg = r.cfg
     r.scheduler.step()  # the next step's learning rate (a checkpoint below saves it)
     variants.after_step(r.variants, step, cfg, r.history[-1])  # --reference-reset-every (a checkpoint below saves it)
+    r.rng = rng_state()  # as the step leaves them (a user's reward may draw): what any checkpoint until the next saves
     if r.rank == 0 and cfg.image_every and ((step - 1) % cfg.image_every == 0 or step == cfg.steps):
         path = r.out / "images" / f"step_{step:05d}.png"
         save_grid(path, batch, images, reward, [f"step {step}: {ex['prompt']}" for ex in batch],
@@ -1062,25 +843,47 @@ def after_step(r: Run, step: int, batch: list[dict], images: list[torch.Tensor],
         r.reporter.image("samples", path, step)
     if cfg.save_every and step % cfg.save_every == 0:
         save_run(r, step)
-    if r.evals and eval_due(step, cfg):  # the policy after `step` updates
+
+
+def evaluation(r: Run, step: int) -> None:
+    """After step `step` has landed: the held-out evaluation when due (every --eval-every steps and after the last).
+    Outside the landing: a stop here (or a reward that fails) leaves it undone, and a resume from this step does it."""
+    if r.evals and eval_due(step, r.cfg):  # the policy after `step` updates
         run_evaluation(r, step)
-    if stop_requested():
-        raise KeyboardInterrupt
 
 
 def interrupted(r: Run) -> None:
-    """After Ctrl-C: a checkpoint of the finished steps (unless the user forced an immediate stop), exit 130."""
+    """After Ctrl-C or SIGTERM: a checkpoint of the landed steps (unless the user forced an immediate stop), exit 130."""
     r.progress.close()
     if not INTERRUPT["forced"]:
-        save_run(r, r.done)  # the steps after `done` did not finish: redone on resume
+        save_run(r, r.done)  # the steps after `done` did not land: redone on resume
     if r.rank == 0:
         saved = "the last checkpoint is kept" if INTERRUPT["forced"] else f"checkpoint at step {r.done}"
-        per_node = int(os.environ.get("LOCAL_WORLD_SIZE", r.world))
-        nodes = f"--nnodes {r.world // per_node} ... " if per_node < r.world else ""  # each node's own flags
-        launch = f"torchrun {nodes}--nproc-per-node {per_node}" if r.world > 1 else "python"
-        print(f"interrupted: {saved} in {r.out}; continue it with: {launch} {PROG['name']} --resume {r.out}",
-              file=sys.stderr)
+        print(f"interrupted: {saved} in {r.out}; continue it with: {resume_command(r)}", file=sys.stderr)
     raise SystemExit(130)
+
+
+def resume_command(r: Run) -> str:
+    """The command that continues the run in r.out, on this many processes."""
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", r.world))
+    nodes = f"--nnodes {r.world // per_node} ... " if per_node < r.world else ""  # each node's own flags
+    launch = f"torchrun {nodes}--nproc-per-node {per_node}" if r.world > 1 else "python"
+    return f"{launch} {PROG['name']} --resume {r.out}"
+
+
+def reward_failed(r: Run, error: RewardError) -> None:
+    """A reward raised, or returned what is not one score per image, in a step or an evaluation (never in a landing:
+    rewards are scored before it): one line naming it, its traceback in <out>/error.txt, the landed steps saved (one
+    process; under torchrun the other processes wait in a collective, so the last checkpoint stays), exit 1."""
+    r.progress.close()
+    if r.world == 1:
+        save_run(r, r.done)
+    saved = f"the {plural(r.done, 'landed step')} saved" if r.world == 1 else "the last checkpoint kept"
+    where = "its traceback: " + str(r.out / "error.txt")
+    with contextlib.suppress(OSError):
+        atomic_write(r.out / "error.txt", lambda f: f.write((error.details or str(error)).encode()))
+    example = f" on {error.where}" if error.where else ""
+    fail(f"{error}{example} ({where}); {saved}: fix it, then continue with: {resume_command(r)}", code=1)
 
 
 def save_grid(path: Path, batch: list[dict], images: list[torch.Tensor], reward: torch.Tensor,
@@ -1127,7 +930,7 @@ def show(r: Run, name: str, when: str) -> float:
     """G samples of each of the first --before-after examples with fixed seeds (evaluate_shared), into images/`name`
     (rank 0); after training also images/before_after.png beside the grid from before. Returns the mean reward."""
     examples, path = r.examples[:r.cfg.before_after], r.out / "images" / name
-    with timed({}, "show", r.cfg):
+    with timed({}, "show", r.cfg), rng_kept():  # what training draws after it stays as without it
         images, reward, each, _ = evaluate_shared(r.evaluate, examples, r.rewards, r.cfg.group_size, SHOW_SEED,
                                                   len(examples), r.rank, r.world)
     if r.rank == 0:
@@ -1202,7 +1005,7 @@ def run_evaluation(r: Run, step: int) -> None:
     of the first EVAL_GRID prompts (images/eval_<step>.png: the same prompts and seeds every time, so one prompt can be
     followed through training) and a line on the terminal (rank 0). Every process takes part."""
     (examples, rewards), seconds = r.evals, {}
-    with timed(seconds, "eval", r.cfg):
+    with timed(seconds, "eval", r.cfg), rng_kept():  # training's draws after it are as without it
         images, total, each, layouts = evaluate_shared(r.evaluate, examples, rewards, r.cfg.eval_samples, EVAL_SEED,
                                                        EVAL_GRID, r.rank, r.world)
     record = eval_record(step, examples, total, each, layouts, seconds["eval"])
@@ -1256,7 +1059,7 @@ def save_run(r: Run, step: int) -> None:
     if r.rank == 0:
         save_checkpoint(r.out / "checkpoints" / f"step-{step}", r.policy, model_weights, weights, optimizer_state,
                         step, r.cfg, r.world, base_model(r.cfg.model, r.lesson.TINY_MODELS), r.scheduler.state_dict(),
-                        carried)
+                        carried, r.rng)
         prune_checkpoints(r.out, r.cfg.save_total_limit)
     r.saved = step
 

@@ -10,6 +10,7 @@ import dataclasses
 import importlib.util
 import json
 import os
+import random
 import re
 import shutil
 import tempfile
@@ -22,7 +23,7 @@ from PIL import Image, ImageDraw
 
 
 RUN_FILES = ("config.json", "metrics.jsonl", "samples.jsonl", "checkpoint.pt", "checkpoints", "images", "final",
-             "final.tmp", "final.old", "curves.png", "tensorboard", "wandb", "wandb_run_id.txt")  # a run's files in --out (checkpoint.pt: a run's one checkpoint
+             "final.tmp", "final.old", "curves.png", "tensorboard", "wandb", "wandb_run_id.txt", "error.txt")  # a run's files in --out (checkpoint.pt: a run's one checkpoint
 # before checkpoints/ existed; final.tmp / .old: what a killed write of final/ leaves)
 STATE = "trainer_state.pt"  # in each checkpoints/step-N/, beside the loadable model: what --resume reads
 CHECKPOINT_KEYS = {"weights", "optimizer", "step", "config", "rng"}
@@ -285,18 +286,17 @@ def side_by_side(left: Path, right: Path) -> Image.Image:
 
 def save_checkpoint(folder: Path, model, model_weights: dict | None, weights: dict, optimizer_state: dict,
                     step: int, cfg, world: int = 1, base_model: str = "", scheduler: dict | None = None,
-                    variants: dict | None = None) -> None:
+                    variants: dict | None = None, rng: dict | None = None) -> None:
     """checkpoints/step-N/: trainer_state.pt (the trainable weights, the optimizer state, the RNG states, the steps
     done, the config) beside the trained model as save_trained writes it (loadable on its own), the folder written
     whole or not at all. `weights` / `optimizer_state`: full (unsharded) state dicts, as `trainable_state` returns
     them; `model_weights`: `final_weights`' (None in one process). `world`: the number of processes
     (cfg.prompts_per_step is per process); `scheduler`: the learning rate schedule's state dict; `variants`: the
-    variants' state (helpers/variants.py's State)."""
+    variants' state (helpers/variants.py's State); `rng`: the RNG states to save (`rng_state`'s; default: now)."""
     state = {"weights": weights, "optimizer": optimizer_state, "step": step, "config": dataclasses.asdict(cfg),
              "world": world, **({"scheduler": scheduler} if scheduler is not None else {}),
              **({"variants": variants} if variants else {}),
-             "rng": {"torch": torch.random.get_rng_state(),
-                     "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}}
+             "rng": rng or rng_state()}
 
     def write(tmp: Path) -> None:
         atomic_write(tmp / STATE, lambda f: torch.save(state, f))
@@ -304,6 +304,52 @@ def save_checkpoint(folder: Path, model, model_weights: dict | None, weights: di
         card = checkpoint_card(folder, step, cfg, base_model)  # in place of peft's empty template
         atomic_write(tmp / "README.md", lambda f: f.write(card.encode()))
     atomic_folder(folder, write)
+
+
+def seed_everything(seed: int) -> None:
+    """A new run's global RNGs (torch's on every device, numpy's, Python's) from --seed, as transformers' set_seed:
+    grpo.py's own draws have their own generators, but a user's reward may draw from these (a random crop)."""
+    torch.manual_seed(seed)
+    np.random.seed(seed)
+    random.seed(seed)
+
+
+def rng_state() -> dict:
+    """The global RNGs' states (torch's, CUDA's, numpy's, Python's) as tensors and numbers, which a checkpoint holds
+    and torch.load(weights_only=True) reads back."""
+    _, keys, position, has_gauss, gauss = np.random.get_state()
+    version, internal, gauss_next = random.getstate()
+    return {"torch": torch.random.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+            "numpy": {"keys": torch.from_numpy(keys.astype(np.int64)), "position": position, "has_gauss": has_gauss,
+                      "gauss": gauss},
+            "python": {"version": version, "internal": torch.tensor(internal, dtype=torch.int64),
+                       "gauss_next": gauss_next}}
+
+
+def restore_rng(state: dict) -> None:
+    """Put `rng_state()`'s states back (a checkpoint from before numpy's and Python's were saved restores torch's)."""
+    torch.random.set_rng_state(state["torch"])
+    if state["cuda"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+    if "numpy" in state:
+        saved = state["numpy"]
+        np.random.set_state(("MT19937", saved["keys"].numpy().astype(np.uint32), saved["position"],
+                             saved["has_gauss"], saved["gauss"]))
+    if "python" in state:
+        saved = state["python"]
+        random.setstate((saved["version"], tuple(saved["internal"].tolist()), saved["gauss_next"]))
+
+
+@contextlib.contextmanager
+def rng_kept():
+    """The global RNGs as they were before the block, after it: an evaluation (whose rewards may draw) leaves
+    training's draws as they would be without it, so that a run resumed before or after one goes on the same."""
+    state = rng_state()
+    try:
+        yield
+    finally:
+        restore_rng(state)
 
 
 def what_trained(cfg) -> tuple[str, str, str]:

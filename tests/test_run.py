@@ -24,6 +24,7 @@ from PIL import Image
 
 import grpo
 from helpers import fast_decode
+from helpers import user_input
 from helpers import parallel
 from helpers import run
 from helpers import run as helpers_run  # the tests' `run` is often a run directory
@@ -36,38 +37,21 @@ from conftest import (DEVICE, ROOT, TINY, TINY_CPU, assert_same_metrics, assert_
 STEPS = (grpo.sample_groups, grpo.decode_images, grpo.group_rewards)  # what grpo.main passes run.evaluate
 
 
-def test_parse_rewards(tmp_path, monkeypatch):
-    """Built-in names and module:function import paths with weights; bad names, weights and imports are refused."""
-    rewards = run.parse_rewards("ssim=1,mse=0.5", grpo.REWARDS)
-    assert {k: w for k, (_, w) in rewards.items()} == {"ssim": 1.0, "mse": 0.5}
-    assert rewards["ssim"][0] is grpo.ssim_reward
-    (tmp_path / "my_rewards.py").write_text("import torch\ndef brightness(images, example):\n"
-                                            "    return images.mean(dim=(1, 2, 3))\nnot_a_function = 3\n")
-    monkeypatch.chdir(tmp_path)  # module:function is found in the current directory, as `python -m` would
-    custom = run.parse_rewards("my_rewards:brightness=2,ssim=0", grpo.REWARDS)
-    assert custom["my_rewards:brightness"][1] == 2.0 and custom["my_rewards:brightness"][0].__name__ == "brightness"
-    for bad, needle in [("ssmi=1", "unknown reward"), ("ssim=x", "name=number"), ("ssim=", "name=number"),
-                        ("ssim=-1", "negative"), ("ssim=0,mse=0", "every reward weight 0"),
-                        ("no_such_module:f=1", "cannot import"), ("my_rewards:nope=1", "cannot import"),
-                        ("my_rewards:not_a_function=1", "not a function")]:
-        with pytest.raises(ValueError, match=needle):
-            run.parse_rewards(bad, grpo.REWARDS)
-
-
 def test_validate():
     """Sizes not multiple of 32, G < 2, micro-batches that do not divide G, bad ranges and values outside a field's
     choices are refused, each with a message naming the flag and its value."""
     good = grpo.parse_config(["--model", "tiny"])
     run.validate(good)
-    for change, needle in [(dict(height=48), "--height 48 is not a positive multiple of 32"),
-                           (dict(width=0), "--width 0 is not"), (dict(group_size=1), "--group-size 1: GRPO"),
+    for change, needle in [(dict(height=48), "--height 48 is out of range; it must be a positive multiple of 32"),
+                           (dict(width=0), "--width 0 is out"), (dict(group_size=1), "--group-size 1 is out of range; it "
+                                                                  "must be >= 2 (GRPO compares"),
                            (dict(micro_batch_size=3), "--micro-batch-size 3 must divide --group-size 8"),
                            (dict(clip_eps=0.0), "--clip-eps 0.0 is out of range"),
                            (dict(kl_beta=-1.0), "--kl-beta -1.0 is out of range"), (dict(lr=0.0), "--lr 0.0 is out"),
                            (dict(train_tokens="some"), "--train-tokens some"),
                            (dict(sampler_correction="tis"), "--sampler-correction tis: use token_truncate, token_mask, "
                             "sequence_truncate, sequence_mask or none"),
-                           (dict(sampler_cap=0.5), "--sampler-cap 0.5: use a cap >= 1"),
+                           (dict(sampler_cap=0.5), "--sampler-cap 0.5 is out of range; it must be >= 1"),
                            (dict(train="vae"), "--train vae: use ar or dit"),
                            (dict(dtype="fp16"), "--dtype fp16: use auto, float32 or bfloat16"),
                            (dict(device="tpu"), "--device tpu: use auto, cpu or cuda"),
@@ -75,56 +59,9 @@ def test_validate():
                            (dict(policy_dist="nucleus"), "--policy-dist nucleus: use full or truncated"),
                            (dict(diversity=-1.0), "--diversity -1.0 is out of range"),
                            (dict(unlikeliness=-0.5), "--unlikeliness -0.5 is out of range"),
-                           (dict(steps=0), "--steps must be at least 1")]:
+                           (dict(steps=0), "--steps 0 is out of range; it must be >= 1")]:
         with pytest.raises(ValueError, match=re.escape(needle)):
             run.validate(dataclasses.replace(good, **change))
-
-
-def test_read_prompts(tmp_path):
-    """Text lines: split at the LAST '|', or a prompt alone (no target); paths relative to the file; comments and
-    blanks skipped; the text to render comes from quotes; bad lines are named."""
-    (tmp_path / "sub").mkdir()
-    f = tmp_path / "sub" / "p.txt"
-    f.write_text('# comment\n\na | b | img.png\nplain prompt|x/y.png\na sign that says "OPEN" and \u201cnow\u201d\n')
-    a, b, c = run.read_prompts(f)
-    assert (a["prompt"], a["target"], a["source"], a["text"]) == ("a | b", tmp_path / "sub" / "img.png", None, None)
-    assert (b["prompt"], b["target"], b["where"]) == ("plain prompt", tmp_path / "sub/x/y.png", f"{f}:4")
-    assert (c["target"], c["text"]) == (None, "OPEN now")
-    f.write_text("ok | a.png\n# c\n | no prompt\n")
-    with pytest.raises(ValueError, match=":3:"):
-        run.read_prompts(f)
-    f.write_text("# only comments\n")
-    with pytest.raises(ValueError, match="no examples"):
-        run.read_prompts(f)
-
-
-def test_read_prompts_jsonl(tmp_path):
-    """.jsonl: one object per line with a prompt and optional target, source, text and extra fields; a bad line is
-    named with its number and the fix."""
-    f = tmp_path / "edits.jsonl"
-    f.write_text('{"prompt": "make it night", "target": "night.png", "source": "day.png", "strength": 2}\n\n'
-                 '# a comment\n{"prompt": "a sign", "text": "OPEN"}\n')
-    edit, sign = run.read_prompts(f)
-    assert (edit["target"], edit["source"], edit["strength"]) == (tmp_path / "night.png", tmp_path / "day.png", 2)
-    assert (sign["target"], sign["source"], sign["text"], sign["where"]) == (None, None, "OPEN", f"{f}:4")
-    for line, needle in [("not json", "not JSON"), ('["a list"]', '"prompt" string'), ('{"target": "a.png"}',
-                         '"prompt" string'), ('{"prompt": "x", "target": 3}', '"target" must be'),
-                         ('{"prompt": "x", "source": ""}', '"source" must be')]:
-        f.write_text('{"prompt": "fine"}\n' + line + "\n")
-        with pytest.raises(ValueError, match=f"edits.jsonl:2: .*{needle}"):
-            run.read_prompts(f)
-
-
-def test_load_image(tmp_path):
-    """(3, H, W) float in [0, 1], channels in RGB order, resized to the generation size."""
-    pixels = np.zeros((40, 50, 3), np.uint8)
-    pixels[..., 0] = 255
-    Image.fromarray(pixels).save(tmp_path / "red.png")
-    target = run.load_image(tmp_path / "red.png", 64, 96)
-    assert target.shape == (3, 64, 96) and target.dtype == torch.float32
-    assert torch.allclose(target[0], torch.ones(64, 96)) and target[1:].abs().max() == 0
-    with pytest.raises(ValueError, match="source .* does not exist"):
-        run.load_image(tmp_path / "nope.png", 64, 64, "source")
 
 
 def test_plot_curves(tmp_path):
@@ -202,7 +139,7 @@ def test_evaluate(random_pipe, tmp_path):
     for one layout); no examples (a process with no share): empty results of the right shapes."""
     pipe = random_pipe
     cfg = grpo.parse_config([*TINY, "--num-inference-steps", "1"])
-    examples = run.load_examples(run.read_prompts(write_evals(tmp_path)), {"ssim": (grpo.ssim_reward, 1.0)}, 64, 64)
+    examples = user_input.load_examples(user_input.read_prompts(write_evals(tmp_path)), {"ssim": (grpo.ssim_reward, 1.0)}, 64, 64)
     examples = [{**e, "target": e["target"].to(DEVICE)} for e in examples]  # as main moves them
     rewards = {"ssim": (grpo.ssim_reward, 1.0), "mse": (grpo.mse_reward, 0.0)}
     images, total, each, layouts = run.evaluate(pipe, examples, [7, 8, 9], rewards, 3, cfg, STEPS)
@@ -400,7 +337,7 @@ def test_prepare_bad_input(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr("socket.create_connection", unreachable)
     (tmp_path / "bad_line.txt").write_text("# c\nfine | t.png\nno target\n")
     (tmp_path / "empty.txt").write_text("\n# nothing\n")
-    (tmp_path / "binary.txt").write_bytes(b"\xff\xfe\x00bad")
+    (tmp_path / "binary.txt").write_bytes(b"\x80\x81\x00bad")
     (tmp_path / "notimage.png").write_text("hello")
     Image.fromarray(np.zeros((64, 64, 3), np.uint8)).save(tmp_path / "full.png")
     (tmp_path / "corrupt.png").write_bytes((tmp_path / "full.png").read_bytes()[:60])
@@ -421,7 +358,7 @@ def test_prepare_bad_input(tmp_path, capsys, monkeypatch):
              (P("notimage.txt"), "notimage.txt:1: target .*not a readable image"),
              (P("corrupt.txt"), "corrupt.txt:1: target .*not a readable image"),
              (["--height", "50"], "multiple of 32"), (["--width", "-32"], "multiple of 32"),
-             (["--group-size", "1"], "2 or more"), (["--micro-batch-size", "3"], "must divide"),
+             (["--group-size", "1"], "must be >= 2"), (["--micro-batch-size", "3"], "must divide"),
              (["--clip-eps", "1.5"], "--clip-eps"), (["--kl-beta", "-0.1"], "--kl-beta"), (["--lr", "0"], "--lr"),
              (["--clip-eps-high", "0"], "--clip-eps-high"), (["--scale-rewards", "mean"], "group, batch or none"),
              (["--top-p", "0"], "--top-p"), (["--top-k", "-1"], "--top-k"),
@@ -434,7 +371,7 @@ def test_prepare_bad_input(tmp_path, capsys, monkeypatch):
              (["--eval-prompts", str(good), "--eval-reward", "clipscore"], "unknown reward 'clipscore' in --eval-reward"),
              (["--eval-prompts", str(good), "--eval-reward", "ocr"], "reward 'ocr' needs a text"),
              (["--eval-reward", "mse"], "--eval-reward is measured on --eval-prompts"),
-             (["--eval-every", "-1"], "--eval-every -1 must be >= 0"), (["--eval-samples", "0"], "--eval-samples")]
+             (["--eval-every", "-1"], "--eval-every -1 is out of range; it must be >= 0"), (["--eval-samples", "0"], "--eval-samples")]
     if not torch.cuda.is_available():
         cases.append((["--device", "cuda"], "--device cuda, but torch .* sees no CUDA GPU here; use --device cpu"))
     for args, needle in cases:
@@ -1057,33 +994,6 @@ def test_main_lab_run(tmp_path):
         assert flag in help_text, flag
 
 
-def test_read_config_file(tmp_path):
-    """--config: YAML or JSON, each value parsed as its flag's (a string too); null keeps a preset to its model;
-    resume / overwrite come from the command line only; an unknown key, a wrong type, a file that does not parse or is
-    not a mapping: ValueError with the key and the file; the file's keys count as given flags (for --resume)."""
-    config = helpers_run.with_run_settings(grpo.Config)
-    yaml_file, json_file = tmp_path / "a.yaml", tmp_path / "a.json"
-    yaml_file.write_text("lr: 5e-6\nsteps: '7'\nkl_beta: null\nshuffle: true\nresume: runs/x\nclip_eps: 1\n")
-    assert helpers_run.read_config_file(str(yaml_file), config) == {"lr": 5e-6, "steps": 7, "kl_beta": None,
-                                                                     "shuffle": True, "clip_eps": 1.0}
-    json_file.write_text(json.dumps({"group_size": 4, "reward": "ssim=1"}))
-    assert helpers_run.read_config_file(str(json_file), config) == {"group_size": 4, "reward": "ssim=1"}
-    for text, needle in [("group_sise: 4\n", "unknown key group_sise"), ("steps: 4.5\n", "steps: 4.5 is not an integer"),
-                         ("shuffle: 1\n", "shuffle: 1 is not true or false"), ("steps: [\n", "does not parse"),
-                         ("- 1\n", "holds a list"), ("steps: 'x'\n", "steps: 'x' is not an integer")]:
-        yaml_file.write_text(text)
-        with pytest.raises(ValueError, match=re.escape(needle)):
-            helpers_run.read_config_file(str(yaml_file), config)
-    yaml_file.write_text("kl_beta: 0.2\n")
-    assert helpers_run.given_flags(config, ["--config", str(yaml_file), "--steps", "3"]) == {"kl_beta", "steps"}
-    assert helpers_run.given_flags(config, ["--config", str(yaml_file)], saved={"kl_beta": 0.2}) == set()  # a requeue
-    assert grpo.parse_config(["--config", str(yaml_file)]).kl_beta == 0.2
-    real = grpo.parse_config(["--config", str(ROOT / "examples" / "real_model.yaml")])  # the shipped first real run
-    helpers_run.validate(real)
-    assert (real.model, real.group_size, real.kl_beta, real.lr_scheduler) == ("zai-org/GLM-Image", 4, 0.01, "cosine")
-    assert grpo.parse_config(["--config", str(yaml_file), "--kl-beta", "0.3"]).kl_beta == 0.3  # the command line wins
-
-
 def test_lr_schedule(tmp_path, capsys):
     """--lr-scheduler / --warmup-steps: transformers' schedules, one rate a step; a resume from any checkpoint logs the
     same rates as the uninterrupted run (the schedule's state is in the checkpoint)."""
@@ -1099,7 +1009,7 @@ def test_lr_schedule(tmp_path, capsys):
                 capsys)  # a longer schedule would make the rate jump
     prompts = write_example(tmp_path, ["a gray square | t.png"])
     expect_exit([*TINY, "--prompts", str(prompts), "--out", str(tmp_path / "long"), "--steps", "3", "--warmup-steps",
-                 "3"], 2, "--warmup-steps 3 must be >= 0 and below --steps 3", capsys)
+                 "3"], 2, "--warmup-steps 3 must be below --steps 3", capsys)
 
 
 def test_push_to_hub(tmp_path, monkeypatch, capsys):

@@ -1,7 +1,8 @@
-"""Plants each core line of issue 67's variants wrong, one at a time, in a throwaway clone of this repository's HEAD,
-and runs the tests that guard it: each must fail (exit 1). Prints one line per planted bug; exits 1 if any survived.
+"""Plants each guarded line wrong, one at a time, in a throwaway clone of this repository's HEAD, and runs the tests
+that guard it: each must fail (exit 1). Prints one line per planted bug; exits 1 if any survived. The plants: issue
+67's variants, issue 75's rules for what a user gives (helpers/user_input.py), issue 76's landing of a step.
 
-    OMP_NUM_THREADS=1 python tools/plant_bugs.py     # about 10 minutes on 2 cores (the reset's tests run main)
+    OMP_NUM_THREADS=1 python tools/plant_bugs.py     # about 20 minutes on 2 cores (the resets' and stops' tests run main)
     python tools/plant_bugs.py gate cluster           # only the plants whose name holds one of these words
 
 'dino cosine not clamped' is caught only on builds where a copy's cosine rounds above 1 (torch 2.14.1 here)."""
@@ -14,56 +15,113 @@ import tempfile
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PY = sys.executable
+
+
+def variants(k: str) -> list[str]:
+    return ["tests/test_variants.py", "-k", k]
+
+
+def user_input(k: str) -> list[str]:
+    return ["tests/test_user_input.py", "-k", k]
+
+
+STOPS = ["tests/test_stops.py", "-k", "anywhere"]
 PLANTS = [
     ("dino cosine not clamped", "helpers/variants.py",
-     "return (features @ features.T).clamp(-1, 1)", "return features @ features.T", "dino"),
+     "return (features @ features.T).clamp(-1, 1)", "return features @ features.T", variants("dino")),
     ("gardo_factor multiplies the negatives", "helpers/variants.py",
      "return torch.where(advantages < 0, torch.ones_like(d), relative)",
-     "return torch.where(advantages < 0, relative, torch.ones_like(d))", "gardo"),
+     "return torch.where(advantages < 0, relative, torch.ones_like(d))", variants("gardo")),
     ("gardo_factor not divided by the group's mean", "helpers/variants.py",
      "relative = torch.where(mean > 1e-6, d / mean.clamp(min=1e-6), torch.ones_like(d))",
-     "relative = torch.where(mean > 1e-6, d, torch.ones_like(d))", "gardo"),
+     "relative = torch.where(mean > 1e-6, d, torch.ones_like(d))", variants("gardo")),
     ("nearest counts the sample itself", "helpers/variants.py",
-     "return D.clone().fill_diagonal_(math.inf).min(-1).values", "return D.clone().min(-1).values", "gardo or cluster"),
+     "return D.clone().fill_diagonal_(math.inf).min(-1).values", "return D.clone().min(-1).values", variants("gardo or cluster")),
     ("cluster: direct links only (no chain)", "helpers/variants.py",
      "        for _ in range(len(grid)):  # a chain has at most G - 1 links\n",
-     "        for _ in range(0):\n", "cluster"),
+     "        for _ in range(0):\n", variants("cluster")),
     ("gate binds the certain, not the uncertain", "helpers/variants.py",
-     "gated = (u > torch.quantile(", "gated = (u < torch.quantile(", "uncertain"),
+     "gated = (u > torch.quantile(", "gated = (u < torch.quantile(", variants("uncertain")),
     ("gate keeps A = 0 samples", "helpers/variants.py",
-     ") & trained  # numpy's percentile", ")  # numpy's percentile", "uncertain"),
+     ") & trained  # numpy's percentile", ")  # numpy's percentile", variants("uncertain")),
     ("ties ranked by place", "helpers/variants.py",
-     "return 1 + above + (tied - 1) / 2", "return 1 + above", "rank or uncertain"),
+     "return 1 + above + (tied - 1) / 2", "return 1 + above", variants("rank or uncertain")),
     ("risk: grow and shrink swapped", "helpers/variants.py",
-     "self.share = self.share * 1.1", "self.share = self.share * 0.9", "uncertain or risk or gardo"),
+     "self.share = self.share * 1.1", "self.share = self.share * 0.9", variants("uncertain or risk or gardo")),
     ("reset: the anchor aliases the policy (no clone)", "helpers/variants.py",
      "self.anchor = [p.detach().clone() for p in self.trained()]",
-     "self.anchor = [p.detach() for p in self.trained()]", "reset or gardo"),
+     "self.anchor = [p.detach() for p in self.trained()]", variants("reset or gardo")),
     ("reset on the wrong step", "helpers/variants.py",
      "step - reference.last >= cfg.reference_reset_every", "step - reference.last > cfg.reference_reset_every",
-     "reset or gardo"),
+     variants("reset or gardo")),
     ("reset count not restarted by the KL trigger", "helpers/variants.py",
      "step - reference.last >= cfg.reference_reset_every", "step % cfg.reference_reset_every == 0",
-     "reset_schedule"),
+     variants("reset_schedule")),
     ("KL trigger reads the last update only", "helpers/parallel.py",
-     '{"kl_peak": max(kls)}', '{"kl_peak": kls[-1]}', "reset_schedule"),
+     '{"kl_peak": max(kls)}', '{"kl_peak": kls[-1]}', variants("reset_schedule")),
     ("last reset's step not saved", "helpers/variants.py",
-     '"last": self.last}', "}", "reset_schedule or reference_reset"),
+     '"last": self.last}', "}", variants("reset_schedule or reference_reset")),
     ("an older checkpoint's last reset one step late", "helpers/variants.py",
-     "reference.last = (step - 1) // cfg", "reference.last = step // cfg", "reset_schedule"),
+     "reference.last = (step - 1) // cfg", "reference.last = step // cfg", variants("reset_schedule")),
     ("kl_peak taken over a NaN", "helpers/parallel.py",
-     ' and math.isfinite(m["kl"])', "", "merge_metrics"),
+     ' and math.isfinite(m["kl"])', "", variants("merge_metrics")),
     ("swap not restored", "helpers/variants.py",
      "            for p, v in zip(params, own):\n                p.copy_(v)\n",
-     "            pass\n", "reset or gardo"),
+     "            pass\n", variants("reset or gardo")),
     ("reference state not saved", "helpers/variants.py",
-     'return {"weights": [gathered(w) for w in self.anchor], "last": self.last}', "return {}", "reset or gardo"),
+     'return {"weights": [gathered(w) for w in self.anchor], "last": self.last}', "return {}", variants("reset or gardo")),
+]
+PLANTS += [
+    # issue 75: what a user gives (helpers/user_input.py)
+    ("images: no EXIF orientation", "helpers/user_input.py", "image = ImageOps.exif_transpose(opened)  # a copy, upright",
+     "image = opened.copy()", user_input("exif")),
+    ("images: 16-bit clipped at 255", "helpers/user_input.py", "return values / 65535, []",
+     "return np.clip(values, 0, 255) / 255, []", user_input("sixteen")),
+    ("images: transparency over the stored colour", "helpers/user_input.py",
+     "return rgba[..., :3] * alpha + (1 - alpha), notes", "return rgba[..., :3], notes", user_input("transparency")),
+    ("prompts: str.splitlines", "helpers/user_input.py", "lines = LINE_END.split(text)",
+     "lines = text.splitlines()", user_input("line_ends or captions")),
+    ("prompts: the BOM kept", "helpers/user_input.py", 'return data.decode("utf-8-sig")', 'return data.decode("utf-8")',
+     user_input("notepad or captions")),
+    ("prompts: JSON Lines by suffix only", "helpers/user_input.py",
+     " or (bool(content) and is_json_object(content[0][1]))", "", user_input("json_lines")),
+    ("rewards: the inputs shared", "helpers/user_input.py", "value = fn(images.clone(), copy.deepcopy(example))",
+     "value = fn(images, example)", user_input("cannot_change")),
+    ("rewards: autograd on", "helpers/user_input.py", "            with torch.no_grad():\n                value = fn(",
+     "            with torch.enable_grad():\n                value = fn(", user_input("graph")),
+    ("rewards: scores not detached", "helpers/user_input.py", "return value.detach().reshape(n)", "return value.reshape(n)",
+     user_input("graph")),
+    ("rewards: any shape taken", "helpers/user_input.py", "if shape not in ((n,), (n, 1), (1, n)):", "if False:",
+     user_input("returns_refused")),
+    ("rewards: checked on 2 images", "helpers/user_input.py", "fn(torch.full((3, 3, height, width), 0.5), example)",
+     "fn(torch.full((2, 3, height, width), 0.5), example)", user_input("returns_refused")),
+    ("numbers: infinity in range", "helpers/user_input.py",
+     "if not math.isfinite(value) or (self.multiple > 1 and value % self.multiple):",
+     "if self.multiple > 1 and value % self.multiple:", user_input("rules_refuse or out_of_range")),
+    ("numbers: a flag without its rule", "helpers/user_input.py", '    "seed": Rule(0, SEEDS, "high"),\n', "",
+     user_input("every_number or out_of_range")),
+    ("numbers: an infinite reward weight", "helpers/user_input.py", "if not (math.isfinite(weight) and weight >= 0):",
+     "if not weight >= 0:", user_input("parse_rewards")),
+    ("logged: k3 below 0", "helpers/diagnostics.py", "(log_ratio.exp() - 1 - log_ratio).clamp_min(0).mean()",
+     "(log_ratio.exp() - 1 - log_ratio).mean()", user_input("sign")),
+    ("logged: entropy below 0", "helpers/variants.py", ".sum(dim=-1).clamp_min(0)", ".sum(dim=-1)", user_input("sign")),
+    # issue 76: a step lands whole, or not at all
+    ("landing: after_step outside it", "grpo.py",
+     "                run.after_step(job, step, examples, images, reward, each)",
+     "            run.after_step(job, step, examples, images, reward, each)", STOPS),
+    ("landing: a checkpoint saves the RNG of now", "helpers/run.py", "carried, r.rng)", "carried)", STOPS),
+    ("landing: an evaluation draws from training's RNG", "helpers/run.py",
+     'with timed(seconds, "eval", r.cfg), rng_kept():', 'with timed(seconds, "eval", r.cfg):', STOPS),
+    ("landing: a new run not seeded", "helpers/run.py", "        seed_everything(r.cfg.seed)\n", "", STOPS),
+    ("landing: one process never stops after it", "helpers/parallel.py",
+     "    if stop_requested():\n        raise KeyboardInterrupt\n\n\ndef stop_requested",
+     "    if distributed() and stop_requested():\n        raise KeyboardInterrupt\n\n\ndef stop_requested", STOPS),
 ]
 rows = []
 REPO = pathlib.Path(tempfile.mkdtemp()) / "repo"
 subprocess.run(["git", "clone", "-q", str(ROOT), str(REPO)], check=True)
 words = sys.argv[1:]
-for name, path, old, new, k in PLANTS:
+for name, path, old, new, tests in PLANTS:
     if words and not any(w in name for w in words):
         continue
     f = REPO / path
@@ -71,7 +129,6 @@ for name, path, old, new, k in PLANTS:
     assert text.count(old) == 1, (name, text.count(old))
     f.write_text(text.replace(old, new))
     try:
-        tests = ["tests/test_variants.py", "-k", k]
         r = subprocess.run([PY, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *tests],
                            cwd=REPO, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
         last = r.stdout.strip().splitlines()[-1] if r.stdout.strip() else r.stderr[-200:]

@@ -1,0 +1,193 @@
+"""Stopped anywhere, resumed exactly: a short run with every stateful option on at once (a cosine schedule with
+warmup, GARDO's reference reset with its KL trigger, --kl-on uncertain's controller, --shuffle, held-out evaluation,
+TensorBoard, LoRA, mu 2) is stopped at each phase of a step, by Ctrl-C, SIGTERM, a failing reward, a full disk or a
+kill, then resumed with the command it printed; every metrics line, every TensorBoard scalar and the final weights
+equal the uninterrupted run's, bit for bit. The rule they check is docs/robustness.md's: a step lands whole or not at
+all (helpers/run.py's `landing`). In-process and on the tiny model at 64x64: one reference run serves every stop.
+
+    python -m pytest -q tests/test_stops.py
+"""
+
+import signal
+
+import pytest
+import torch
+
+import grpo
+from helpers import run, run_io, variants
+from helpers.user_input import guarded
+from conftest import TINY, run_record, write_evals, write_example
+
+STEPS = 8
+FLAGS = ["--steps", str(STEPS), "--mu", "2", "--kl-beta", "0.1", "--lora-rank", "4", "--lr", "3e-3",
+         "--lr-scheduler", "cosine", "--warmup-steps", "1", "--reference-reset-every", "2",
+         "--reference-reset-kl", "0.03", "--kl-on", "uncertain", "--shuffle", "--eval-every", "2", "--eval-samples",
+         "2", "--report-to", "tensorboard", "--save-every", "2", "--image-every", "2"]
+
+
+class Killed(BaseException):
+    """A kill -9, in-process: no handler runs, nothing is saved (only the block's `finally`s, which write nothing)."""
+
+
+def jitter(images: torch.Tensor, example: dict) -> torch.Tensor:
+    """A user's reward that draws from torch's global RNG (a random crop, say): logged at weight 0, and ranked by
+    --kl-on uncertain, so a resume that restored another RNG state than the uninterrupted run had shows."""
+    return images.mean(dim=(1, 2, 3)) + 0.01 * torch.rand(len(images))
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    """The prompts (3: --shuffle reorders them), the evaluation set and the uninterrupted run."""
+    folder = tmp_path_factory.mktemp("stops")
+    prompts = write_example(folder, ["a gray square | t.png", "another | t.png", "a third | t.png"])
+    evals = write_evals(folder)
+    argv = [*TINY, "--prompts", str(prompts), "--eval-prompts", str(evals), "--reward", "ssim=1,jitter=0,mse=0",
+            *FLAGS]
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setitem(grpo.REWARDS, "jitter", jitter)
+        grpo.main([*argv, "--out", str(folder / "whole")])
+        yield argv, folder / "whole"
+
+
+def tensorboard_scalars(out) -> dict:
+    """Every scalar of the run's TensorBoard files as TensorBoard shows it (a resume's purge applied): {tag: [(step,
+    value)]}."""
+    from tensorboard.backend.event_processing.event_multiplexer import EventMultiplexer
+    multiplexer = EventMultiplexer().AddRunsFromDirectory(str(out / "tensorboard")).Reload()
+    scalars = {}
+    for name in multiplexer.Runs():
+        for tag in multiplexer.GetAccumulator(name).Tags()["scalars"]:
+            if not tag.startswith("sec_"):  # the seconds differ run to run
+                events = multiplexer.Scalars(name, tag)
+                scalars.setdefault(tag, []).extend((e.step, e.value) for e in events)
+    return {tag: sorted(values) for tag, values in scalars.items()}
+
+
+def final_weights(out) -> dict:
+    from safetensors.torch import load_file
+    return load_file(out / "final" / "adapter_model.safetensors")
+
+
+def stop_in(monkeypatch, module, name, stop, step=3, in_eval=False):
+    """Make `module.name` (a phase's function, as main calls it) run `stop` on its first call in step `step` (with
+    `in_eval`, in the evaluation of the policy after step `step`), before it does its work. `stop` None: the call is
+    grpo.group_rewards', and its last reward raises inside its guard, as a user's reward would."""
+    original, now, state = getattr(module, name), {"step": 0, "eval": None}, {"done": False}
+    steps, evaluation = run.steps, run.run_evaluation
+
+    def counting(r):
+        for item in steps(r):
+            now["step"] = item[0]
+            yield item
+
+    def evaluating(r, evaluated):
+        now["eval"] = evaluated
+        try:
+            evaluation(r, evaluated)
+        finally:
+            now["eval"] = None
+
+    def stopping(*args, **kwargs):
+        at = now["eval"] == step if in_eval else now["step"] == step and now["eval"] is None
+        if at and not state["done"]:
+            state["done"] = True
+            if stop is None:
+                images, examples, rewards = args
+                last = list(rewards)[-1]  # after jitter has drawn: a checkpoint must not keep that draw
+                rewards = {**rewards, last: (guarded(last, broken_reward), rewards[last][1])}
+                return original(images, examples, rewards)
+            stop()
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(run, "steps", counting)
+    monkeypatch.setattr(run, "run_evaluation", evaluating)
+    monkeypatch.setattr(module, name, stopping)
+    return state
+
+
+def broken_reward(images, example):
+    return images.mean(dim=(1, 2, 3)) / 0 if example["no such field"] else None
+
+
+def full_disk():
+    raise OSError(28, "No space left on device")
+
+
+def kill():
+    raise Killed
+
+
+PHASES = {"sampling": (grpo, "sample_groups"), "decoding": (grpo, "decode_images"), "reward": (grpo, "group_rewards"),
+          "update": (grpo, "train_step"), "log": (run, "log_step"), "after-step": (variants, "after_step"),
+          "checkpoint write": (run, "save_checkpoint"), "evaluation": (grpo, "sample_groups")}
+CHAIN = [  # (phase, how, step, exit code, the step of the checkpoint a resume reads): one run stopped again and again
+    ("sampling", "SIGTERM", 2, 130, 1), ("decoding", "SIGINT", 2, 130, 1), ("reward", "SIGTERM", 2, 130, 1),
+    ("update", "SIGINT", 2, 130, 2), ("update", "SIGTERM", 3, 130, 3), ("log", "SIGTERM", 4, 130, 4),
+    ("after-step", "SIGINT", 5, 130, 5), ("checkpoint write", "SIGTERM", 6, 130, 6),
+    ("evaluation", "SIGINT", 6, 130, 6),  # the evaluation after step 6, which the resume does first
+    ("evaluation", "a reward raises", 6, 1, 6),
+    ("reward", "a reward raises", 8, 1, 7),  # step 7 landed, saved now without step 8's draws of the rewards before
+    ("log", "a full disk", 8, 1, 7), ("decoding", "kill -9", 8, None, 7)]
+
+
+def test_stopped_anywhere_resumes_exactly(files, monkeypatch, capsys):
+    """One run stopped in every phase of a step in turn (CHAIN), each time resumed with the command it printed: what
+    it has written equals the uninterrupted run's first lines after every stop, and at the end every metrics line,
+    every TensorBoard scalar and the final weights equal it bit for bit. A signal before the landing drops the step;
+    in the landing (update, log line, schedule, reference, checkpoint) it waits for its end; in an evaluation the
+    evaluation is redone. A failing reward stops with one line (exit 1) and the landed steps saved; a full disk with
+    one line and the last checkpoint; a kill keeps the last checkpoint."""
+    argv, whole = files
+    out = whole.parent / "stopped"
+    expected = run_record(whole)
+    command = [*argv, "--out", str(out)]
+    for phase, how, step, code, landed in CHAIN:
+        where = f"{how} in {phase}, step {step}"
+        module, name = PHASES[phase]
+        if how == "a reward raises":  # the reward itself raises, inside its guard, in the step or the evaluation
+            module, name = grpo, "group_rewards"
+            stop = None
+        else:
+            stop = {"SIGINT": lambda: signal.raise_signal(signal.SIGINT), "kill -9": kill, "a full disk": full_disk,
+                    "SIGTERM": lambda: signal.raise_signal(signal.SIGTERM)}[how]
+        state = stop_in(monkeypatch, module, name, stop, step, in_eval=phase == "evaluation")
+        if code is None:
+            with pytest.raises(Killed):
+                grpo.main(command)
+        else:
+            with pytest.raises(SystemExit) as exit_info:
+                grpo.main(command)
+            assert exit_info.value.code == code, where
+            assert f"--resume {out}" in capsys.readouterr().err, where
+        monkeypatch.undo()
+        assert state["done"], where
+        assert run_io.read_checkpoint(run_io.resume_point(out)[1])["step"] == landed, where
+        written = [line for line in run_record(out) if line["step"] <= landed]  # (a resume drops the later ones)
+        assert written == expected[:len(written)] and written[-1]["step"] == landed, where
+        command = ["--resume", str(out)]
+    grpo.main(command)
+    assert run_record(out) == expected
+    assert tensorboard_scalars(out) == tensorboard_scalars(whole)
+    mine, theirs = final_weights(out), final_weights(whole)
+    assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine)
+
+
+def test_measured_case_rates_and_reset(tmp_path, monkeypatch):
+    """Issue 76's measured case: Ctrl-C inside step 3's update of a cosine schedule with a warmup step and a KL-
+    triggered reset: the step-3 checkpoint holds the scheduler at 3 steps and the reset of step 3, and the resumed
+    run's rates per step are the uninterrupted run's (they lagged one step to the end)."""
+    prompts = write_example(tmp_path, ["a gray square | t.png", "another | t.png"])
+    argv = [*TINY, "--prompts", str(prompts), "--mu", "2", "--kl-beta", "0.1", "--lr", "3e-3", "--lr-scheduler",
+            "cosine", "--warmup-steps", "1", "--reference-reset-every", "3", "--reference-reset-kl", "0.03",
+            "--lora-rank", "4", "--steps", "7", "--save-every", "0", "--image-every", "0"]
+    grpo.main([*argv, "--out", str(tmp_path / "whole")])
+    stop_in(monkeypatch, grpo, "train_step", lambda: signal.raise_signal(signal.SIGINT))
+    with pytest.raises(SystemExit):
+        grpo.main([*argv, "--out", str(tmp_path / "stopped")])
+    monkeypatch.undo()
+    state = run_io.read_checkpoint(run_io.resume_point(tmp_path / "stopped")[1])
+    assert state["step"] == 3 and state["scheduler"]["last_epoch"] == 3
+    assert state["variants"]["reference"]["last"] == 3
+    grpo.main(["--resume", str(tmp_path / "stopped")])
+    rates = [[line["lr"] for line in run_record(tmp_path / name)] for name in ("whole", "stopped")]
+    assert rates[0] == rates[1] and len(set(rates[0])) == 7
