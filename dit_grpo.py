@@ -182,7 +182,7 @@ def chain_logprobs(transformer, chain: Chain, steps: list[int], noise_level: flo
 
 def train_step(policy, optimizer, chains: list[Chain], advantages: torch.Tensor, ref_model, *, noise_level: float,
                steps: list[int], clip_eps: float, kl_beta: float, micro_batch_size: int, max_grad_norm: float,
-               clip_eps_high: float | None = None, in_loss: torch.Tensor | None = None) -> dict:
+               clip_eps_high: float | None = None, in_loss: torch.Tensor | None = None, scheduler=None) -> dict:
     """One optimizer step of the DiT on P groups of chains with (P, G) advantages; returns metrics.
 
     Each denoising step in `steps` (all of them, or a window: fewer steps, less compute) is one "token" of
@@ -193,7 +193,8 @@ def train_step(policy, optimizer, chains: list[Chain], advantages: torch.Tensor,
     piece weighted by its share of the samples in the loss (over every process) x S steps: the gradient is the full batch's, and the memory that of
     one step's graph for `micro_batch_size` samples, whatever the window. A group out of the loss (`in_loss` False:
     a non-finite reward) runs its pieces with their loss times 0 (under torchrun every process joins each
-    collective); the step is skipped only when no process has a group in the loss.
+    collective); the step is skipped only when no process has a group in the loss. `scheduler`: stepped after the
+    update if it applied (grpo.train_step's), or None.
     """
     policy.eval()  # no dropout: the trainer's Gaussian must be the sampler's
     if in_loss is None:
@@ -230,14 +231,16 @@ def train_step(policy, optimizer, chains: list[Chain], advantages: torch.Tensor,
                 totals[key] = totals.get(key, 0.0) + value * share
     params = [p for group in optimizer.param_groups for p in group["params"]]
     totals["grad_norm"] = torch.nn.utils.clip_grad_norm_(params, max_grad_norm).item()
-    skipped = 0
+    skipped, rate = 0, optimizer.param_groups[0]["lr"]
     if all_agree(finite) and math.isfinite(totals["grad_norm"]):  # every process steps, or none
         optimizer.step()
+        if scheduler is not None:
+            scheduler.step()
     else:  # a NaN / inf never reaches the weights
         optimizer.zero_grad(set_to_none=True)
         skipped = 1
     return {**totals, "ratio_min": ratio_min, "ratio_max": ratio_max, "sampler_gap": gap, "skipped": skipped,
-            "sequences": n}
+            "sequences": n, "lr": rate}
 
 
 LORA_TARGETS = r".*transformer_blocks\.\d+\.(attn1\.(to_q|to_k|to_v|to_out\.0)|ff\.net\.(0\.proj|2))"
@@ -324,7 +327,8 @@ def main(argv: list[str] | None = None) -> dict:
                                          steps=window(len(chains[0].timesteps), cfg.sde_window),
                                          clip_eps=cfg.clip_eps, clip_eps_high=cfg.clip_eps_high,
                                          kl_beta=cfg.kl_beta, micro_batch_size=cfg.micro_batch_size,
-                                         max_grad_norm=cfg.max_grad_norm, in_loss=in_loss)
+                                         max_grad_norm=cfg.max_grad_norm, in_loss=in_loss,
+                                         scheduler=job.scheduler)
                 run.log_step(job, step, group_ids, reward, each, advantages, in_loss,
                              [c.latents[:, -1] for c in chains], metrics, seconds)
                 run.after_step(job, step, examples, [c.images for c in chains], reward, each)

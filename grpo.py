@@ -723,12 +723,13 @@ def train_mode(policy) -> None:
 
 def train_step(policy, optimizer, batches: list[MicroBatch], ref_model, loss_fn,
                settings: LossSettings, *, temperature: float, mu: int, max_grad_norm: float,
-               readings=None) -> dict:
+               readings=None, scheduler=None) -> dict:
     """`mu` updates of the policy on one step's micro-batches -> metrics.
     `loss_fn(distribution, mb, old_logprobs, ref_logprobs, settings)`: micro_batch_loss, or a
     variant's wrapper of it (helpers/variants.py). `readings(logits, mb, old_logprobs,
     ref_logprobs)`: the one seam, docs/healthy_training.md's measurements beside the loss
-    (helpers/diagnostics.py), or None.
+    (helpers/diagnostics.py), or None. `scheduler`: a learning-rate schedule stepped after each
+    update applied (transformers' get_scheduler; metrics' "lr": the first update's rate), or None.
     A micro-batch out of the loss (mb.in_loss False: its group's reward was not finite) runs with
     its loss times 0; the step is skipped only when no process has one in the loss. The metrics'
     "sequences": those in the loss here (helpers/ averages the processes' metrics by them)."""
@@ -738,6 +739,7 @@ def train_step(policy, optimizer, batches: list[MicroBatch], ref_model, loss_fn,
     K = policy.config.vq_config.num_embeddings
     shares = loss_shares(batches)  # the loss is a mean over sequences: each micro-batch's weight
     ref_logprobs = [reference_logprobs(ref_model, mb, temperature) for mb in batches]  # no gradient
+    rate = optimizer.param_groups[0]["lr"]  # the first update's learning rate (logged)
     old_logprobs = [None] * len(batches)  # pi_old's, filled by the first update
     updates, skipped = [], 0  # each update's micro-batches: (metrics, share)
     for _ in range(mu):  # mu updates on the same samples
@@ -758,9 +760,11 @@ def train_step(policy, optimizer, batches: list[MicroBatch], ref_model, loss_fn,
         updates.append(update)
         grad_norm, stepped = optimizer_step(optimizer, update, max_grad_norm)  # one step an update
         skipped += not stepped
+        if stepped and scheduler is not None:  # the next update's rate (a skipped update moves none)
+            scheduler.step()
     sequences = sum(len(mb.tokens) for mb in batches if mb.in_loss)  # in the loss, this process
     return merge_metrics(updates) | {"grad_norm": grad_norm,  # the last update's, before its clip
-                                     "skipped": skipped, "sequences": sequences}
+                                     "skipped": skipped, "sequences": sequences, "lr": rate}
 
 
 def loss_shares(batches: list[MicroBatch]) -> list[float]:
@@ -841,7 +845,8 @@ def main(argv: list[str] | None = None) -> dict:
                         micro_batch_loss, policy, cfg, lesson, reward, each, job.variants)
                     metrics = train_step(policy, optimizer, micro, ref_model, loss_fn, settings,
                                          temperature=cfg.temperature, mu=cfg.mu,
-                                         max_grad_norm=cfg.max_grad_norm, readings=readings)
+                                         max_grad_norm=cfg.max_grad_norm, readings=readings,
+                                         scheduler=job.scheduler)
                 run.log_step(job, step, group_ids, reward, each, advantages, in_loss, rollouts,
                              metrics, seconds)
                 run.after_step(job, step, examples, images, reward, each)  # lr, reference, checkpoint

@@ -206,7 +206,12 @@ def trainable_state(policy, optimizer) -> tuple[dict, dict]:
     number of processes, so a checkpoint resumes on any number of them."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
     options = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=True)
-    return get_state_dict(policy, optimizer, options=options)
+    fresh = not optimizer.state  # no update applied yet: get_state_dict steps it once at lr 0 to make a state ...
+    weights, optimizer_state = get_state_dict(policy, optimizer, options=options)
+    if fresh:  # ... whose step count of 1 the next update would carry (AdamW's bias correction): put it back fresh
+        optimizer.state.clear()
+        optimizer_state = {**optimizer_state, "state": {}}
+    return weights, optimizer_state
 
 
 def load_trainable_state(policy, optimizer, state: dict) -> None:
@@ -218,6 +223,8 @@ def load_trainable_state(policy, optimizer, state: dict) -> None:
                 group.setdefault(key, value)
     set_state_dict(policy, optimizer, model_state_dict=state["weights"], optim_state_dict=state["optimizer"],
                    options=StateDictOptions(full_state_dict=True, strict=False))  # strict=False: frozen weights absent
+    if not state["optimizer"].get("state"):  # saved before any update: fresh, as set_state_dict's own step left it not
+        optimizer.state.clear()
 
 
 def final_weights(policy) -> dict | None:

@@ -17,6 +17,7 @@ import os
 import re
 import sys
 import time
+import warnings
 from pathlib import Path
 from typing import Callable
 
@@ -64,7 +65,7 @@ class Run:
     autocast: object = contextlib.nullcontext()  # bf16 autocast on the device when --dtype is bf16
     policy: object = None  # the trained model and its optimizer, for checkpoints
     optimizer: object = None
-    scheduler: object = None  # --lr-scheduler's, stepped after each step
+    scheduler: object = None  # --lr-scheduler's, stepped after each optimizer update (lr_schedule)
     variants: VariantState = dataclasses.field(default_factory=VariantState)  # carried from step to step (variants.py)
     evaluate: Callable | None = None  # (examples, seeds, rewards, n_samples) -> images, total, each, layouts: one
     # process's `evaluate`, with the policy ready to sample (`evaluator`; evaluate_shared shares the examples out)
@@ -116,10 +117,11 @@ class RunSettings:  # the run's flags, after the algorithm's (grpo.Config): wher
     hub_private: bool = _setting(True, "a repository --push-to-hub creates is private (make it public on the hub, or "
                                        "--no-hub-private)")
     lr_scheduler: str = _setting("constant", "the learning rate over --steps, after the warmup: constant, linear "
-                                             "(toward 0) or cosine (toward 0), as transformers' get_scheduler",
+                                             "(toward 0) or cosine (toward 0), transformers' get_scheduler stepped "
+                                             "after each optimizer update (--mu a step), as Trainer and TRL step it",
                                  ("constant", "linear", "cosine"))
-    warmup_steps: int = _setting(0, "steps whose learning rate rises linearly from 0 to --lr (the first at 0, as in "
-                                    "transformers' schedules)")
+    warmup_steps: int = _setting(0, "steps (--warmup-steps x --mu optimizer updates) whose rate rises linearly from "
+                                    "0 to --lr (the first update at 0, as in transformers' schedules)")
     dtype: str = _setting("auto", "float32 | bfloat16 | auto", ("auto", "float32", "bfloat16"))
 
 
@@ -544,7 +546,7 @@ def open_run(r: Run, policy, optimizer, ref_model=None) -> None:
         load_trainable_state(policy, optimizer, state)
         restore_rng(state["rng"])
         if "scheduler" in state:  # (a checkpoint from before --lr-scheduler was constant: nothing to restore)
-            r.scheduler.load_state_dict(state["scheduler"])
+            load_schedule(r.scheduler, state["scheduler"], r.cfg.mu)
         r.variants.load_state_dict(state.get("variants", {}))
         r.evaluated = {h["step"] for h in read_metrics(r.out) if h.get("eval") and h["step"] <= r.start}  # kept
     r.history = open_run_dir(r.out, r.cfg, r.start) if r.rank == 0 else []  # the training metrics before `start`
@@ -557,11 +559,26 @@ def open_run(r: Run, policy, optimizer, ref_model=None) -> None:
 
 
 def lr_schedule(optimizer, cfg):
-    """--lr-scheduler after --warmup-steps, over --steps: transformers' schedule (a LambdaLR), stepped once a step
-    (every update of a step, --mu of them, at one rate)."""
+    """--lr-scheduler after --warmup-steps, over --steps: transformers' schedule (a LambdaLR) over the run's optimizer
+    updates, --mu a step (grpo.train_step steps it after each update it applies, as transformers' Trainer and TRL
+    do): at mu 2 with a warmup of 1 step the updates' rates are 0, 0.5 lr, then lr. An update skipped for a non-finite
+    loss moves no rate (as Accelerate skips its scheduler after a skipped step): the schedule counts applied updates."""
     from transformers import get_scheduler
     name = {"constant": "constant_with_warmup"}.get(cfg.lr_scheduler, cfg.lr_scheduler)
-    return get_scheduler(name, optimizer, num_warmup_steps=cfg.warmup_steps, num_training_steps=cfg.steps)
+    return get_scheduler(name, optimizer, num_warmup_steps=cfg.warmup_steps * cfg.mu,
+                         num_training_steps=cfg.steps * cfg.mu)
+
+
+def load_schedule(scheduler, state: dict, mu: int) -> None:
+    """A checkpoint's schedule state into `scheduler`. A checkpoint written while the schedule stepped once a step
+    (before it stepped once an update; no "unit" in its state) is counted in updates: its steps times mu."""
+    state = dict(state)
+    if state.pop("unit", None) != "update":
+        state["last_epoch"] *= mu
+        state["_step_count"] = state["last_epoch"] + 1
+    scheduler.load_state_dict(state)
+    for group, base, factor in zip(scheduler.optimizer.param_groups, scheduler.base_lrs, scheduler.lr_lambdas):
+        group["lr"] = base * factor(scheduler.last_epoch)  # the rate of the next update, as the schedule says
 
 
 def on_device(examples: list[dict], device: str) -> list[dict]:
@@ -744,7 +761,7 @@ def log_step(r: Run, step: int, groups: list[int], reward: torch.Tensor, each: d
     samples = [s.tokens[:, -math.prod(s.large_hw):] if hasattr(s, "large_hw") else s for s in samples]
     indices = [example_index(r, g) for g in groups]  # the examples of the step's groups
     record = step_record(step, indices, reward, each, advantages, kept, samples, reduce_metrics(metrics), seconds)
-    record["lr"] = r.optimizer.param_groups[0]["lr"]  # this step's (--lr-scheduler)
+    record["lr"] = metrics.get("lr", r.optimizer.param_groups[0]["lr"])  # the step's first update's
     if r.variants.risk is not None:  # --kl-on uncertain: the share of the samples GARDO's gate let the KL bind
         record["kl_share"] = r.variants.risk.share
     rows = sample_rows(step, groups, [r.examples[i]["prompt"] for i in indices], reward, each, advantages, kept)
@@ -829,11 +846,10 @@ def code_health(grids: list[torch.Tensor]) -> dict:
 
 def after_step(r: Run, step: int, batch: list[dict], images: list[torch.Tensor], reward: torch.Tensor,
                each: dict | None = None) -> None:
-    """The step's bookkeeping, the end of its landing: the next step's learning rate, the variants' state (the
-    reference's reset), the RNG states, every --image-every steps an image grid (rank 0; and to --report-to), every
-    --save-every steps a checkpoint (all processes)."""
+    """The step's bookkeeping, the end of its landing (the learning rate moved with each update: lr_schedule): the
+    variants' state (the reference's reset), the RNG states, every --image-every steps an image grid (rank 0; and to
+    --report-to), every --save-every steps a checkpoint (all processes)."""
     cfg = r.cfg
-    r.scheduler.step()  # the next step's learning rate (a checkpoint below saves it)
     variants.after_step(r.variants, step, cfg, r.history[-1])  # --reference-reset-every (a checkpoint below saves it)
     r.rng = rng_state()  # as the step leaves them (a user's reward may draw): what any checkpoint until the next saves
     if r.rank == 0 and cfg.image_every and ((step - 1) % cfg.image_every == 0 or step == cfg.steps):
@@ -1058,7 +1074,8 @@ def save_run(r: Run, step: int) -> None:
     carried = r.variants.state_dict()  # (every process: a reset reference's weights are gathered)
     if r.rank == 0:
         save_checkpoint(r.out / "checkpoints" / f"step-{step}", r.policy, model_weights, weights, optimizer_state,
-                        step, r.cfg, r.world, base_model(r.cfg.model, r.lesson.TINY_MODELS), r.scheduler.state_dict(),
+                        step, r.cfg, r.world, base_model(r.cfg.model, r.lesson.TINY_MODELS),
+                        {**r.scheduler.state_dict(), "unit": "update"},
                         carried, r.rng)
         prune_checkpoints(r.out, r.cfg.save_total_limit)
     r.saved = step
@@ -1239,7 +1256,10 @@ def save_merged(cfg, out: Path, dtype: torch.dtype, load_pipeline) -> None:
         pipe = load_pipeline(cfg.model, "cpu", dtype, cfg.revision)
     if cfg.train == "ar" and cfg.lora_rank:
         from peft import PeftModel
-        pipe.vision_language_encoder = PeftModel.from_pretrained(pipe.vision_language_encoder, final).merge_and_unload()
+        with warnings.catch_warnings():  # peft asks transformers' deprecated name itself (as in setup.apply_lora)
+            warnings.filterwarnings("ignore", "`is_gradient_checkpointing` is deprecated", FutureWarning)
+            peft_model = PeftModel.from_pretrained(pipe.vision_language_encoder, final)
+        pipe.vision_language_encoder = peft_model.merge_and_unload()
     elif cfg.train == "ar":
         from transformers import GlmImageForConditionalGeneration
         pipe.vision_language_encoder = GlmImageForConditionalGeneration.from_pretrained(final, dtype=dtype)

@@ -424,7 +424,7 @@ def mean_entropy(policy, batches: list, temperature: float, train_tokens: str, l
 def entropy(distribution: torch.Tensor) -> torch.Tensor:
     """(..., K) log-probs -> (...) entropy in nats, >= 0; codes outside a truncation (-inf) add 0. (A log-softmax can
     round its largest log-prob a little above 0: the clamp keeps a one-code distribution's entropy at 0, not -1e-7.)"""
-    return -(distribution.exp() * distribution.nan_to_num(neginf=0.0)).sum(dim=-1).clamp_min(0)
+    return (-(distribution.exp() * distribution.nan_to_num(neginf=0.0)).sum(dim=-1)).clamp_min(0)
 
 
 def loss_tokens(mb, train_tokens: str) -> slice:

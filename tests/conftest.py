@@ -8,10 +8,13 @@ import subprocess
 import sys
 from pathlib import Path
 
-import numpy as np
-import pytest
-import torch
-from PIL import Image
+os.environ.setdefault("OMP_NUM_THREADS", "1")  # one thread a process: the workers (pytest.ini) and their children
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from PIL import Image  # noqa: E402
+
+torch.set_num_threads(1)  # as grpo.py sets it on a CPU: every test, and the runs it compares, at one thread
 
 ROOT = Path(__file__).resolve().parent.parent  # the repository: grpo.py, tools/, examples/
 sys.path.insert(0, str(ROOT))  # grpo.py, helpers/ and tools/, however pytest was started
@@ -88,6 +91,21 @@ def smooth_source(height=64, width=64, seed=0) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     image = torch.nn.functional.interpolate(torch.rand(1, 3, 4, 4, generator=g), size=(height, width), mode="bilinear")
     return (image[0] * 255).round() / 255
+
+
+# ---- the order the workers take the tests in ------------------------------------------------------
+
+FIRST = ("test_notebook.py", "torchrun", "test_stops.py", "two_nodes", "test_main_", "test_train_tiny_quick")
+# what takes longest, the longest kinds first: the workers (pytest.ini) start with them, so that none is left to run
+# alone at the end (xdist's load scheduling hands out tests in this order). A whole file moves as one (the notebook's
+# tests share its one execution: a module fixture is set up again each time its file's tests are interrupted).
+
+
+def pytest_collection_modifyitems(items):
+    def cost(item):
+        return next((i for i, name in enumerate(FIRST) if name in item.nodeid), len(FIRST))
+
+    items.sort(key=cost)  # stable: the rest keep the files' order
 
 
 # ---- fixtures -----------------------------------------------------------------------------------
@@ -191,6 +209,14 @@ def expect_exit(argv, code, needle, capsys):
     assert exit_info.value.code == code and len(lines) == 1 and needle in lines[0], (argv, err)
     assert "Traceback" not in err
     return err
+
+
+def one_process(*args, script: Path = ROOT / "grpo.py"):
+    """What `torchrun --nproc-per-node 1 SCRIPT ARGS` runs, in this process (at one thread, as each process of the
+    torchrun tests: the same float summation order): the reference a torchrun test compares with, without a new
+    interpreter."""
+    import dit_grpo
+    return (dit_grpo if script.name == "dit_grpo.py" else grpo).main(list(args))
 
 
 def torchrun(*args, script: Path = ROOT / "grpo.py", timeout: int = 600, nproc: int = 2):

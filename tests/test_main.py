@@ -14,8 +14,8 @@ from PIL import Image
 import grpo
 from helpers import fast_decode
 from tests.conftest import (DEVICE, ROOT, T, TINY, TINY_CPU, as_line, assert_same_metrics, assert_same_weights,
-                            eval_lines, fresh_pipe, run_record, sample_group, smooth_source, tiny_run, torchrun,
-                            write_evals, write_example)
+                            eval_lines, fresh_pipe, one_process, run_record, sample_group, smooth_source, tiny_run,
+                            torchrun, write_evals, write_example)
 from tools import rejection_sampling  # the baseline GRPO has to beat, from grpo.py's own pieces
 
 def test_main_end_to_end(tmp_path):
@@ -291,15 +291,14 @@ def test_readme_commands():
 
 
 @pytest.mark.parametrize("extra", [["--kl-beta", "0.04", "--eval-prompts", "EVALS", "--eval-samples", "2"],
-                                   ["--kl-beta", "0", "--scale-rewards", "batch", "--top-p", "0.9",
-                                    "--policy-dist", "truncated", "--entropy-bonus", "0.1"],  # variants: their
-                                   # step-wide numbers (the batch's std, the entropy's threshold) over both processes
-                                   ["--lora-rank", "4", "--kl-beta", "0.04"], ["--lora-rank", "4", "--kl-beta", "0"],
                                    ["--lora-rank", "4", "--kl-beta", "0.04", "--kl-on", "uncertain", "--reward",
                                     "ssim,mse=0", "--reference-reset-every", "2", "--gardo-diversity", "tokens",
-                                    "--cluster-bonus", "0.2"]],  # GARDO: the gate over both processes' samples, the
-                         # reset adapter swapped into FSDP's shards at step 3
-                         ids=["full-kl", "variants", "lora-kl", "lora", "gardo"])
+                                    "--cluster-bonus", "0.2", "--scale-rewards", "batch", "--top-p", "0.9",
+                                    "--policy-dist", "truncated", "--entropy-bonus", "0.1", "--steps", "3"]],
+                         # LoRA with every variant whose numbers are step-wide, over both processes: GARDO's gate over
+                         # both processes' samples, the reset adapter swapped into FSDP's shards at step 3, the
+                         # batch's std, the entropy's threshold, the nucleus' codes
+                         ids=["full-kl-eval", "lora-variants"])
 def test_torchrun_equals_one_process(tmp_path, extra):
     """2 processes x 1 prompt per step make the same updates as 1 process x 2 prompts: same prompts and samples,
     the same per-step metrics and the same final/ weights within 1e-5 (float32), and final models that score
@@ -308,16 +307,16 @@ def test_torchrun_equals_one_process(tmp_path, extra):
     test_torchrun_collectives checks that gradient within 1e-5.)"""
     prompts = write_example(tmp_path, ["a gray square | t.png", "another | t.png"])
     extra = [str(write_evals(tmp_path)) if x == "EVALS" else x for x in extra]
-    common = [*TINY_CPU, "--prompts", str(prompts), "--steps", "3", "--image-every", "0", *extra]
+    common = [*TINY_CPU, "--prompts", str(prompts), "--steps", "2", "--image-every", "0", *extra]  # (LoRA: 3)
     # one thread per process in both runs: the thread count changes float summation order (and so, rarely, a sample)
-    assert torchrun(*common, "--out", str(tmp_path / "one"), "--prompts-per-step", "2", nproc=1).returncode == 0
+    one_process(*common, "--out", str(tmp_path / "one"), "--prompts-per-step", "2")
     proc = torchrun(*common, "--out", str(tmp_path / "two"), "--prompts-per-step", "1")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.count("reward (mean of first") == 1  # rank 0 alone prints the summary
     assert_same_metrics(tmp_path / "one", tmp_path / "two")
     steps = [x for x in run_record(tmp_path / "two") if not x.get("eval")]
     assert steps[0]["prompts"] == [0, 1]  # both processes' groups, in the metrics of rank 0
-    assert [x["step"] for x in eval_lines(tmp_path / "two")] == ([0, 3] if "--eval-prompts" in extra else [])
+    assert [x["step"] for x in eval_lines(tmp_path / "two")] == ([0, 2] if "--eval-prompts" in extra else [])
     assert_same_weights(tmp_path / "one" / "final", tmp_path / "two" / "final")
     if "--lora-rank" not in extra:  # the zero-gradient entries excepted above change nothing the model computes
         from transformers import GlmImageForConditionalGeneration
@@ -342,33 +341,36 @@ for op, name in [(op, op.split("_")[0] + "_" + op.split("_")[1]) for op in ("all
         return _real(*a, **k)
     setattr(dist, op, counted)
 rank, world, _ = parallel.start_processes("cpu")
-pipe = grpo.load_glm_image("tiny")
-policy = setup.apply_lora(pipe.vision_language_encoder, 4) if {lora} else pipe.vision_language_encoder
-reference = copy.deepcopy(policy)  # unsharded, on every process: the one-process gradient over both groups
-both = [grpo.sample_groups(pipe, ["a cat"], 4, 64, 64, 0.9, [s])[0] for s in range(2)]
-advantages = torch.tensor([[1.0, -1.0, 0.5, -0.5], [0.3, 0.3, -0.9, 0.3]])
-parallel.shard(policy, torch.float32)
-opt = torch.optim.SGD([p for p in policy.parameters() if p.requires_grad], lr=0.0)
-with parallel.unsharded(policy):
-    r = grpo.sample_groups(pipe, ["a cat"], 4, 64, 64, 0.9, [rank])[0]
-sampling = dict(counts)
-counts.update(all_gather=0, reduce_scatter=0)
-settings = grpo.LossSettings(clip_eps=0.2, kl_beta=0.0)
-grpo.train_step(policy, opt, grpo.micro_batches([r], advantages[rank:rank + 1], 1), None, grpo.micro_batch_loss,
-                settings, temperature=0.9, mu=1, max_grad_norm=math.inf)
-training = dict(counts)
-grpo.train_step(reference, torch.optim.SGD([p for p in reference.parameters() if p.requires_grad], lr=0.0),
-                grpo.micro_batches(both, advantages, 1), None, grpo.micro_batch_loss, settings, temperature=0.9, mu=1,
-                max_grad_norm=math.inf)
-want = {{n: p.grad for n, p in reference.named_parameters() if p.grad is not None}}
-got = {{n: p.grad.full_tensor() for n, p in policy.named_parameters() if p.grad is not None}}
-norm = torch.sqrt(sum((g ** 2).sum() for g in want.values()))
-error = torch.sqrt(sum(((got[n] - want[n]) ** 2).sum() for n in want)) / norm
-units = len(parallel.fsdp_units(policy))
-if rank == 0:
-    print(json.dumps({{"sampling": sampling, "training": training, "units": units, "tokens": r.tokens.shape[1],
-                      "layers": pipe.vision_language_encoder.config.text_config.num_hidden_layers,
-                      "same_params": got.keys() == want.keys(), "grad_error": error.item()}}))
+for lora in (False, True):
+    counts.update(all_gather=0, reduce_scatter=0)
+    pipe = grpo.load_glm_image("tiny")
+    policy = setup.apply_lora(pipe.vision_language_encoder, 4) if lora else pipe.vision_language_encoder
+    reference = copy.deepcopy(policy)  # unsharded, on every process: the one-process gradient over both groups
+    both = [grpo.sample_groups(pipe, ["a cat"], 4, 64, 64, 0.9, [s])[0] for s in range(2)]
+    advantages = torch.tensor([[1.0, -1.0, 0.5, -0.5], [0.3, 0.3, -0.9, 0.3]])
+    parallel.shard(policy, torch.float32)
+    opt = torch.optim.SGD([p for p in policy.parameters() if p.requires_grad], lr=0.0)
+    with parallel.unsharded(policy):
+        r = grpo.sample_groups(pipe, ["a cat"], 4, 64, 64, 0.9, [rank])[0]
+    sampling = dict(counts)
+    counts.update(all_gather=0, reduce_scatter=0)
+    settings = grpo.LossSettings(clip_eps=0.2, kl_beta=0.0)
+    grpo.train_step(policy, opt, grpo.micro_batches([r], advantages[rank:rank + 1], 1), None, grpo.micro_batch_loss,
+                    settings, temperature=0.9, mu=1, max_grad_norm=math.inf)
+    training = dict(counts)
+    grpo.train_step(reference, torch.optim.SGD([p for p in reference.parameters() if p.requires_grad], lr=0.0),
+                    grpo.micro_batches(both, advantages, 1), None, grpo.micro_batch_loss, settings, temperature=0.9,
+                    mu=1, max_grad_norm=math.inf)
+    want = {{n: p.grad for n, p in reference.named_parameters() if p.grad is not None}}
+    got = {{n: p.grad.full_tensor() for n, p in policy.named_parameters() if p.grad is not None}}
+    norm = torch.sqrt(sum((g ** 2).sum() for g in want.values()))
+    error = torch.sqrt(sum(((got[n] - want[n]) ** 2).sum() for n in want)) / norm
+    units = len(parallel.fsdp_units(policy))
+    if rank == 0:
+        print(json.dumps({{"lora": lora, "sampling": sampling, "training": training, "units": units,
+                          "tokens": r.tokens.shape[1], "same_params": got.keys() == want.keys(),
+                          "layers": pipe.vision_language_encoder.config.text_config.num_hidden_layers,
+                          "grad_error": error.item()}}))
 parallel.stop_processes()  # a gloo thread alive at exit can abort a process ("terminate called ..."; seen in CI)
 """
 
@@ -384,7 +386,7 @@ def test_two_nodes(tmp_path):
     prompts = write_example(tmp_path, ["a gray square | t.png", "another | t.png"])
     common = [*TINY_CPU, "--prompts", str(prompts), "--steps", "2", "--image-every", "0", "--lora-rank", "4",
               "--kl-beta", "0.04"]
-    assert torchrun(*common, "--out", str(tmp_path / "one"), "--prompts-per-step", "2", nproc=1).returncode == 0
+    one_process(*common, "--out", str(tmp_path / "one"), "--prompts-per-step", "2")
     with socket.socket() as free:
         free.bind(("localhost", 0))
         port = free.getsockname()[1]
@@ -409,12 +411,13 @@ def test_torchrun_nonfinite_reward(tmp_path, monkeypatch):
     (tmp_path / "flaky_reward.py").write_text(
         "import math\n\ndef reward(images, example):\n    values = images.mean(dim=(1, 2, 3))\n"
         "    if example['prompt'] == 'another':\n        values[1] = math.nan\n    return values\n")
-    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))  # for torchrun's processes
+    monkeypatch.syspath_prepend(str(tmp_path))  # for this one's
     prompts = write_example(tmp_path, ["a gray square | t.png", "another | t.png", "a third | t.png"])
     common = [*TINY_CPU, "--prompts", str(prompts), "--steps", "2", "--image-every", "0", "--temperature", "2.0",
               "--reward", "ssim=1,flaky_reward:reward=0.5", "--kl-beta", "0.04", "--mu", "2", "--diversity", "0.1",
               "--scale-rewards", "batch", "--entropy-bonus", "0.1"]
-    assert torchrun(*common, "--out", str(tmp_path / "one"), "--prompts-per-step", "4", nproc=1).returncode == 0
+    one_process(*common, "--out", str(tmp_path / "one"), "--prompts-per-step", "4")
     proc = torchrun(*common, "--out", str(tmp_path / "two"), "--prompts-per-step", "2")
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = run_record(tmp_path / "two")
@@ -424,20 +427,23 @@ def test_torchrun_nonfinite_reward(tmp_path, monkeypatch):
     assert_same_weights(tmp_path / "one" / "final", tmp_path / "two" / "final")
 
 
-@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
-def test_torchrun_collectives(tmp_path, lora):
+def test_torchrun_collectives(tmp_path):
     """Sampling gathers each FSDP unit at most once per generate, not once per token; each of 4 micro-batches
     reduce-scatters the units that hold trainable weights once (gradients stay sharded); the gradient is the mean
-    over every sequence of both processes (within 1e-5 of one process's), with LoRA and with full fine-tuning."""
+    over every sequence of both processes (within 1e-5 of one process's), with full fine-tuning and with LoRA (one
+    launch, both in turn)."""
     script = tmp_path / "count.py"
-    script.write_text(COLLECTIVES.format(here=str(ROOT), lora=lora))
+    script.write_text(COLLECTIVES.format(here=str(ROOT)))
     proc = torchrun(script=script)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    c = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert c["tokens"] == 260 and c["sampling"]["all_gather"] <= c["units"] and c["sampling"]["reduce_scatter"] == 0
-    layers = c["layers"]  # decoder layers: the units that hold trainable weights
-    assert c["training"]["reduce_scatter"] == (layers + (0 if lora else 1)) * 4
-    assert c["same_params"] and c["grad_error"] < 1e-5
+    counted = [json.loads(line) for line in proc.stdout.strip().splitlines() if line.startswith("{")]
+    assert [c["lora"] for c in counted] == [False, True]
+    for c in counted:
+        assert c["tokens"] == 260 and c["sampling"]["all_gather"] <= c["units"]
+        assert c["sampling"]["reduce_scatter"] == 0
+        layers = c["layers"]  # decoder layers: the units that hold trainable weights
+        assert c["training"]["reduce_scatter"] == (layers + (0 if c["lora"] else 1)) * 4, c
+        assert c["same_params"] and c["grad_error"] < 1e-5, c
 
 
 def test_main_each_reward_logged(tmp_path):
@@ -460,17 +466,15 @@ def test_main_each_reward_logged(tmp_path):
 
 
 def test_main_shuffle(tmp_path):
-    """--shuffle visits every prompt once an epoch in an order drawn from --seed (another epoch, another order), the
-    same after --resume; the tiny presets keep the file's order, the real model's shuffles, --no-shuffle overrides."""
+    """--shuffle visits every prompt once an epoch in an order drawn from --seed (another epoch, another order); the
+    tiny presets keep the file's order, the real model's shuffles, --no-shuffle overrides. (The same order after
+    --resume: tests/test_stops.py, whose run shuffles.)"""
     assert grpo.parse_config([]).shuffle is False and grpo.parse_config(["--model", "zai-org/GLM-Image"]).shuffle
     assert not grpo.parse_config(["--model", "zai-org/GLM-Image", "--no-shuffle"]).shuffle
     prompts = write_example(tmp_path, ["a red circle | t.png", "a blue square | t.png", "two green triangles | t.png",
                                        "a yellow circle | t.png", "a red square | t.png"])
-    common = [*TINY, "--prompts", str(prompts), "--image-every", "0", "--shuffle"]
-    grpo.main([*common, "--out", str(tmp_path / "whole"), "--steps", "10"])
-    order = [x["prompts"][0] for x in run_record(tmp_path / "whole")]
-    assert sorted(order[:5]) == sorted(order[5:]) == list(range(5)) and order[:5] != order[5:]
-    assert order[:5] != list(range(5))  # not the file's order (seed 0)
-    grpo.main([*common, "--out", str(tmp_path / "half"), "--steps", "7"])
-    grpo.main(["--resume", str(tmp_path / "half"), "--steps", "10"])
-    assert run_record(tmp_path / "half") == run_record(tmp_path / "whole")
+    grpo.main([*TINY, "--prompts", str(prompts), "--image-every", "0", "--shuffle", "--out", str(tmp_path / "run"),
+               "--steps", "2", "--prompts-per-step", "5", "--group-size", "2", "--micro-batch-size", "2"])
+    first, second = (x["prompts"] for x in run_record(tmp_path / "run"))  # a step an epoch
+    assert sorted(first) == sorted(second) == list(range(5)) and first != second
+    assert first != list(range(5))  # not the file's order (seed 0)

@@ -40,18 +40,6 @@ def committed():
     return nbformat.read(NOTEBOOK, as_version=4)
 
 
-@pytest.fixture(scope="module")
-def executed(committed):
-    """A fresh copy of the notebook, outputs cleared, run top to bottom in a new python3 kernel."""
-    nb = copy.deepcopy(committed)
-    for cell in code_cells(nb):
-        cell.outputs, cell.execution_count = [], None
-    client = NotebookClient(nb, timeout=300, kernel_name="python3", record_timing=False,
-                            resources={"metadata": {"path": str(ROOT)}})
-    client.execute()  # raises CellExecutionError, naming the cell, on the first cell that fails
-    return nb
-
-
 def test_notebook_committed_outputs(committed):
     """Committed with the outputs of one clean top-to-bottom run: counts 1..n, no errors, under 2 MB."""
     cells = code_cells(committed)
@@ -70,46 +58,66 @@ def test_notebook_declares_no_grpo_function(committed):
     assert not declared & grpo_functions
 
 
-def test_notebook_runs(executed):
-    """Every cell of a fresh copy runs without raising (the fixture fails on the first cell that does)."""
-    assert all(out.output_type != "error" for cell in code_cells(executed) for out in cell.outputs)
+def executed(committed):
+    """A fresh copy of the notebook, outputs cleared, run top to bottom in a new python3 kernel."""
+    nb = copy.deepcopy(committed)
+    for cell in code_cells(nb):
+        cell.outputs, cell.execution_count = [], None
+    client = NotebookClient(nb, timeout=300, kernel_name="python3", record_timing=False,
+                            resources={"metadata": {"path": str(ROOT)}})
+    client.execute()  # raises CellExecutionError, naming the cell, on the first cell that fails
+    return nb
 
 
-def test_notebook_parity(committed, executed):
-    """Committed and fresh: the trainer's log-probs match the sampler's within 1e-5 with explicit positions,
-    and the naive forward is more than 1 nat off on the sharpened model."""
-    for nb in (committed, executed):
-        text = output_text(nb, "parity")
-        assert number_after("parity (explicit positions):", text) <= 1e-5
-        assert number_after("naive error:", text) > 1.0
+def check_parity(nb):
+    """The trainer's log-probs match the sampler's within 1e-5 with explicit positions, and the naive forward is more
+    than 1 nat off on the sharpened model."""
+    text = output_text(nb, "parity")
+    assert number_after("parity (explicit positions):", text) <= 1e-5
+    assert number_after("naive error:", text) > 1.0
 
 
-def test_notebook_rewards_reproduce(committed, executed):
-    """Fixed seeds: the sampled group's reward table of a fresh run matches the committed one within 1e-3."""
-    def table(nb):
-        rows = re.findall(r"^\|\s*(\d+|mean)\s*\|([^\n]*)\|\s*$", output_text(nb, "rewards"), flags=re.M)
-        return [[float(v) for v in values.split("|")] for _, values in rows]
+def reward_table(nb):
+    rows = re.findall(r"^\|\s*(\d+|mean)\s*\|([^\n]*)\|\s*$", output_text(nb, "rewards"), flags=re.M)
+    return [[float(v) for v in values.split("|")] for _, values in rows]
 
-    mine, theirs = table(executed), table(committed)
+
+def check_training(nb):
+    """The 50-step run with the tiny defaults raises the reward (first vs last 12 steps, and the same prompts and
+    seeds before vs after by more than 0.02) and skips no update."""
+    text = output_text(nb, "train")
+    summary = {k: float(v) for k, v in re.findall(r"'(\w+)': ([0-9.]+)", text)}
+    assert summary["reward_last"] > summary["reward_first"]
+    assert summary["shown_after"] > summary["shown_before"] + 0.02
+    assert summary["skipped"] == 0
+
+
+def check_editing(nb):
+    """With a source image in the prompt, explicit positions keep parity within 1e-5 and the text-to-image positions
+    are far off (sharpened model)."""
+    text = output_text(nb, "editing")
+    assert number_after("explicit positions max |log p - sampler| =", text) <= 1e-5
+    assert number_after("text-to-image positions", text) > 0.1
+
+
+def test_notebook_committed_numbers(committed):
+    """The committed outputs show parity, learning and editing's parity (check_parity, check_training,
+    check_editing), and a reward table of G = 8 samples and their mean."""
+    check_parity(committed)
+    check_training(committed)
+    check_editing(committed)
+    assert len(reward_table(committed)) == 9
+
+
+def test_notebook_runs(committed):
+    """A fresh copy runs top to bottom in a new kernel without raising (once: the notebook takes minutes), and its
+    outputs show what the committed ones do: parity, learning, editing's parity, and the sampled group's reward table
+    equal to the committed one within 1e-3 (fixed seeds)."""
+    fresh = executed(committed)
+    assert all(out.output_type != "error" for cell in code_cells(fresh) for out in cell.outputs)
+    check_parity(fresh)
+    check_training(fresh)
+    check_editing(fresh)
+    mine, theirs = reward_table(fresh), reward_table(committed)
     assert len(mine) == len(theirs) == 9  # G = 8 samples and the mean
     assert all(abs(a - b) <= 1e-3 for row_a, row_b in zip(mine, theirs) for a, b in zip(row_a, row_b))
-
-
-def test_notebook_training(committed, executed):
-    """Committed and fresh: the 50-step run with the tiny defaults raises the reward (first vs last 12 steps, and
-    the same prompts and seeds before vs after by more than 0.02) and skips no update."""
-    for nb in (committed, executed):
-        text = output_text(nb, "train")
-        summary = {k: float(v) for k, v in re.findall(r"'(\w+)': ([0-9.]+)", text)}
-        assert summary["reward_last"] > summary["reward_first"]
-        assert summary["shown_after"] > summary["shown_before"] + 0.02
-        assert summary["skipped"] == 0
-
-
-def test_notebook_editing(committed, executed):
-    """Committed and fresh: with a source image in the prompt, explicit positions keep parity within 1e-5 and the
-    text-to-image positions are far off (sharpened model)."""
-    for nb in (committed, executed):
-        text = output_text(nb, "editing")
-        assert number_after("explicit positions max |log p - sampler| =", text) <= 1e-5
-        assert number_after("text-to-image positions", text) > 0.1

@@ -67,12 +67,12 @@ def test_corrections_real_size():
     variant --policy-dist truncated), at top-p 1 and 0.75; --truncation-weight mass weighs it down (a nucleus' mass),
     never to 0 (before the corrections were kept apart, a sequence mode multiplied 1280 masses: a weight of 0); the
     mismatch metrics read no gap."""
-    S, N, K = 2, 1280, 16384
+    S, N, K = 1, 1280, 16384  # one sequence: the sequence modes' product runs over its 1280 tokens
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(S, N, K, generator=g) * 3
     norms = {}
     for top_p in (1.0, 0.75):
-        mb = sampled_rows(logits, top_p, g)
+        mb = sampled_rows(logits, top_p, g, advantages=(1.0,))
         for dist, weight in [("full", "none"), ("full", "mass"), ("truncated", "none")]:
             cfg = grpo.parse_config(["--top-p", str(top_p), "--policy-dist", dist, "--truncation-weight", weight,
                                      "--train-tokens", "all", "--kl-beta", "0"])

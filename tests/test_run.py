@@ -11,7 +11,6 @@ import dataclasses
 import json
 import math
 import re
-import shutil
 import subprocess
 import sys
 import types
@@ -30,9 +29,9 @@ from helpers import run
 from helpers import run as helpers_run  # the tests' `run` is often a run directory
 from helpers import run_io
 from helpers import setup
-from conftest import (DEVICE, ROOT, TINY, TINY_CPU, assert_same_metrics, assert_same_weights, error_lines, eval_lines,
-                      expect_exit, fresh_pipe, latest_state, run_cli, run_record, snapshot, tiny_run, torchrun,
-                      write_evals, write_example)  # shared helpers and settings
+from conftest import (DEVICE, ROOT, TINY, TINY_CPU, assert_same_metrics, assert_same_weights, error_lines,
+                      expect_exit, fresh_pipe, latest_state, one_process, run_cli, run_record, snapshot, tiny_run,
+                      torchrun, write_evals, write_example)  # shared helpers and settings
 
 STEPS = (grpo.sample_groups, grpo.decode_images, grpo.group_rewards)  # what grpo.main passes run.evaluate
 
@@ -402,26 +401,6 @@ def test_main_bad_input_cli(tmp_path):
     assert (out / "metrics.jsonl").read_text() == "precious\n"
 
 
-def test_main_resume(tmp_path, monkeypatch):
-    """2N steps == N steps + resume + N steps (metrics, evaluations and weights), also when the evaluation at the
-    checkpoint's step was lost (it is redone, with the same numbers); --overwrite replaces."""
-    evals = ["--eval-prompts", str(write_evals(tmp_path)), "--eval-every", "2", "--eval-samples", "2"]
-    tiny_run(tmp_path, tmp_path / "whole", "--steps", "4", "--kl-beta", "0.04", *evals)
-    tiny_run(tmp_path, tmp_path / "half", "--steps", "2", "--kl-beta", "0.04", *evals)
-    shutil.copytree(tmp_path / "half", tmp_path / "lost")
-    metrics = (tmp_path / "lost" / "metrics.jsonl").read_text().splitlines()
-    (tmp_path / "lost" / "metrics.jsonl").write_text("\n".join(metrics[:-1]) + "\n")  # killed before the eval at 2
-    for name in ("half", "lost"):
-        grpo.main(["--resume", str(tmp_path / name), "--steps", "4"])
-        assert run_record(tmp_path / "whole") == run_record(tmp_path / name), name
-    assert [x["step"] for x in eval_lines(tmp_path / "half")] == [0, 2, 4] and len(run_record(tmp_path / "half")) == 7
-    from transformers import GlmImageForConditionalGeneration
-    a, b = (GlmImageForConditionalGeneration.from_pretrained(tmp_path / d / "final") for d in ("whole", "half"))
-    assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
-    tiny_run(tmp_path, tmp_path / "half", "--steps", "1", "--overwrite")
-    assert len(run_record(tmp_path / "half")) == 1
-
-
 def test_checkpoints_roll_back(tmp_path, capsys):
     """checkpoints/step-N/ each hold the trainer state and a model that loads alone; --save-total-limit keeps the
     latest K; --resume RUN/checkpoints/step-N goes back only with --overwrite (the later checkpoints and final/ would
@@ -450,6 +429,8 @@ def test_checkpoints_roll_back(tmp_path, capsys):
     assert all(torch.equal(p, q) for p, q in zip(ar.parameters(), again.parameters()))
     assert json.loads((out / "config.json").read_text())["save_every"] == 2  # bookkeeping: changed
     expect_exit(["--resume", str(out), "--steps", "6", "--kl-beta", "0"], 2, "cannot take --kl-beta", capsys)
+    tiny_run(tmp_path, out, "--steps", "1", "--overwrite")  # a new run in its place: the old one's files go
+    assert len(run_record(out)) == 1 and sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-1"]
 
 
 def test_resume_keeps_the_checkpoints_batch(tmp_path):
@@ -486,39 +467,30 @@ def test_inner_bars(tmp_path, monkeypatch, capsys):
     assert all(bar in err for bar in ("tokens:", "DiT steps:", "evaluation:")), err
 
 
-def interrupted_run(tmp_path, monkeypatch, name, where, signals=1):
-    """A 4-step run that gets `signals` real SIGINTs in step 2: while sampling, or right after the update."""
+def test_main_interrupt_twice(tmp_path, monkeypatch, capsys):
+    """A second Ctrl-C while a step lands stops at once: no checkpoint is written (the step's update is applied in
+    memory, its line not written), the last one is kept, exit 130, and the printed command resumes from it to the
+    uninterrupted run. (One Ctrl-C in every phase of a step: tests/test_stops.py.)"""
     import signal
-    target = {"sample": "sample_groups", "update": "train_step"}[where]
-    original = getattr(grpo, target)
+    tiny_run(tmp_path, tmp_path / "whole", "--steps", "3", "--kl-beta", "0.04")
+    original, out = grpo.train_step, tmp_path / "twice"
 
-    def with_interrupt(*args, **kwargs):
+    def twice(*args, **kwargs):
         result = original(*args, **kwargs)
-        if len(run_record(tmp_path / name)) == 2:
-            for _ in range(signals):
-                signal.raise_signal(signal.SIGINT)
+        if len(run_record(out)) == 1:  # in step 2, after its update
+            signal.raise_signal(signal.SIGINT)
+            signal.raise_signal(signal.SIGINT)
         return result
 
-    monkeypatch.setattr(grpo, target, with_interrupt)
+    monkeypatch.setattr(grpo, "train_step", twice)
     with pytest.raises(SystemExit) as exit_info:
-        tiny_run(tmp_path, tmp_path / name, "--steps", "4", "--kl-beta", "0.04", "--save-every", "1")
-    monkeypatch.setattr(grpo, target, original)
-    return exit_info.value.code
-
-
-def test_main_interrupt(tmp_path, monkeypatch, capsys):
-    """Ctrl-C while sampling stops at once and redoes the step; Ctrl-C during an update lets it finish and log
-    first (never applied twice); a second Ctrl-C there stops at once and keeps the last checkpoint. Exit code 130,
-    and every run resumed with the printed command equals the uninterrupted one."""
-    tiny_run(tmp_path, tmp_path / "whole", "--steps", "4", "--kl-beta", "0.04")
-    for name, where, signals, logged in [("sample", "sample", 1, 2), ("update", "update", 1, 3),
-                                         ("twice", "update", 2, 2)]:
-        assert interrupted_run(tmp_path, monkeypatch, name, where, signals) == 130
-        assert len(run_record(tmp_path / name)) == logged, name
-        assert latest_state(tmp_path / name)["step"] == logged, name
-        assert f"continue it with: python grpo.py --resume {tmp_path / name}" in capsys.readouterr().err
-        grpo.main(["--resume", str(tmp_path / name)])  # that command, as printed: on to the 4 steps asked for
-        assert run_record(tmp_path / name) == run_record(tmp_path / "whole"), name
+        tiny_run(tmp_path, out, "--steps", "3", "--kl-beta", "0.04", "--save-every", "1")
+    monkeypatch.undo()
+    assert exit_info.value.code == 130 and len(run_record(out)) == 1 and latest_state(out)["step"] == 1
+    assert f"interrupted: the last checkpoint is kept in {out}; continue it with: python grpo.py --resume {out}" in \
+        capsys.readouterr().err
+    grpo.main(["--resume", str(out)])
+    assert run_record(out) == run_record(tmp_path / "whole")
 
 
 @pytest.mark.parametrize("phase", ["sample_groups", "decode_images", "train_step"])
@@ -804,25 +776,6 @@ def test_target_resized_with_notice(tmp_path, capsys):
     assert "resized to 64x64" in capsys.readouterr().err
 
 
-def test_torchrun_resume(tmp_path):
-    """Under 2 processes, 2 steps + resume + 2 steps equals 4 steps; the 2-process checkpoint also resumes in one
-    process (with 2 prompts per step, the same groups) and continues the same run."""
-    prompts = write_example(tmp_path, ["a gray square | t.png", "another | t.png"])
-    common = [*TINY_CPU, "--prompts", str(prompts), "--image-every", "0", "--kl-beta", "0.04",
-              "--micro-batch-size", "2"]
-    assert torchrun(*common, "--out", str(tmp_path / "whole"), "--steps", "4").returncode == 0
-    assert torchrun(*common, "--out", str(tmp_path / "half"), "--steps", "2").returncode == 0
-    shutil.copytree(tmp_path / "half", tmp_path / "half_one")
-    proc = torchrun("--resume", str(tmp_path / "half"), "--steps", "4")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert run_record(tmp_path / "half") == run_record(tmp_path / "whole")
-    assert_same_weights(tmp_path / "whole" / "final", tmp_path / "half" / "final", tol=0.0)
-    assert torchrun("--resume", str(tmp_path / "half_one"), "--steps", "4", nproc=1).returncode == 0  # both groups
-    assert json.loads((tmp_path / "half_one" / "config.json").read_text())["prompts_per_step"] == 2
-    assert_same_metrics(tmp_path / "whole", tmp_path / "half_one")
-    assert_same_weights(tmp_path / "whole" / "final", tmp_path / "half_one" / "final")
-
-
 def test_torchrun_bad_input(tmp_path):
     """A bad prompts file under torchrun: every process exits non-zero at once, our one line printed once."""
     (tmp_path / "bad.txt").write_text("fine | nope.png\n")
@@ -848,42 +801,46 @@ grpo.main(sys.argv[1:])
 """
 
 
-def test_torchrun_rank_dies(tmp_path):
-    """A process that dies mid-run takes the others down (non-zero exit, no hang); rank 0's checkpoint of the last
-    finished step stays loadable, and the run resumes from it."""
-    prompts = write_example(tmp_path, ["a gray square | t.png", "another | t.png"])
-    out = tmp_path / "run"
-    script = tmp_path / "dies.py"
-    script.write_text(RANK_DIES.format(here=str(ROOT), metrics=str(out / "metrics.jsonl")))
-    proc = torchrun(*TINY_CPU, "--prompts", str(prompts), "--out", str(out), "--steps", "4",
-                    "--save-every", "1", "--image-every", "0", script=script, timeout=300)
-    assert proc.returncode != 0
-    assert latest_state(out)["step"] == 2 and len(run_record(out)) == 2
-    assert torchrun("--resume", str(out), "--steps", "3").returncode == 0 and len(run_record(out)) == 3
-
-
-def test_torchrun_interrupt(tmp_path):
-    """Ctrl-C to torchrun (which passes it to every process): all finish the same step, rank 0 saves it, and the
-    resumed run continues from there with no step lost or applied twice."""
+def test_torchrun_stopped_resumes_exactly(tmp_path):
+    """Under 2 processes, with a warmup and cosine schedule, mu 2 and the reference reset: SIGTERM to torchrun (a
+    cluster's preemption; Ctrl-C reaches the processes so too) makes every process land the same step, rank 0 save it
+    and print the command to continue (exit non-zero), and resumed with it the run equals the uninterrupted one (one
+    process training the same groups: within the torchrun tests' float32 tolerance); a process that dies mid-step
+    takes the others down (no hang), rank 0's checkpoint of the last landed step stays loadable, and resumed in one
+    process (2 prompts a step: the same groups) the run goes on as the uninterrupted one."""
     import os
     import signal
     import time
     prompts = write_example(tmp_path, ["a gray square | t.png", "another | t.png"])
-    out = tmp_path / "run"
+    common = [*TINY_CPU, "--prompts", str(prompts), "--image-every", "0", "--kl-beta", "0.04", "--micro-batch-size",
+              "2", "--steps", "3", "--mu", "2", "--lr-scheduler", "cosine", "--warmup-steps", "1",
+              "--reference-reset-every", "2", "--lora-rank", "4", "--save-every", "1"]
+    one_process(*common, "--out", str(tmp_path / "whole"), "--prompts-per-step", "2")  # the same groups a step
+    out = tmp_path / "stopped"
     proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                             str(ROOT / "grpo.py"), *TINY_CPU, "--prompts", str(prompts), "--out", str(out),
-                             "--steps", "100", "--image-every", "0"], cwd=ROOT, stdout=subprocess.PIPE,
+                             str(ROOT / "grpo.py"), *common, "--out", str(out)], cwd=ROOT, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    while not (out / "metrics.jsonl").exists() or len(run_record(out)) < 2:
+    while not (out / "metrics.jsonl").exists() or len(run_record(out)) < 1:
         assert proc.poll() is None, proc.communicate()
-        time.sleep(0.2)
-    proc.send_signal(signal.SIGINT)
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=120)
     assert proc.returncode != 0 and err.count("interrupted: checkpoint at step") == 1, err[-3000:]
+    assert f"continue it with: torchrun --nproc-per-node 2 grpo.py --resume {out}" in err
     done = latest_state(out)["step"]
-    assert done == len(run_record(out)) >= 2
-    assert torchrun("--resume", str(out), "--steps", str(done + 1)).returncode == 0
-    assert [r["step"] for r in run_record(out)] == list(range(1, done + 2))
+    assert 1 <= done == len(run_record(out)) < 3
+    assert torchrun("--resume", str(out)).returncode == 0
+    assert_same_metrics(tmp_path / "whole", out)
+    assert_same_weights(tmp_path / "whole" / "final", out / "final")
+    died, script = tmp_path / "died", tmp_path / "dies.py"
+    script.write_text(RANK_DIES.format(here=str(ROOT), metrics=str(died / "metrics.jsonl")))
+    proc = torchrun(*common, "--out", str(died), script=script, timeout=300)
+    assert proc.returncode != 0
+    assert latest_state(died)["step"] == 2 and len(run_record(died)) == 2
+    grpo.main(["--resume", str(died)])  # one process: both groups a step
+    assert json.loads((died / "config.json").read_text())["prompts_per_step"] == 2
+    assert_same_metrics(tmp_path / "whole", died)
+    assert_same_weights(tmp_path / "whole" / "final", died / "final")
 
 
 def test_decoder_on():
@@ -1010,6 +967,29 @@ def test_lr_schedule(tmp_path, capsys):
     prompts = write_example(tmp_path, ["a gray square | t.png"])
     expect_exit([*TINY, "--prompts", str(prompts), "--out", str(tmp_path / "long"), "--steps", "3", "--warmup-steps",
                  "3"], 2, "--warmup-steps 3 must be below --steps 3", capsys)
+
+
+def test_lr_schedule_steps_once_an_update(tmp_path, monkeypatch):
+    """The schedule moves after every optimizer update, as transformers' Trainer and TRL step it (not once a sampling
+    step, which gave every --mu update of a step one rate): at mu 2 the updates run at the rates transformers'
+    get_scheduler gives over --steps x --mu updates, --warmup-steps x --mu of them warming up; the step's line logs
+    its first update's rate."""
+    from transformers import get_scheduler
+    used = []
+    original = grpo.optimizer_step
+    monkeypatch.setattr(grpo, "optimizer_step", lambda opt, *a: used.append(opt.param_groups[0]["lr"])
+                        or original(opt, *a))
+    tiny_run(tmp_path, tmp_path / "run", "--steps", "3", "--mu", "2", "--lr-scheduler", "linear", "--warmup-steps",
+             "1", "--lr", "1e-3", "--save-every", "0")
+    reference = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1e-3)
+    schedule = get_scheduler("linear", reference, num_warmup_steps=2, num_training_steps=6)
+    want = []
+    for _ in range(6):
+        want.append(reference.param_groups[0]["lr"])
+        reference.step()
+        schedule.step()
+    assert used == pytest.approx(want) and want == pytest.approx([0, 5e-4, 1e-3, 7.5e-4, 5e-4, 2.5e-4])
+    assert [x["lr"] for x in run_record(tmp_path / "run")] == pytest.approx(want[::2])
 
 
 def test_push_to_hub(tmp_path, monkeypatch, capsys):

@@ -7,6 +7,7 @@ import copy
 import dataclasses
 import os
 
+import pytest
 import torch
 
 import grpo
@@ -47,6 +48,7 @@ def test_apply_lora():
     assert all(torch.equal(a[n], b[n]) for n in a) and not all(torch.equal(a[n], c[n]) for n in a)  # seeded init
 
 
+@pytest.mark.filterwarnings("ignore:.is_gradient_checkpointing. is deprecated:FutureWarning")  # peft's own
 def test_results_load_with_standard_calls(tmp_path):
     """A LoRA run's results load with one standard call each (issue 58): final/ and each checkpoint with transformers'
     `load_adapter` (adapter_config.json names the base model's folder, not a cache path) and PeftModel, holding

@@ -121,6 +121,7 @@ PHASES = {"sampling": (grpo, "sample_groups"), "decoding": (grpo, "decode_images
           "update": (grpo, "train_step"), "log": (run, "log_step"), "after-step": (variants, "after_step"),
           "checkpoint write": (run, "save_checkpoint"), "evaluation": (grpo, "sample_groups")}
 CHAIN = [  # (phase, how, step, exit code, the step of the checkpoint a resume reads): one run stopped again and again
+    ("sampling", "SIGTERM", 1, 130, 0),  # nothing landed: a checkpoint of the initial state, AdamW's state empty
     ("sampling", "SIGTERM", 2, 130, 1), ("decoding", "SIGINT", 2, 130, 1), ("reward", "SIGTERM", 2, 130, 1),
     ("update", "SIGINT", 2, 130, 2), ("update", "SIGTERM", 3, 130, 3), ("log", "SIGTERM", 4, 130, 4),
     ("after-step", "SIGINT", 5, 130, 5), ("checkpoint write", "SIGTERM", 6, 130, 6),
@@ -174,8 +175,9 @@ def test_stopped_anywhere_resumes_exactly(files, monkeypatch, capsys):
 
 def test_measured_case_rates_and_reset(tmp_path, monkeypatch):
     """Issue 76's measured case: Ctrl-C inside step 3's update of a cosine schedule with a warmup step and a KL-
-    triggered reset: the step-3 checkpoint holds the scheduler at 3 steps and the reset of step 3, and the resumed
-    run's rates per step are the uninterrupted run's (they lagged one step to the end)."""
+    triggered reset: the step-3 checkpoint holds the scheduler after step 3's updates (3 x mu 2: it moves once an
+    update) and the reset of step 3, and the resumed run's rates per step are the uninterrupted run's (they lagged one
+    step to the end)."""
     prompts = write_example(tmp_path, ["a gray square | t.png", "another | t.png"])
     argv = [*TINY, "--prompts", str(prompts), "--mu", "2", "--kl-beta", "0.1", "--lr", "3e-3", "--lr-scheduler",
             "cosine", "--warmup-steps", "1", "--reference-reset-every", "3", "--reference-reset-kl", "0.03",
@@ -186,7 +188,7 @@ def test_measured_case_rates_and_reset(tmp_path, monkeypatch):
         grpo.main([*argv, "--out", str(tmp_path / "stopped")])
     monkeypatch.undo()
     state = run_io.read_checkpoint(run_io.resume_point(tmp_path / "stopped")[1])
-    assert state["step"] == 3 and state["scheduler"]["last_epoch"] == 3
+    assert state["step"] == 3 and state["scheduler"]["last_epoch"] == 3 * 2
     assert state["variants"]["reference"]["last"] == 3
     grpo.main(["--resume", str(tmp_path / "stopped")])
     rates = [[line["lr"] for line in run_record(tmp_path / name)] for name in ("whole", "stopped")]

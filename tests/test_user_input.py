@@ -516,3 +516,4 @@ def test_logged_estimates_keep_their_sign():
     assert diagnostics.mismatch(old, sampled, "token_truncate", 2.0, grpo)["sampling/k3_kl"] >= 0
     one_code = torch.log_softmax(torch.tensor([[40.0, -40.0, -40.0]]), dim=-1)
     assert variants.entropy(one_code).item() >= 0
+    assert variants.entropy(torch.log(torch.full((1, 3), 1 / 3))).item() == pytest.approx(math.log(3))  # unclamped

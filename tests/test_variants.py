@@ -74,15 +74,16 @@ def test_variant_as_before(name):
 # ---- step 4: the advantages ---------------------------------------------------------------------
 
 def test_given_and_validate():
-    """The flags a config turns on, by name; a negative bonus or a non-positive upper clip is refused in one line."""
+    """The flags a config turns on, by name; a negative bonus or a non-positive upper clip is refused in one line (its
+    range: user_input.RULES), and so are options that do not go together (variants.validate)."""
     assert variants.given(cfg_with()) == [] and variants.given(cfg_with(diversity=0.2, kl_on="above_mean")) == [
         "--diversity", "--kl-on"]
     for options, message in [(dict(diversity=-1), "--diversity -1.0 is out of range"),
-                             (dict(clip_eps_high=0), "--clip-eps-high 0.0 is out of range"),
-                             (dict(reward_aggregation="normalize", scale_rewards="none"),
-                              "--scale-rewards none does not apply with --reward-aggregation normalize")]:
+                             (dict(clip_eps_high=0), "--clip-eps-high 0.0 is out of range")]:
         with pytest.raises(ValueError, match=message):
-            variants.validate(cfg_with(**options))
+            user_input.check_numbers(cfg_with(**options))
+    with pytest.raises(ValueError, match="--scale-rewards none does not apply with --reward-aggregation normalize"):
+        variants.validate(cfg_with(reward_aggregation="normalize", scale_rewards="none"))
 
 
 def test_advantages_none_on():
@@ -676,7 +677,7 @@ def test_validate_gardo():
     with pytest.raises(ValueError, match="--kl-beta 0"):
         variants.validate(cfg_with(reference_reset_every=5, kl_beta=0))
     with pytest.raises(ValueError, match="--cluster-radius 1.0"):
-        variants.validate(cfg_with(cluster_radius=1.0))
+        user_input.check_numbers(cfg_with(cluster_radius=1.0))
     with pytest.raises(ValueError, match="--reference-reset-kl 0.001 triggers .* give both"):
         variants.validate(cfg_with(reference_reset_kl=1e-3, kl_beta=0.1))
     variants.validate(cfg_with(kl_on="uncertain", reward="shapes,size=0", kl_beta=0.1, reference_reset_every=5,
