@@ -134,7 +134,7 @@ for name, path, old, new, tests in PLANTS:
     assert text.count(old) == 1, (name, text.count(old))
     f.write_text(text.replace(old, new))
     try:
-        r = subprocess.run([PY, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *tests],
+        r = subprocess.run([PY, "-m", "pytest", "-q", "-x", "-n", "0", "-p", "no:cacheprovider", *tests],
                            cwd=REPO, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
         last = r.stdout.strip().splitlines()[-1] if r.stdout.strip() else r.stderr[-200:]
         failed = [l.split(" ")[1] for l in r.stdout.splitlines() if l.startswith("FAILED")]
