@@ -27,8 +27,10 @@ The symbols, as the code names them:
   eps, beta, mu   the clip range, the KL's weight, the updates a batch of samples gets (Config)
 A group is one prompt's G samples; a step samples P groups; the Run (helpers/run.py) is `job`.
 
-The sections: 1 config, 2 loading, 3 group sampling, 4 log-probs of given tokens, 5 decoding,
-6 rewards, 7 advantages, 8 loss, 9 update, 10 main (calling them in that order), 11 copied alone.
+The sections: the config and loading GLM-Image, then GRPO's five steps, numbered as the README
+and the notebook number them: 1 sample, 2 decode, 3 score, 4 advantages, 5 update (5a the trainer's
+log-probs, 5b the loss, 5c mu updates on micro-batches); then `train`, the loop that runs them, and
+`main`, which runs the same steps with the run's plumbing around them (helpers/run.py).
 
 Where this departs from the paper (docs/ measures each):
   - only the large grid (H/32 x W/32, drawn after a preview grid) reaches the DiT, so only its
@@ -43,8 +45,11 @@ Where this departs from the paper (docs/ measures each):
     drawing (other kernels, bf16 on a GPU). In float32 on a CPU they are 1 within 1e-4;
   - the AR's 3D rotary positions are replayed (`rope_positions`), or the log-probs are wrong.
 
-Copied alone this file runs a step. Beside it: helpers/ (the run's plumbing, the fast decode, FSDP2,
-and helpers/variants.py: the options that are off in both presets), dit_grpo.py (GRPO on the DiT).
+Copied alone (with requirements.txt's packages) this file runs `train` on a model folder, sampling
+with its own decode loop, `generate`; `main`, `parse_config` and random weights need helpers/ beside
+it: the run's plumbing, helpers/fast_decode.py (the same tokens as `generate`, faster: what `main`
+samples with), FSDP2, and helpers/variants.py (the options that are off in both presets).
+dit_grpo.py: GRPO on the DiT.
 
   python grpo.py --prompts prompts.txt                          # the tiny GLM-Image, on a CPU
   python grpo.py --prompts examples/shapes.txt --reward shapes  # draw what the caption asks
@@ -76,10 +81,10 @@ except ModuleNotFoundError as missing:  # copied alone: one process
     diagnostics = fast_decode = run = setup = variants = None
     MORE_REWARDS = {}
     # all_agree, rows_per_process and merge_metrics, which train_step calls, become
-    # one-process stand-ins: section 11 at the end of this file defines them (plumbing, not lesson)
+    # one-process stand-ins, defined at the end of this file (plumbing, not lesson)
 
 
-# ---- 1. Config ----------------------------------------------------------------------------------
+# ---- Config --------------------------------------------------------------------------------------
 
 def arg(default, help: str, choices: tuple = ()):
     """A config field whose doc becomes its --help (and, if given, the values it may take)."""
@@ -105,8 +110,7 @@ class Config:  # a field per flag (--group-size ...); helpers/ adds the run's an
     mu: int | None = preset(2, 1, "updates per batch of samples; from the second the clip acts")
     lr: float | None = preset(1e-4, 1e-5, "AdamW learning rate")
     steps: int = arg(100, "optimizer steps")
-    # sequences per forward pass; "G": with_defaults puts the group size there
-    micro_batch_size: int | None = preset("G", 1, "sequences per forward pass (G: a whole group)")
+    micro_batch_size: int | None = preset(0, 1, "sequences per forward pass (0: a whole group)")
     # sampling, as GLM-Image is deployed, and the correction of the sampler's rounding
     temperature: float = arg(0.9, "sampling temperature (GLM-Image: 0.9)")
     top_p: float | None = preset(1.0, 0.75, "nucleus sampling: the smallest set of codes holding "
@@ -159,12 +163,12 @@ def with_defaults(cfg: Config) -> Config:
     presets = {field.name: field.metadata[model] for field in dataclasses.fields(cfg)
                if "tiny" in field.metadata and getattr(cfg, field.name) is None}
     cfg = dataclasses.replace(cfg, **presets)
-    if cfg.micro_batch_size == "G":  # the tiny model trains a whole group in one forward pass
+    if cfg.micro_batch_size == 0:  # a whole group in one forward pass (the tiny model's default)
         cfg = dataclasses.replace(cfg, micro_batch_size=cfg.group_size)
     return cfg
 
 
-# ---- 2. Loading GLM-Image -----------------------------------------------------------------------
+# ---- Loading GLM-Image ---------------------------------------------------------------------------
 
 def load_glm_image(name: str, device: str = "cpu", dtype: torch.dtype = torch.float32,
                    revision: str = ""):
@@ -224,7 +228,7 @@ def reference_model(policy, kl_beta: float):
     return copy.deepcopy(policy).requires_grad_(False).eval()
 
 
-# ---- 3. Group sampling --------------------------------------------------------------------------
+# ---- Step 1. Sample: a group of token grids per prompt, and their log-probs ----------------------
 
 class Source(NamedTuple):
     image: Image.Image  # the image being edited, as the DiT's VAE sees it
@@ -240,6 +244,7 @@ class Prompt(NamedTuple):  # one prompt's group, ready for the AR (group_prompt)
 
 
 class Rollout(NamedTuple):  # a group's samples (sample_groups): its Prompt's fields and the draws
+    # (flat, not a Prompt inside: steps 2-5 and the variants read one object a group)
     tokens: torch.Tensor  # (G, N) long codes: preview grid then large grid (editing: large only)
     q_logprobs: torch.Tensor  # (G, N) float32: each code's log-prob under q, what the draw used
     p_logprobs: torch.Tensor  # (G, N) float32: under p, the whole softmax (q = p without top-k/p)
@@ -247,13 +252,15 @@ class Rollout(NamedTuple):  # a group's samples (sample_groups): its Prompt's fi
     preview_hw: tuple[int, int]
     large_hw: tuple[int, int]
     source: Source | None
-    support: torch.Tensor | None = None  # (G, N, K/8) bits: the codes each draw kept (fast_decode)
+    support: torch.Tensor | None = None  # (G, N, ceil(K/8)) uint8: the codes each draw kept, 8 to
+    # a byte (helpers/fast_decode.py's support_bits; its code_support unpacks them to (G, N, K) bool)
 
 
 def code_logprobs(logits: torch.Tensor, temperature: float, codebook_size: int, top_k: int = 0,
                   top_p: float = 1.0, support: torch.Tensor | None = None) -> torch.Tensor:
     """(..., V) AR logits -> (..., K) float32 log-probs over the codebook: softmax(logits / T) cut
-    to `top_k` / `top_p` (or to given codes: a (..., K) bool `support`), renormalised, -inf outside.
+    to `top_k` / `top_p` (or to given codes: a (..., K) bool `support`, which only a variant,
+    --policy-dist truncated, passes), renormalised, -inf outside.
     One definition of the policy: the sampler draws from it, the trainer scores it."""
     scores = logits[..., :codebook_size].float() / temperature  # ids >= K are never drawn
     if support is not None:
@@ -437,39 +444,7 @@ def sample_groups(pipe, prompts: list[str], group_size: int, height: int, width:
     return rollouts
 
 
-# ---- 4. Log-probs of given tokens ---------------------------------------------------------------
-
-def token_logits(model, inputs: dict, tokens: torch.Tensor) -> torch.Tensor:
-    """(S, N) tokens, S samples of ONE prompt (its group's inputs) -> (S, N, V) logits that predict
-    each of them: one teacher-forced forward at generation's positions (rope_positions, not the
-    text ramp that a plain forward would use: several nats off on a peaked model)."""
-    ids = inputs["input_ids"]
-    S, N = tokens.shape
-    if not (ids == ids[:1]).all():
-        raise ValueError("token_logits scores one prompt's samples: call it once per group")
-    input_ids = torch.cat([ids[:1].expand(S, -1), tokens[:, :-1]], dim=1)  # (S, L+N-1)
-    grids = inputs["image_grid_thw"][:int(inputs["images_per_sample"][0])]  # a sample's grid rows
-    positions = rope_positions(ids[0], grids, N, model.config.image_start_token_id,
-                               model.config.image_end_token_id).expand(-1, S, -1)
-    return model(input_ids=input_ids, attention_mask=torch.ones_like(input_ids),  # no padding
-                 position_ids=positions, use_cache=False, logits_to_keep=N).logits  # (S, N, V)
-
-
-def logprob_of(distribution: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-    """(S, N, K) log-probs of every code, (S, N) tokens -> (S, N) each token's log-prob."""
-    return distribution.gather(-1, tokens[..., None]).squeeze(-1)
-
-
-def token_logprobs(model, inputs: dict, tokens: torch.Tensor, temperature: float, top_k: int = 0,
-                   top_p: float = 1.0, support: torch.Tensor | None = None) -> torch.Tensor:
-    """(S, N) float32 log-probs of `tokens` from one teacher-forced forward, under code_logprobs
-    (cut to given codes, a (S, N, K) bool `support`, when given). Differentiable."""
-    K = model.config.vq_config.num_embeddings
-    logits = token_logits(model, inputs, tokens)  # (S, N, V)
-    return logprob_of(code_logprobs(logits, temperature, K, top_k, top_p, support), tokens)
-
-
-# ---- 5. Decoding tokens to images ---------------------------------------------------------------
+# ---- Step 2. Decode: tokens to pictures ----------------------------------------------------------
 
 def prior_ids(tokens: torch.Tensor, large_hw: tuple[int, int]) -> torch.Tensor:
     """(G, N) tokens -> (G, 4hw) the DiT's prior ids: the large grid upsampled 2x (nearest)."""
@@ -506,7 +481,7 @@ def decode_images(pipe, prompt: str, tokens: torch.Tensor, large_hw: tuple[int, 
     return images.float().clamp(0, 1)  # (G, 3, H, W)
 
 
-# ---- 6. Rewards ---------------------------------------------------------------------------------
+# ---- Step 3. Score: rewards ----------------------------------------------------------------------
 # A reward: any fn(images, example) -> (G,) float, higher is better; images (G, 3, H, W) float32 in
 # [0, 1], example a prompts line ("target": a (3, H, W) tensor or None); fn.needs: fields it needs.
 
@@ -558,7 +533,7 @@ def group_rewards(images: list[torch.Tensor], examples: list[dict], rewards: dic
     return total, each
 
 
-# ---- 7. Advantages ------------------------------------------------------------------------------
+# ---- Step 4. Advantages --------------------------------------------------------------------------
 
 def group_advantages(rewards: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """(P, G) or (G,) rewards R -> advantages A_i = (R_i - mean(R)) / std(R) within each group. The
@@ -572,7 +547,39 @@ def group_advantages(rewards: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return torch.where(spread, z, torch.zeros_like(rewards))
 
 
-# ---- 8. Loss ------------------------------------------------------------------------------------
+# ---- Step 5. Update. 5a: the trainer's log-probs of the sampled tokens ---------------------------
+
+def token_logits(model, inputs: dict, tokens: torch.Tensor) -> torch.Tensor:
+    """(S, N) tokens, S samples of ONE prompt (its group's inputs) -> (S, N, V) logits that predict
+    each of them: one teacher-forced forward at generation's positions (rope_positions, not the
+    text ramp that a plain forward would use: several nats off on a peaked model)."""
+    ids = inputs["input_ids"]
+    S, N = tokens.shape
+    if not (ids == ids[:1]).all():
+        raise ValueError("token_logits scores one prompt's samples: call it once per group")
+    input_ids = torch.cat([ids[:1].expand(S, -1), tokens[:, :-1]], dim=1)  # (S, L+N-1)
+    grids = inputs["image_grid_thw"][:int(inputs["images_per_sample"][0])]  # a sample's grid rows
+    positions = rope_positions(ids[0], grids, N, model.config.image_start_token_id,
+                               model.config.image_end_token_id).expand(-1, S, -1)
+    return model(input_ids=input_ids, attention_mask=torch.ones_like(input_ids),  # no padding
+                 position_ids=positions, use_cache=False, logits_to_keep=N).logits  # (S, N, V)
+
+
+def logprob_of(distribution: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """(S, N, K) log-probs of every code, (S, N) tokens -> (S, N) each token's log-prob."""
+    return distribution.gather(-1, tokens[..., None]).squeeze(-1)
+
+
+def token_logprobs(model, inputs: dict, tokens: torch.Tensor, temperature: float, top_k: int = 0,
+                   top_p: float = 1.0, support: torch.Tensor | None = None) -> torch.Tensor:
+    """(S, N) float32 log-probs of `tokens` from one teacher-forced forward, under code_logprobs
+    (cut to given codes, a (S, N, K) bool `support`, when given). Differentiable."""
+    K = model.config.vq_config.num_embeddings
+    logits = token_logits(model, inputs, tokens)  # (S, N, V)
+    return logprob_of(code_logprobs(logits, temperature, K, top_k, top_p, support), tokens)
+
+
+# ---- 5b: the loss --------------------------------------------------------------------------------
 
 def grpo_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, ref_logprobs: torch.Tensor | None,
               advantages: torch.Tensor, clip_eps: float | torch.Tensor,
@@ -638,7 +645,7 @@ def sampler_correction(old_logprobs: torch.Tensor, sampler_logprobs: torch.Tenso
     return torch.ones_like(ratio)
 
 
-# ---- 9. Update ----------------------------------------------------------------------------------
+# ---- 5c: mu updates, a micro-batch at a time -----------------------------------------------------
 
 class MicroBatch(NamedTuple):  # some of one group's samples: what one forward pass trains on
     inputs: dict  # its prompt's AR inputs (the group's)
@@ -795,10 +802,44 @@ def optimizer_step(optimizer, parts: list[tuple[dict, float]], max_grad_norm: fl
     return grad_norm, False
 
 
-# ---- 10. Main -----------------------------------------------------------------------------------
+# ---- The loop: steps 1-5, a step at a time -------------------------------------------------------
+
+def train(pipe, policy, ref_model, optimizer, examples: list[dict], rewards: dict, cfg: Config,
+          scheduler=None) -> list[dict]:
+    """GRPO's loop, as a student reads it: cfg.steps steps, each on the next cfg.prompts_per_step
+    `examples` (prompts file lines, "target" a loaded (3, H, W) image in [0, 1]), scored by `rewards`
+    ({name: (fn, weight)}) -> each step's metrics. `main` runs this loop with helpers/run.py's plumbing
+    around each step (checks, timing, checkpoints, logging, evaluation, many processes, the variants'
+    seams): test_grpo.py::test_train shows that both give the same numbers on the tiny defaults."""
+    settings = LossSettings(cfg.clip_eps, cfg.kl_beta, cfg.sampler_correction, cfg.sampler_cap)
+    history = []
+    for step in range(cfg.steps):
+        groups = [step * cfg.prompts_per_step + j for j in range(cfg.prompts_per_step)]  # over the run
+        batch = [examples[g % len(examples)] for g in groups]  # the file's order, round and round
+        rollouts = sample_groups(  # 1. sample a group of G token grids per prompt
+            pipe, [ex["prompt"] for ex in batch], cfg.group_size, cfg.height, cfg.width,
+            cfg.temperature, [group_seed(cfg.seed, g) for g in groups],
+            [ex.get("source") for ex in batch], cfg.top_k, cfg.top_p)
+        images = [decode_images(  # 2. decode them to pictures, a group from one noise
+            pipe, ex["prompt"], rollout.tokens, rollout.large_hw, cfg.height, cfg.width,
+            cfg.num_inference_steps, cfg.decode_seed, cfg.guidance_scale, rollout.source)
+            for ex, rollout in zip(batch, rollouts)]
+        reward, _ = group_rewards(images, batch, rewards)  # 3. score: (P, G)
+        advantages = group_advantages(reward)  # 4. z-scores within each group
+        batches = micro_batches(rollouts, advantages, cfg.micro_batch_size)
+        metrics = train_step(policy, optimizer, batches, ref_model, micro_batch_loss, settings,  # 5.
+                             temperature=cfg.temperature, mu=cfg.mu,
+                             max_grad_norm=cfg.max_grad_norm, scheduler=scheduler)
+        history.append({"step": step + 1, "reward_mean": reward.mean().item(), **metrics})
+    return history
+
+
+# ---- main: the loop with the run's plumbing around it --------------------------------------------
 
 def main(argv: list[str] | None = None) -> dict:
-    """The command line's run: sections 3-9 at each step, the plumbing (helpers/run.py) around."""
+    """The command line's run: `train`'s steps 1-5, with the run's plumbing around them (helpers/
+    run.py: the checks, processes, timing, checkpoints, logging, evaluation) and the two seams of the
+    options beside the lesson (helpers/variants.py)."""
     lesson = sys.modules[__name__]  # this file: helpers/ takes what it needs of it as an argument
     job = run.prepare(parse_config(argv), argv, REWARDS, lesson)  # all input checked, none written
     cfg = job.cfg
@@ -809,7 +850,7 @@ def main(argv: list[str] | None = None) -> dict:
         policy, ref_model, optimizer = setup.setup_training(  # the AR: LoRA, FSDP2, AdamW
             pipe, cfg, job.dtype, job.world, reference_model)
         run.open_run(job, policy, optimizer, ref_model)  # --resume's checkpoint; the run directory
-    # the before / after grids and --eval-prompts: sections 3-6 on fixed seeds (helpers/run.py)
+    # the before / after grids and --eval-prompts: steps 1-3 on fixed seeds (helpers/run.py)
     job.evaluate = run.evaluator(job, pipe, policy, (sample_groups, decode_images, group_rewards))
     settings = LossSettings(clip_eps=cfg.clip_eps, kl_beta=cfg.kl_beta,
                             correction=cfg.sampler_correction, cap=cfg.sampler_cap)
@@ -819,27 +860,27 @@ def main(argv: list[str] | None = None) -> dict:
         # each step: P examples (prompts, targets, sources), numbered over the run by group_ids
         for step, group_ids, examples, seconds in run.steps(job):
             with run.timed(seconds, "sample", cfg), job.autocast, unsharded(policy):
-                rollouts = sample_groups(  # 3. sample a group of token grids per prompt
+                rollouts = sample_groups(  # 1. sample a group of token grids per prompt
                     pipe, prompts=[ex["prompt"] for ex in examples], group_size=cfg.group_size,
                     height=cfg.height, width=cfg.width, temperature=cfg.temperature,
                     seeds=[group_seed(cfg.seed, g) for g in group_ids],
                     sources=[ex.get("source") for ex in examples], top_k=cfg.top_k,
                     top_p=cfg.top_p)
             with run.timed(seconds, "decode", cfg), run.decoder_on(pipe, job.device, cfg.offload):
-                images = [decode_images(  # 5. decode the tokens to pictures
+                images = [decode_images(  # 2. decode the tokens to pictures
                     pipe, prompt=ex["prompt"], tokens=rollout.tokens, large_hw=rollout.large_hw,
                     height=cfg.height, width=cfg.width, num_inference_steps=cfg.num_inference_steps,
                     seed=cfg.decode_seed, guidance_scale=cfg.guidance_scale, source=rollout.source)
                     for ex, rollout in zip(examples, rollouts)]
             with run.timed(seconds, "reward", cfg):
-                reward, each = group_rewards(images, examples, job.rewards)  # 6. score: (P, G)
+                reward, each = group_rewards(images, examples, job.rewards)  # 3. score: (P, G)
                 # (P,) bool, False for a group with a NaN / inf reward (warned): A 0, loss out
                 in_loss = run.finite_groups(job, step, reward, each, examples)
-                advantages = variants.advantages(  # 7. z-scores within each group (and the seam)
+                advantages = variants.advantages(  # 4. z-scores within each group (and the seam)
                     group_advantages(reward), rollouts, reward, each, in_loss, cfg, lesson, images)
             with run.landing():  # from here the step lands whole or not at all: a stop waits
-                with run.timed(seconds, "train", cfg), job.autocast:  # 8.-9. the clipped update
-                    # the seam of sections 8-9: the variants' micro-batches and loss (else as given)
+                with run.timed(seconds, "train", cfg), job.autocast:  # 5. the clipped update
+                    # the seam of step 5: the variants' micro-batches and loss (else as given)
                     micro, loss_fn = variants.update(
                         micro_batches(rollouts, advantages, cfg.micro_batch_size, in_loss),
                         micro_batch_loss, policy, cfg, lesson, reward, each, job.variants)
@@ -849,14 +890,15 @@ def main(argv: list[str] | None = None) -> dict:
                                          scheduler=job.scheduler)
                 run.log_step(job, step, group_ids, reward, each, advantages, in_loss, rollouts,
                              metrics, seconds)
-                run.after_step(job, step, examples, images, reward, each)  # lr, reference, checkpoint
+                run.after_step(job, step, examples, images, reward, each)  # reference, checkpoint
             run.evaluation(job, step)  # --eval-prompts, when due
     return run.finish(job)  # the last checkpoint, final/, curves.png, the after grid, the summary
 
 
-# ---- 11. Copied alone ---------------------------------------------------------------------------
+# ---- Copied alone --------------------------------------------------------------------------------
 # Without helpers/ there is one process: each collective is an identity, and the metrics are the
-# last update's share-weighted means, ratio_min / ratio_max over every update (main needs helpers/).
+# last update's share-weighted means, ratio_min / ratio_max over every update (train runs; main needs
+# helpers/).
 
 if run is None:
     def all_agree(flag: bool) -> bool:

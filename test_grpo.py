@@ -1,5 +1,6 @@
-"""The companion of grpo.py: a test_<function> for every function of grpo.py, in its sections (1 config ... 11
-copied alone), each opening with the property it checks. Everything runs on the tiny GLM-Image on a CPU.
+"""The companion of grpo.py: a test_<function> for every function of grpo.py, in its sections (config, loading,
+steps 1-5, the loop, main, copied alone), each opening with the property it checks. Everything runs on the tiny
+GLM-Image on a CPU.
 
     python -m pytest -q test_grpo.py                          # these, in about 2 minutes on 2 cores
     python -m pytest -q                                       # and tests/: whole runs, torchrun, 1024x1024, variants
@@ -45,7 +46,7 @@ def lesson(monkeypatch):
     monkeypatch.setattr(grpo, "fast_decode", None)
 
 
-# ---- 1. Config ----------------------------------------------------------------------------------
+# ---- Config --------------------------------------------------------------------------------------
 
 def test_arg():
     """A field's default stays its default; its help and choices travel in the metadata (--help, validation)."""
@@ -86,7 +87,7 @@ def test_with_defaults():
     assert not [k for k, v in dataclasses.asdict(real).items() if v is None]
 
 
-# ---- 2. Loading GLM-Image -----------------------------------------------------------------------
+# ---- Loading GLM-Image ---------------------------------------------------------------------------
 
 def test_load_glm_image(pipe, monkeypatch):
     """'tiny' loads the shipped folder as a hub id would load, with only the AR's language model trainable."""
@@ -160,7 +161,7 @@ def test_reference_model(pipe):
     assert grpo.reference_model(lora, 0.04) is lora
 
 
-# ---- 3. Group sampling --------------------------------------------------------------------------
+# ---- Step 1. Sample: a group of token grids per prompt, and their log-probs ----------------------
 
 def test_code_logprobs(pipe):
     """code_logprobs is the distribution transformers' generate samples from with it as its processor."""
@@ -346,7 +347,128 @@ def test_sample_groups(random_pipe, lesson):
     assert not torch.equal(rollouts[0].tokens, sample_group(random_pipe, prompts[0], 2, 64, 64, T, 5).tokens)
 
 
-# ---- 4. Log-probs of given tokens ---------------------------------------------------------------
+# ---- Step 2. Decode: tokens to pictures ----------------------------------------------------------
+
+def test_prior_ids():
+    """Only the large grid (the last h*w tokens) reaches the DiT, each token covering 2x2 of the DiT's grid."""
+    tokens = torch.tensor([[9, 9, 9, 1, 2, 3, 4, 5, 6]])  # 3 preview tokens, then a 2x3 large grid
+    want = torch.tensor([[1, 1, 2, 2, 3, 3], [1, 1, 2, 2, 3, 3], [4, 4, 5, 5, 6, 6], [4, 4, 5, 5, 6, 6]])
+    assert torch.equal(grpo.prior_ids(tokens, (2, 3)), want.reshape(1, -1))
+    assert torch.equal(grpo.prior_ids(tokens.repeat(2, 1), (2, 3))[1], want.reshape(-1))
+
+
+def test_decode_images(pipe):
+    """(G, 3, H, W) in [0, 1], deterministic for a seed, changed by the large grid's tokens only."""
+    r = sample_group(pipe, "a cat", 4, 64, 96, T, seed=0)
+
+    def decode(tokens):
+        return grpo.decode_images(pipe, "a cat", tokens, r.large_hw, 64, 96, 2, seed=0)
+
+    images = decode(r.tokens)
+    assert images.shape == (4, 3, 64, 96) and images.dtype == torch.float32
+    assert images.min() >= 0 and images.max() <= 1 and images.std() > 0 and torch.equal(images, decode(r.tokens))
+    same = r.tokens.clone()
+    same[1:] = r.tokens[0]
+    shared = decode(same)
+    assert (shared[1:] - shared[0]).abs().max() < 1e-4  # same tokens, same noise: the same image
+    K = codebook(pipe.vision_language_encoder)
+    new_large, new_preview = r.tokens.clone(), r.tokens.clone()
+    new_large[:, -6:] = (new_large[:, -6:] + 7) % K
+    new_preview[:, :10] = (new_preview[:, :10] + 7) % K
+    assert (decode(new_large) - images).abs().max() > 1e-3 and torch.allclose(decode(new_preview), images)
+
+
+def test_decode_images_editing(pipe, monkeypatch):
+    """Editing: the DiT sees the source (another source or none decodes otherwise), given as GlmImagePipeline makes
+    its prior ids from the source's codes (upsampled 2x), one copy per sample."""
+    r = sample_group(pipe, "make it red", 2, 64, 64, T, seed=0, source=smooth_source(seed=0))
+    other = sample_group(pipe, "make it red", 2, 64, 64, T, seed=0, source=smooth_source(seed=5)).source
+
+    def decode(source):
+        return grpo.decode_images(pipe, "make it red", r.tokens, r.large_hw, 64, 64, 2, seed=0, source=source)
+
+    images = decode(r.source)
+    assert (images - decode(None)).abs().max() > 1e-2 and (images - decode(other)).abs().max() > 1e-2
+    (hs, ws), upsampled = r.source.grid_hw, pipe._upsample_token_ids(r.source.codes, *r.source.grid_hw)
+    calls, call = [], type(pipe).__call__
+    monkeypatch.setattr(type(pipe), "__call__", lambda self, **kw: calls.append(kw) or call(self, **kw))
+    decode(r.source)
+    assert len(calls[0]["prior_token_image_ids"]) == len(calls[0]["source_image_grid_thw"]) == 2
+    for ids, grid in zip(calls[0]["prior_token_image_ids"], calls[0]["source_image_grid_thw"]):
+        assert torch.equal(ids, upsampled.reshape(-1)) and grid.tolist() == [[1, 2 * hs, 2 * ws]]
+
+
+# ---- Step 3. Score: rewards ----------------------------------------------------------------------
+
+def naive_ssim(x, y):
+    """Straight from Wang et al. 2004, window by window, in float64 numpy."""
+    g = np.exp(-((np.arange(11) - 5) ** 2) / (2 * 1.5 ** 2))
+    w = np.outer(g, g) / np.outer(g, g).sum()
+    C1, C2 = 0.01 ** 2, 0.03 ** 2
+    values = []
+    for c in range(x.shape[0]):
+        for i in range(x.shape[1] - 10):
+            for j in range(x.shape[2] - 10):
+                a, b = x[c, i:i + 11, j:j + 11], y[c, i:i + 11, j:j + 11]
+                ma, mb = (w * a).sum(), (w * b).sum()
+                va, vb, cov = (w * (a - ma) ** 2).sum(), (w * (b - mb) ** 2).sum(), (w * (a - ma) * (b - mb)).sum()
+                values.append(((2 * ma * mb + C1) * (2 * cov + C2)) / ((ma ** 2 + mb ** 2 + C1) * (va + vb + C2)))
+    return float(np.mean(values))
+
+
+def test_ssim_reward():
+    """1 for identical images; equal to a window-by-window computation within 1e-4; falls with noise."""
+    g = torch.Generator().manual_seed(0)
+    target = torch.rand(3, 24, 20, generator=g)
+    noisy = (target + 0.1 * torch.randn(3, 3, 24, 20, generator=g)).clamp(0, 1)
+    assert torch.allclose(grpo.ssim_reward(target[None], {"target": target}), torch.ones(1), atol=1e-6)
+    ours = grpo.ssim_reward(noisy, {"target": target})
+    for k in range(3):
+        assert abs(ours[k].item() - naive_ssim(noisy[k].double().numpy(), target.double().numpy())) < 1e-4
+    levels = torch.stack([(target + s * torch.randn(3, 24, 20, generator=g)).clamp(0, 1) for s in (0.02, 0.1, 0.3)])
+    assert (grpo.ssim_reward(levels, {"target": target}).diff() < 0).all()
+
+
+def test_mse_reward():
+    """0 for identical images, minus the mean squared error otherwise; falls with noise."""
+    target = torch.rand(3, 16, 16)
+    assert grpo.mse_reward(target[None], {"target": target}).item() == 0
+    assert torch.allclose(grpo.mse_reward(torch.full((1, 3, 16, 16), 0.5), {"target": target}),
+                          -((target - 0.5) ** 2).mean()[None])
+    g = torch.Generator().manual_seed(1)
+    levels = torch.stack([(target + s * torch.randn(3, 16, 16, generator=g)).clamp(0, 1) for s in (0.02, 0.1, 0.3)])
+    assert (grpo.mse_reward(levels, {"target": target}).diff() < 0).all()
+
+
+def test_group_rewards():
+    """Row p scores group p against example p (peer bug: rewards meeting the wrong prompt); each reward comes back
+    beside the weighted sum."""
+    examples = [{"target": torch.zeros(3, 16, 16)}, {"target": torch.ones(3, 16, 16)}]
+    images = [torch.zeros(4, 3, 16, 16), torch.ones(4, 3, 16, 16)]
+    total, each = grpo.group_rewards(images, examples, {"mse": (grpo.mse_reward, 1.0), "ssim": (grpo.ssim_reward, 0.5)})
+    assert total.shape == (2, 4) and torch.allclose(total, torch.full((2, 4), 0.5))
+    assert set(each) == {"mse", "ssim"} and torch.equal(each["mse"], torch.zeros(2, 4))
+    swapped, _ = grpo.group_rewards(images[::-1], examples, {"mse": (grpo.mse_reward, 1.0)})
+    assert (swapped == -1).all()
+
+
+# ---- Step 4. Advantages --------------------------------------------------------------------------
+
+def test_group_advantages():
+    """z-scores within each group: mean 0, std 1, zeros (not NaN) without spread, the same for a R + b (a > 0) at any
+    scale (the no-spread test is relative to the rewards' size)."""
+    r = torch.tensor([[0.1, 0.5, 0.3, 0.9], [2.0, 2.0, 2.0, 2.0], [1.0, -1.0, 0.0, 0.0]])
+    a = grpo.group_advantages(r)
+    assert a.shape == r.shape and torch.isfinite(a).all() and torch.equal(a[1], torch.zeros(4))
+    assert torch.allclose(a.mean(-1), torch.zeros(3), atol=1e-6)
+    assert torch.allclose(a[[0, 2]].std(-1, unbiased=False), torch.ones(2), atol=1e-5)
+    assert torch.allclose(grpo.group_advantages(r[0]), a[0])  # (G,) works too
+    assert torch.equal(grpo.group_advantages(torch.full((4,), 0.3) + torch.tensor([0, 1e-7, 0, 0])), torch.zeros(4))
+    for scale, shift in [(3.0, -7.0), (1e-5, 0.0), (1e-5, 1e-3), (1e4, -3e4)]:
+        assert torch.allclose(grpo.group_advantages(scale * r + shift), a, atol=1e-3), (scale, shift)
+
+
+# ---- Step 5. Update. 5a: the trainer's log-probs of the sampled tokens ---------------------------
 
 def test_token_logits(sharp_pipe):
     """The logits that predict token t are the ones the sampler drew it from; the text ramp (no positions) is not."""
@@ -413,128 +535,7 @@ def test_token_logprobs_truncated(sharp_pipe, top_k, top_p):
     assert (whole - r.q_logprobs).abs().max() > 0.05
 
 
-# ---- 5. Decoding tokens to images ---------------------------------------------------------------
-
-def test_prior_ids():
-    """Only the large grid (the last h*w tokens) reaches the DiT, each token covering 2x2 of the DiT's grid."""
-    tokens = torch.tensor([[9, 9, 9, 1, 2, 3, 4, 5, 6]])  # 3 preview tokens, then a 2x3 large grid
-    want = torch.tensor([[1, 1, 2, 2, 3, 3], [1, 1, 2, 2, 3, 3], [4, 4, 5, 5, 6, 6], [4, 4, 5, 5, 6, 6]])
-    assert torch.equal(grpo.prior_ids(tokens, (2, 3)), want.reshape(1, -1))
-    assert torch.equal(grpo.prior_ids(tokens.repeat(2, 1), (2, 3))[1], want.reshape(-1))
-
-
-def test_decode_images(pipe):
-    """(G, 3, H, W) in [0, 1], deterministic for a seed, changed by the large grid's tokens only."""
-    r = sample_group(pipe, "a cat", 4, 64, 96, T, seed=0)
-
-    def decode(tokens):
-        return grpo.decode_images(pipe, "a cat", tokens, r.large_hw, 64, 96, 2, seed=0)
-
-    images = decode(r.tokens)
-    assert images.shape == (4, 3, 64, 96) and images.dtype == torch.float32
-    assert images.min() >= 0 and images.max() <= 1 and images.std() > 0 and torch.equal(images, decode(r.tokens))
-    same = r.tokens.clone()
-    same[1:] = r.tokens[0]
-    shared = decode(same)
-    assert (shared[1:] - shared[0]).abs().max() < 1e-4  # same tokens, same noise: the same image
-    K = codebook(pipe.vision_language_encoder)
-    new_large, new_preview = r.tokens.clone(), r.tokens.clone()
-    new_large[:, -6:] = (new_large[:, -6:] + 7) % K
-    new_preview[:, :10] = (new_preview[:, :10] + 7) % K
-    assert (decode(new_large) - images).abs().max() > 1e-3 and torch.allclose(decode(new_preview), images)
-
-
-def test_decode_images_editing(pipe, monkeypatch):
-    """Editing: the DiT sees the source (another source or none decodes otherwise), given as GlmImagePipeline makes
-    its prior ids from the source's codes (upsampled 2x), one copy per sample."""
-    r = sample_group(pipe, "make it red", 2, 64, 64, T, seed=0, source=smooth_source(seed=0))
-    other = sample_group(pipe, "make it red", 2, 64, 64, T, seed=0, source=smooth_source(seed=5)).source
-
-    def decode(source):
-        return grpo.decode_images(pipe, "make it red", r.tokens, r.large_hw, 64, 64, 2, seed=0, source=source)
-
-    images = decode(r.source)
-    assert (images - decode(None)).abs().max() > 1e-2 and (images - decode(other)).abs().max() > 1e-2
-    (hs, ws), upsampled = r.source.grid_hw, pipe._upsample_token_ids(r.source.codes, *r.source.grid_hw)
-    calls, call = [], type(pipe).__call__
-    monkeypatch.setattr(type(pipe), "__call__", lambda self, **kw: calls.append(kw) or call(self, **kw))
-    decode(r.source)
-    assert len(calls[0]["prior_token_image_ids"]) == len(calls[0]["source_image_grid_thw"]) == 2
-    for ids, grid in zip(calls[0]["prior_token_image_ids"], calls[0]["source_image_grid_thw"]):
-        assert torch.equal(ids, upsampled.reshape(-1)) and grid.tolist() == [[1, 2 * hs, 2 * ws]]
-
-
-# ---- 6. Rewards ---------------------------------------------------------------------------------
-
-def naive_ssim(x, y):
-    """Straight from Wang et al. 2004, window by window, in float64 numpy."""
-    g = np.exp(-((np.arange(11) - 5) ** 2) / (2 * 1.5 ** 2))
-    w = np.outer(g, g) / np.outer(g, g).sum()
-    C1, C2 = 0.01 ** 2, 0.03 ** 2
-    values = []
-    for c in range(x.shape[0]):
-        for i in range(x.shape[1] - 10):
-            for j in range(x.shape[2] - 10):
-                a, b = x[c, i:i + 11, j:j + 11], y[c, i:i + 11, j:j + 11]
-                ma, mb = (w * a).sum(), (w * b).sum()
-                va, vb, cov = (w * (a - ma) ** 2).sum(), (w * (b - mb) ** 2).sum(), (w * (a - ma) * (b - mb)).sum()
-                values.append(((2 * ma * mb + C1) * (2 * cov + C2)) / ((ma ** 2 + mb ** 2 + C1) * (va + vb + C2)))
-    return float(np.mean(values))
-
-
-def test_ssim_reward():
-    """1 for identical images; equal to a window-by-window computation within 1e-4; falls with noise."""
-    g = torch.Generator().manual_seed(0)
-    target = torch.rand(3, 24, 20, generator=g)
-    noisy = (target + 0.1 * torch.randn(3, 3, 24, 20, generator=g)).clamp(0, 1)
-    assert torch.allclose(grpo.ssim_reward(target[None], {"target": target}), torch.ones(1), atol=1e-6)
-    ours = grpo.ssim_reward(noisy, {"target": target})
-    for k in range(3):
-        assert abs(ours[k].item() - naive_ssim(noisy[k].double().numpy(), target.double().numpy())) < 1e-4
-    levels = torch.stack([(target + s * torch.randn(3, 24, 20, generator=g)).clamp(0, 1) for s in (0.02, 0.1, 0.3)])
-    assert (grpo.ssim_reward(levels, {"target": target}).diff() < 0).all()
-
-
-def test_mse_reward():
-    """0 for identical images, minus the mean squared error otherwise; falls with noise."""
-    target = torch.rand(3, 16, 16)
-    assert grpo.mse_reward(target[None], {"target": target}).item() == 0
-    assert torch.allclose(grpo.mse_reward(torch.full((1, 3, 16, 16), 0.5), {"target": target}),
-                          -((target - 0.5) ** 2).mean()[None])
-    g = torch.Generator().manual_seed(1)
-    levels = torch.stack([(target + s * torch.randn(3, 16, 16, generator=g)).clamp(0, 1) for s in (0.02, 0.1, 0.3)])
-    assert (grpo.mse_reward(levels, {"target": target}).diff() < 0).all()
-
-
-def test_group_rewards():
-    """Row p scores group p against example p (peer bug: rewards meeting the wrong prompt); each reward comes back
-    beside the weighted sum."""
-    examples = [{"target": torch.zeros(3, 16, 16)}, {"target": torch.ones(3, 16, 16)}]
-    images = [torch.zeros(4, 3, 16, 16), torch.ones(4, 3, 16, 16)]
-    total, each = grpo.group_rewards(images, examples, {"mse": (grpo.mse_reward, 1.0), "ssim": (grpo.ssim_reward, 0.5)})
-    assert total.shape == (2, 4) and torch.allclose(total, torch.full((2, 4), 0.5))
-    assert set(each) == {"mse", "ssim"} and torch.equal(each["mse"], torch.zeros(2, 4))
-    swapped, _ = grpo.group_rewards(images[::-1], examples, {"mse": (grpo.mse_reward, 1.0)})
-    assert (swapped == -1).all()
-
-
-# ---- 7. Advantages ------------------------------------------------------------------------------
-
-def test_group_advantages():
-    """z-scores within each group: mean 0, std 1, zeros (not NaN) without spread, the same for a R + b (a > 0) at any
-    scale (the no-spread test is relative to the rewards' size)."""
-    r = torch.tensor([[0.1, 0.5, 0.3, 0.9], [2.0, 2.0, 2.0, 2.0], [1.0, -1.0, 0.0, 0.0]])
-    a = grpo.group_advantages(r)
-    assert a.shape == r.shape and torch.isfinite(a).all() and torch.equal(a[1], torch.zeros(4))
-    assert torch.allclose(a.mean(-1), torch.zeros(3), atol=1e-6)
-    assert torch.allclose(a[[0, 2]].std(-1, unbiased=False), torch.ones(2), atol=1e-5)
-    assert torch.allclose(grpo.group_advantages(r[0]), a[0])  # (G,) works too
-    assert torch.equal(grpo.group_advantages(torch.full((4,), 0.3) + torch.tensor([0, 1e-7, 0, 0])), torch.zeros(4))
-    for scale, shift in [(3.0, -7.0), (1e-5, 0.0), (1e-5, 1e-3), (1e4, -3e4)]:
-        assert torch.allclose(grpo.group_advantages(scale * r + shift), a, atol=1e-3), (scale, shift)
-
-
-# ---- 8. Loss ------------------------------------------------------------------------------------
+# ---- 5b: the loss --------------------------------------------------------------------------------
 
 def test_grpo_loss():
     """The docstring's equation, by a loop over sequences and tokens; the KL >= 0, 0 at the reference, finite on a
@@ -628,7 +629,7 @@ def test_sampler_correction():
     assert grpo.sampler_correction(old, old.detach()).eq(1).all()
 
 
-# ---- 9. Update ----------------------------------------------------------------------------------
+# ---- 5c: mu updates, a micro-batch at a time -----------------------------------------------------
 
 def loss_settings(clip_eps=0.2, kl_beta=0.0, **settings):
     """micro_batch_loss' settings, as main builds them."""
@@ -876,7 +877,40 @@ def test_train_step_gradient_checkpointing(pipe):
     assert relative_difference(plain, checkpointed) < 1e-5
 
 
-# ---- 10. Main -----------------------------------------------------------------------------------
+# ---- The loop: steps 1-5, a step at a time -------------------------------------------------------
+
+def test_train(tmp_path):
+    """The loop a student reads is the loop that runs: `train` on the tiny defaults (G 8, 2 prompts a step, mu 2, the
+    KL at beta 0.1) gives main's numbers step for step (rewards, loss, KL, ratios, clip fraction, gradient norm) and
+    main's final weights, bit for bit."""
+    from helpers import user_input
+    Image.fromarray(np.full((64, 64, 3), 128, np.uint8)).save(tmp_path / "t.png")
+    (tmp_path / "prompts.txt").write_text("a gray square | t.png\nanother | t.png\na red circle | t.png\n")
+    argv = ["--device", DEVICE, "--prompts", str(tmp_path / "prompts.txt"), "--steps", "3", "--height", "64",
+            "--width", "64", "--before-after", "0", "--image-every", "0", "--lr", "1e-3"]
+    grpo.main([*argv, "--out", str(tmp_path / "run")])
+    logged = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    cfg = grpo.parse_config(argv)
+    assert (cfg.group_size, cfg.prompts_per_step, cfg.mu, cfg.kl_beta) == (8, 2, 2, 0.1)  # the tiny defaults
+    pipe = grpo.load_glm_image("tiny", DEVICE)
+    policy = pipe.vision_language_encoder
+    ref_model = grpo.reference_model(policy, cfg.kl_beta)
+    optimizer = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=cfg.lr,
+                                  weight_decay=cfg.weight_decay)
+    rewards = user_input.parse_rewards(cfg.reward, grpo.REWARDS)
+    examples = user_input.load_examples(user_input.read_prompts(cfg.prompts), rewards, cfg.height, cfg.width)
+    history = grpo.train(pipe, policy, ref_model, optimizer, examples, rewards, cfg)
+    assert [h["step"] for h in history] == [x["step"] for x in logged] == [1, 2, 3]
+    for mine, theirs in zip(history, logged):
+        for key in ("reward_mean", "loss", "kl", "ratio_min", "ratio_max", "clip_frac", "grad_norm", "lr"):
+            assert mine[key] == theirs[key], (mine["step"], key, mine[key], theirs[key])
+    assert logged[-1]["kl"] > 0 and logged[-1]["ratio_max"] > logged[-1]["ratio_min"]  # the whole loss at work
+    from transformers import GlmImageForConditionalGeneration
+    final = GlmImageForConditionalGeneration.from_pretrained(tmp_path / "run" / "final")
+    assert all(torch.equal(a.cpu(), b) for a, b in zip(policy.parameters(), final.parameters()))
+
+
+# ---- main: the loop with the run's plumbing around it --------------------------------------------
 
 def test_main(tmp_path):
     """A 2-step tiny run end to end with the tiny defaults (mu 2: the ratios logged span both updates), its metrics
@@ -906,7 +940,7 @@ def test_main_seams_only():
     assert not [f.name for f in dataclasses.fields(VariantSettings) if f.name in {g.name for g in dataclasses.fields(grpo.Config)}]
 
 
-# ---- 11. Copied alone ---------------------------------------------------------------------------
+# ---- Copied alone --------------------------------------------------------------------------------
 
 COPIED_ALONE = """
 import math, sys, torch
@@ -917,22 +951,17 @@ try:
     raise AssertionError("parse_config ran without helpers/")
 except SystemExit as refused:  # one line naming what it needs
     assert "needs helpers/ beside grpo.py" in str(refused) and "\\n" not in str(refused), refused
-cfg = grpo.with_defaults(grpo.Config(model="tiny", group_size=4, height=64, width=64, num_inference_steps=1))
+cfg = grpo.with_defaults(grpo.Config(model="tiny", group_size=4, height=64, width=64, num_inference_steps=1,
+                                     steps=2))
 pipe = grpo.load_glm_image({tiny!r})  # a model folder
 policy = pipe.vision_language_encoder  # the whole AR trains (the tiny defaults: no LoRA)
 ref = grpo.reference_model(policy, cfg.kl_beta)
 opt = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=cfg.lr)
-prompts = ["a red circle", "two blue squares"]
-rollouts = grpo.sample_groups(pipe, prompts, 4, 64, 64, cfg.temperature, [1, 2])
-images = [grpo.decode_images(pipe, p, r.tokens, r.large_hw, 64, 64, 1, 0, 1.0) for p, r in zip(prompts, rollouts)]
-reward, each = grpo.group_rewards(images, [dict(target=torch.zeros(3, 64, 64))] * 2, {{"ssim": (grpo.ssim_reward, 1.0)}})
-advantages = grpo.group_advantages(reward)
-batches = grpo.micro_batches(rollouts, advantages, cfg.micro_batch_size)
-settings = grpo.LossSettings(clip_eps=cfg.clip_eps, kl_beta=cfg.kl_beta)
-m = grpo.train_step(policy, opt, batches, ref, grpo.micro_batch_loss, settings, temperature=cfg.temperature, mu=cfg.mu,
-                    max_grad_norm=1.0)
+examples = [dict(prompt=p, target=torch.zeros(3, 64, 64)) for p in ("a red circle", "two blue squares")]
+history = grpo.train(pipe, policy, ref, opt, examples, {{"ssim": (grpo.ssim_reward, 1.0)}}, cfg)  # the loop
+m = history[-1]
 assert math.isfinite(m["loss"]) and m["skipped"] == 0 and m["kl"] >= 0 and m["ratio_min"] <= 1 <= m["ratio_max"], m
-print("copied alone:", reward.shape, advantages.shape, round(m["loss"], 4))
+print("copied alone:", len(history), "steps", round(m["loss"], 4))
 """
 
 
@@ -946,12 +975,12 @@ def run_alone(tmp_path, script: str) -> subprocess.CompletedProcess:
 
 
 def test_grpo_copied_alone(tmp_path):
-    """grpo.py copied alone into an empty folder runs every section above main on a model folder (load, sample with
-    the lesson's loop, decode, SSIM, advantages, train_step with the tiny defaults: KL, mu 2); parse_config, which
-    needs helpers/, refuses in one line."""
+    """grpo.py copied alone into an empty folder runs its loop, `train`, on a model folder: every step above main
+    (load, sample with the lesson's decode loop `generate`, decode, SSIM, advantages, train_step with the tiny defaults:
+    KL, mu 2); parse_config, which needs helpers/, refuses in one line."""
     (tmp_path / "grpo.py").write_text((ROOT / "grpo.py").read_text())
     done = run_alone(tmp_path, COPIED_ALONE.format(tiny=str(ROOT / "tiny_glm_image")))
-    assert done.returncode == 0 and "copied alone: torch.Size([2, 4])" in done.stdout, done.stderr[-3000:]
+    assert done.returncode == 0 and "copied alone: 2 steps" in done.stdout, done.stderr[-3000:]
 
 
 COPIED_FUNCTIONS = {  # a function a reader copies -> the functions of grpo.py it calls (its docstring names them)
@@ -1015,12 +1044,13 @@ def test_grpo_layout():
     one_line = [n.name for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.body[0].lineno == n.lineno]
     statements = [n.lineno for n in ast.walk(tree) if isinstance(n, ast.stmt)]
     assert not nested and not one_line and len(statements) == len(set(statements)), (nested, one_line)
-    def sections(text: str) -> list[str]:  # "# ---- 1. Config ----" -> "1. Config"
+    def sections(text: str) -> list[str]:  # "# ---- Step 1. Sample: ... ----" -> "Step 1. Sample: ..."
         return [line.strip("# -") for line in text.splitlines() if line.startswith("# ---- ")]
 
-    numbered = sections(source)
-    assert [name.split(".")[0] for name in numbered] == [str(i) for i in range(1, 12)]
-    assert sections((ROOT / "test_grpo.py").read_text()) == numbered
+    titles = sections(source)
+    steps = [title.split(".")[0] for title in titles if title.startswith("Step ")]
+    assert steps == [f"Step {i}" for i in range(1, 6)]  # the README's and the notebook's numbering
+    assert sections((ROOT / "test_grpo.py").read_text()) == titles
 
 
 def test_objective_defaults_match_cli():

@@ -430,7 +430,7 @@ RULES = {  # every int and float field of grpo.Config, dit_grpo.DitConfig, the v
     "mu": Rule(1),
     "lr": Rule(0, 1, "both"),
     "steps": Rule(1),
-    "micro_batch_size": Rule(1),
+    "micro_batch_size": Rule(0, why="0: a whole group"),
     "temperature": Rule(0, open="low"),
     "top_p": Rule(0, 1, "low", why="1: off"),
     "top_k": Rule(0, why="0: off"),

@@ -2,7 +2,9 @@
 
 A 96x96 picture is a 3x3 grid of 32-pixel cells (one cell per token of GLM-Image's large grid); each cell is empty
 (white) or holds one shape (circle, square, triangle) in one colour (red, green, blue, yellow), 20-26 pixels wide,
-near the cell's centre. Captions come in five kinds, after GenEval's categories:
+near the cell's centre. Captions come in five kinds: three are GenEval's tags (single_object, counting, two_object);
+GenEval's `position` (relative: a X left of a Y) is this world's relation; position here is an absolute cell, which
+GenEval has no tag for (GenEval's colors and color_attr: every object here has its colour):
 
   single       "a red circle"                         one object, anywhere
   position     "a red circle at the top left"         one object in a named cell

@@ -814,6 +814,22 @@ def test_gardo_diversity_dino(dino_folder):
     assert adv[0, :2].abs().max() < 1e-5 and adv[0, 3] > 0  # the copies lose their credit, the other right one keeps it
 
 
+def test_feature_similarity_clamped(monkeypatch):
+    """The cosine of a picture with its copy rounds above 1 in float32 for some unit vectors: feature_similarity clamps
+    it, so that d = 1 - cosine is never below 0 (GARDO clips so too). (test_gardo_diversity_dino meets such a vector
+    only on some builds and thread counts.)"""
+    from helpers import rewards
+    g = torch.Generator().manual_seed(0)
+    for _ in range(100):  # a unit vector whose dot with itself rounds above 1
+        v = torch.nn.functional.normalize(torch.randn(1, 384, generator=g), dim=-1)
+        if (v @ v.T).item() > 1:
+            break
+    assert (v @ v.T).item() > 1
+    monkeypatch.setattr(rewards, "dino_features", lambda images, checkpoint: torch.cat([v, v]))
+    similarity = variants.feature_similarity(torch.zeros(2, 3, 8, 8), "unused")
+    assert similarity.max() <= 1 and variants.nearest(1 - similarity).min() >= 0
+
+
 def test_uncertain_kl_weights_two_processes(monkeypatch):
     """Under torchrun the gate reads the whole batch and each process takes its own rows: as rank 1 of 2 (the other
     process's samples made up), the weights equal the last group's of one process holding both groups."""

@@ -4,8 +4,7 @@ that guard it: each must fail (exit 1). Prints one line per planted bug; exits 1
 
     OMP_NUM_THREADS=1 python tools/plant_bugs.py     # about 20 minutes on 2 cores (the resets' and stops' tests run main)
     python tools/plant_bugs.py gate cluster           # only the plants whose name holds one of these words
-
-'dino cosine not clamped' is caught only on builds where a copy's cosine rounds above 1 (torch 2.14.1 here)."""
+"""
 import os
 import pathlib
 import shutil
@@ -28,7 +27,7 @@ def user_input(k: str) -> list[str]:
 STOPS = ["tests/test_stops.py", "-k", "anywhere"]
 PLANTS = [
     ("dino cosine not clamped", "helpers/variants.py",
-     "return (features @ features.T).clamp(-1, 1)", "return features @ features.T", variants("dino")),
+     "return (features @ features.T).clamp(-1, 1)", "return features @ features.T", variants("dino or similarity")),
     ("gardo_factor multiplies the negatives", "helpers/variants.py",
      "return torch.where(advantages < 0, torch.ones_like(d), relative)",
      "return torch.where(advantages < 0, relative, torch.ones_like(d))", variants("gardo")),
