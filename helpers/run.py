@@ -96,6 +96,8 @@ class RunSettings:  # the run's flags, after the algorithm's (grpo.Config): wher
     eval_inference_steps: int = _setting(0, "DiT steps of the evaluations and the before / after grids (0: "
                                             "--num-inference-steps; Flow-GRPO trains at 10, evaluates at 40)")
     eval_reward: str = _setting("", "rewards only measured on the eval prompts, e.g. shapes_exact")
+    reward_timeout: float = _setting(600.0, "seconds a served reward (--reward http://HOST:PORT/NAME) may take to "
+                                            "answer a group before it is tried again (docs/rewards.md)")
     save_every: int = _setting(50, "save a checkpoint (<out>/checkpoints/step-N/) every N steps (0: only at the end)")
     save_total_limit: int = _setting(0, "keep only the latest K checkpoints (0: keep all)")
     save_merged: bool = _setting(False, "also write <out>/final/pipeline/: the whole pipeline, LoRA merged, that "
@@ -280,7 +282,7 @@ def load_evals(cfg, rewards: dict, table: dict) -> tuple[list[dict], dict] | Non
     those of --eval-reward (weight 0: measured, never optimised). None without --eval-prompts. Raises ValueError."""
     if not cfg.eval_prompts:
         return None
-    measured = parse_rewards(cfg.eval_reward, table, "--eval-reward") if cfg.eval_reward else {}
+    measured = parse_rewards(cfg.eval_reward, table, "--eval-reward", cfg.reward_timeout) if cfg.eval_reward else {}
     eval_rewards = {**rewards, **{name: (fn, 0.0) for name, (fn, _) in measured.items() if name not in rewards}}
     examples = load_examples(read_prompts(cfg.eval_prompts, "--eval-prompts"), eval_rewards, cfg.height, cfg.width)
     check_rewards(measured, examples[0], cfg.height, cfg.width)
@@ -344,7 +346,7 @@ def prepare(cfg, argv: list[str] | None, table: dict, lesson, train: str = "ar")
             check_push(cfg)
         check_reporter(cfg.report_to)
         check_out_dir(out)
-        rewards = parse_rewards(cfg.reward, table)
+        rewards = parse_rewards(cfg.reward, table, timeout=cfg.reward_timeout)
         examples = load_examples(read_prompts(cfg.prompts), rewards, cfg.height, cfg.width)
         check_rewards(rewards, examples[0], cfg.height, cfg.width)
         if getattr(cfg, "gardo_diversity", "none") == "dino":  # its DINOv2 loads now, not at step 1

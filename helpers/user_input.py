@@ -38,6 +38,7 @@ import torch
 from PIL import Image, ImageOps
 
 from .rewards import CheckpointError, import_reward, with_checkpoint
+from .served_reward import ServedReward, ServedRewardError, is_url
 
 
 # ---- Text files: prompts files and config files ----------------------------------------------------
@@ -272,10 +273,12 @@ class RewardError(ValueError):
         self.reward, self.details, self.where = name, details, where  # where: the example's file:line
 
 
-def parse_rewards(spec: str, table: dict, flag: str = "--reward") -> dict[str, tuple]:
+def parse_rewards(spec: str, table: dict, flag: str = "--reward", timeout: float = 600.0) -> dict[str, tuple]:
     """'ssim=1,ocr=0.5,pickscore@yuvalkirstain/PickScore_v1=1,mypkg.rewards:clip=1' -> {name: (fn, weight)} (a name
-    alone weighs 1): names of `table` (grpo.REWARDS; a learned one may name its checkpoint after @) or import paths
-    module:function (found like `python -m` finds modules: installed, or in the current directory), each `guarded`.
+    alone weighs 1): names of `table` (grpo.REWARDS; a learned one may name its checkpoint after @), import paths
+    module:function (found like `python -m` finds modules: installed, or in the current directory), or the URL of a
+    served reward, http://HOST:PORT/NAME (helpers/served_reward.py; `timeout`: the seconds a try waits for its
+    answer), each `guarded`.
     Every reward listed is computed and logged; weight 0 only keeps it out of the sum. Raises ValueError naming the
     problem."""
     rewards = {}
@@ -283,7 +286,7 @@ def parse_rewards(spec: str, table: dict, flag: str = "--reward") -> dict[str, t
         name, where, weight = split_reward(part, flag)
         if name in rewards:
             raise ValueError(f"reward '{name}' is listed twice in {flag} '{spec}'; list it once")
-        fn = import_reward(name) if ":" in name else table.get(name)
+        fn = ServedReward(name, timeout) if is_url(name) else import_reward(name) if ":" in name else table.get(name)
         if fn is None:
             raise ValueError(f"unknown reward '{name}' in {flag} '{spec}'; use {', '.join(table)} or an import "
                              "path module:function")
@@ -307,6 +310,8 @@ def split_reward(part: str, flag: str = "--reward") -> tuple[str, str | None, fl
     if not (math.isfinite(weight) and weight >= 0):
         raise ValueError(f"reward weight '{part}' in {flag} is {'negative' if weight < 0 else 'not finite'}; weights "
                          "must be finite numbers >= 0")
+    if is_url(name):  # a served reward: its URL is its name
+        return name, None, weight
     name, at, where = name.partition("@")
     return name, where.strip() if at else None, weight
 
@@ -332,6 +337,8 @@ def guarded(name: str, fn):
                 value = fn(images.clone(), copy.deepcopy(example))
         except (ImportError, CheckpointError):  # a missing package, a checkpoint that does not load: their own line
             raise
+        except ServedRewardError as error:  # a served reward's fault: its own line (helpers/served_reward.py)
+            raise RewardError(name, str(error), traceback.format_exc(), example.get("where")) from error
         except Exception as error:
             raise RewardError(name, f"raised {type(error).__name__}: {first_line(error)}", traceback.format_exc(),
                               example.get("where")) from error
@@ -466,6 +473,7 @@ RULES = {  # every int and float field of grpo.Config, dit_grpo.DitConfig, the v
     "save_every": Rule(0, why="0: only at the end"),
     "save_total_limit": Rule(0, why="0: keep every checkpoint"),
     "warmup_steps": Rule(0),
+    "reward_timeout": Rule(0, open="low"),
 }
 
 

@@ -1,6 +1,7 @@
 """Plants each guarded line wrong, one at a time, in a throwaway clone of this repository's HEAD, and runs the tests
 that guard it: each must fail (exit 1). Prints one line per planted bug; exits 1 if any survived. The plants: issue
-67's variants, issue 75's rules for what a user gives (helpers/user_input.py), issue 76's landing of a step.
+67's variants, issue 75's rules for what a user gives (helpers/user_input.py), issue 76's landing of a step,
+issue 79's served reward's faults.
 
     OMP_NUM_THREADS=1 python tools/plant_bugs.py     # about 20 minutes on 2 cores (the resets' and stops' tests run main)
     python tools/plant_bugs.py gate cluster           # only the plants whose name holds one of these words
@@ -25,6 +26,7 @@ def user_input(k: str) -> list[str]:
 
 
 STOPS = ["tests/test_stops.py", "-k", "anywhere"]
+SERVED = ["tests/test_served_reward.py"]
 PLANTS = [
     ("dino cosine not clamped", "helpers/variants.py",
      "return (features @ features.T).clamp(-1, 1)", "return features @ features.T", variants("dino or similarity")),
@@ -120,6 +122,19 @@ PLANTS += [
     ("landing: one process never stops after it", "helpers/parallel.py",
      "    if stop_requested():\n        raise KeyboardInterrupt\n\n\ndef stop_requested",
      "    if distributed() and stop_requested():\n        raise KeyboardInterrupt\n\n\ndef stop_requested", STOPS),
+    # issue 79: a reward in its own process
+    ("served: no retry in the run", "helpers/served_reward.py",
+     "waits = RETRY_WAITS if self.answered else ()", "waits = ()", SERVED),
+    ("served: retries before the first answer", "helpers/served_reward.py",
+     "waits = RETRY_WAITS if self.answered else ()", "waits = RETRY_WAITS", SERVED),
+    ("served: a NaN taken as a score", "helpers/served_reward.py",
+     "    if not all(math.isfinite(v) for v in values):", "    if False:", SERVED),
+    ("served: a 500 retried", "helpers/served_reward.py",
+     "RETRIED_STATUSES = (502, 503, 504)", "RETRIED_STATUSES = (500, 502, 503, 504)", SERVED),
+    ("served: images sent as they are, not 8-bit PNGs", "helpers/served_reward.py",
+     '    return PNG + base64.b64encode(buffer.getvalue()).decode("ascii")',
+     '    return PNG + base64.b64encode(buffer.getvalue()).decode("ascii") if image.dim() < 0 else str(image.tolist())',
+     SERVED),
 ]
 rows = []
 REPO = pathlib.Path(tempfile.mkdtemp()) / "repo"
