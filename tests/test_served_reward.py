@@ -135,8 +135,9 @@ def test_main_with_served_reward(tmp_path, project_server, monkeypatch):
 
 
 def test_start_up_faults(tmp_path, monkeypatch, capsys):
-    """Before anything is written: a URL where nothing listens, a server answering a page that is not scores, and one
-    answering a score short: one line each naming the URL and the fault, exit 2, no run directory."""
+    """Before anything is written: a URL where nothing listens, a server answering 503 (tried once: a server that never
+    answered is not waited for), a page that is not scores, a score short: one line each naming the URL and the
+    fault, exit 2, no run directory."""
     monkeypatch.setattr(served_reward, "RETRY_WAITS", (0.05,) * 6)  # (were it to retry)
     prompts = write_example(tmp_path, ["a gray square | t.png"])
     out = tmp_path / "run"
@@ -145,9 +146,10 @@ def test_start_up_faults(tmp_path, monkeypatch, capsys):
     err = expect_exit([*argv, "--reward", nowhere], 2, f"reward '{nowhere}' did not answer (ConnectionRefusedError",
                       capsys)
     assert "start its server" in err and "tries" not in err  # one try: a server that never answered is absent
-    process, port = faulty("text,short")
+    process, port = faulty("503,text,short")
     try:
         url = f"http://127.0.0.1:{port}/brightness"
+        expect_exit([*argv, "--reward", url], 2, "answered HTTP 503 Service Unavailable: cue 503", capsys)  # one try
         expect_exit([*argv, "--reward", url], 2, "answered what is not JSON (b'<html>not scores</html>')", capsys)
         expect_exit([*argv, "--reward", f"ssim=1,{url}=0"], 2, "answered 2 scores for 3 images", capsys)
     finally:
