@@ -1400,7 +1400,10 @@ def section_extras(counts: dict, rows: list, args) -> list[str]:
             "process, then keep it on the GPU beside the plan's every phase (the aesthetic head and LPIPS' AlexNet "
             "add under 0.01 GiB). Each reward adds its own. `--save-merged` loads the whole pipeline once more on "
             f"rank 0's host at the end, in bf16: {pipeline / 1e9:.2f}B parameters, {pipeline * 2 / GiB:.1f} GiB of "
-            "host memory beside the run's own.")
+            "host memory beside the run's own. Served from another GPU or machine (`--reward http://HOST:PORT/NAME`, "
+            "tools/reward_server.py, docs/rewards.md), a reward takes none of the training GPU: its row's GiB is "
+            "freed on each of them, and a judge that could not sit beside the plan (a 7B one: about 13 GiB of bf16 "
+            "weights) needs no room there.")
     return ["### Learned rewards and --save-merged", text, body]
 
 
