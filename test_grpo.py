@@ -2,7 +2,7 @@
 steps 1-5, the loop, main, copied alone), each opening with the property it checks. Everything runs on the tiny
 GLM-Image on a CPU.
 
-    python -m pytest -q test_grpo.py                          # these, in about 2 minutes on 2 cores
+    python -m pytest -q test_grpo.py                          # these, in about a minute on 2 cores
     python -m pytest -q                                       # and tests/: whole runs, torchrun, 1024x1024, variants
     GRPO_TEST_DEVICE=cuda python -m pytest -q test_grpo.py    # on a GPU
 

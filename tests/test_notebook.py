@@ -1,7 +1,7 @@
 """Tests for walkthrough.ipynb: it runs top to bottom in a fresh kernel, and its committed outputs come from such a
 run. The notebook is its own source: edit it, then re-run it in place with `jupyter execute --inplace walkthrough.ipynb`.
 
-    python -m pytest -q tests/test_notebook.py     # executes the notebook once (about 2 minutes on 2 CPU cores)
+    python -m pytest -q tests/test_notebook.py     # executes the notebook once (about 2½ minutes on 2 CPU cores)
 """
 
 import ast
