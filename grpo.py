@@ -35,8 +35,9 @@ log-probs, 5b the loss, 5c mu updates on micro-batches); then `train`, the loop 
 Where this departs from the paper (docs/ measures each):
   - only the large grid (H/32 x W/32, drawn after a preview grid) reaches the DiT, so only its
     tokens are in the loss;
-  - one definition of the sampled distribution (`code_logprobs`): sampler and trainer agree to
-    float precision (pi / pi_old is exactly 1 at the first update, whose pi_old is pi itself);
+  - one definition of the sampled distribution (`code_logprobs`), which sampler and trainer both
+    call; pi / pi_old is exactly 1 at the first update by construction (its pi_old is pi itself),
+    and what the sampler's kernels drift from it the mismatch weights below measure;
   - the trained policy pi is the whole softmax p, while with top-p (the real preset) the sampler
     draws from its nucleus q: the ratio, the KL and the loss are p's, and q != p is left
     uncorrected by default (helpers/variants.py has --policy-dist truncated, which trains q);
@@ -75,7 +76,7 @@ try:  # helpers/, beside this file: main's plumbing, fast decode, FSDP2, more re
     from helpers import diagnostics, fast_decode, run, setup, variants
     from helpers.parallel import all_agree, merge_metrics, rows_per_process, unsharded
     from helpers.rewards import MORE_REWARDS
-except ModuleNotFoundError as missing:  # copied alone: one process
+except ImportError as missing:  # copied alone (or beside another project's helpers): one process
     if missing.name != "helpers":
         raise
     diagnostics = fast_decode = run = setup = variants = None
@@ -345,7 +346,8 @@ def rope_positions(input_ids: torch.Tensor, image_grid_thw: torch.Tensor, num_to
         preview (5,5,5) (5,5,6) (5,5,7) (5,6,5) (5,6,6) (5,6,7)        the ramp resumes at 5 + 3
         large   (8,8,8) (8,8,9) (8,8,10) (8,8,11) (8,9,8) ... (8,11,11)  (its last is never fed)
     Editing: each source image in the prompt (between an image start and an image end) is a grid
-    too, in the order listed; the grids after them are the generated ones."""
+    too, in the order listed; the grids after them are the generated ones. (On a first read, skip
+    the body: test_rope_positions checks it against transformers' own get_rope_index.)"""
 
     def ramp(p: int, n: int) -> torch.Tensor:  # (3, n): n text tokens from position p
         return torch.arange(p, p + n).expand(3, -1)
@@ -605,8 +607,8 @@ def grpo_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, ref_logprobs: 
     k3 (Schulman) = exp(d) - d - 1, d = ref - logp: >= 0, unbiased for KL(pi || ref) when the
     tokens are drawn from pi itself. Here they are drawn by the sampler (pi_old; at mu > 1 pi has
     moved since) and, under top-p, from its nucleus q: the k3 is then the sampler's average of that
-    expression, blind to the codes the nucleus cut (docs/healthy_training.md). Its gradient is
-    KL(ref || pi)'s. d is capped at +-20 so that exp stays finite (tools/bench_kl_cap.py)."""
+    expression, blind to the codes the nucleus cut (docs/healthy_training.md). In expectation under
+    pi, its gradient is KL(ref || pi)'s. d is capped at +-20 so that exp stays finite (tools/bench_kl_cap.py)."""
     A = advantages.reshape(len(advantages), -1).to(logprobs)  # (S, 1): A_i on each of its tokens
     ratio = torch.exp(logprobs - old_logprobs)  # (S, n)
     clipped_ratio = torch.clamp(ratio, 1 - clip_eps, 1 + clip_eps)
@@ -707,7 +709,8 @@ def micro_batch_loss(distribution: torch.Tensor, mb: MicroBatch, old_logprobs: t
     grpo_loss on the large grid, the tokens the DiT sees, with TRL's mismatch weights; metrics."""
     logprobs = logprob_of(distribution, mb.tokens)  # (mb, N) log pi_theta of the drawn codes
     weights = sampler_correction(old_logprobs, mb.sampler_logprobs, settings.correction,
-                                 settings.cap)  # (mb, N)
+                                 settings.cap)  # (mb, N): a sequence mode's weight is the whole draw's,
+    # the preview's codes included: they condition the large grid (test_train_step_correction)
     large = slice(mb.n_preview, None)  # the preview conditions the large grid but is never drawn
     if ref_logprobs is not None:
         ref_logprobs = ref_logprobs[:, large]
@@ -749,7 +752,8 @@ def train_step(policy, optimizer, batches: list[MicroBatch], ref_model, loss_fn,
     rate = optimizer.param_groups[0]["lr"]  # the first update's learning rate (logged)
     old_logprobs = [None] * len(batches)  # pi_old's, filled by the first update
     updates, skipped = [], 0  # each update's micro-batches: (metrics, share)
-    for _ in range(mu):  # mu updates on the same samples
+    for _ in range(mu):  # mu updates on the same samples (cleanrl's update epochs); unlike its
+        # minibatches, the micro-batches below accumulate ONE gradient: one optimizer step an update
         optimizer.zero_grad(set_to_none=True)
         update = []
         for k, mb in enumerate(batches):  # gradient accumulation, a micro-batch at a time
@@ -794,8 +798,9 @@ def optimizer_step(optimizer, parts: list[tuple[dict, float]], max_grad_norm: fl
     finite = math.isfinite(grad_norm) and all(math.isfinite(m["loss"]) for m, _ in parts)
     if all_agree(finite):  # every process steps, or none
         optimizer.step()
-        # bf16 autocast keeps the copies of the weights it cast until its region ends, and train_step runs in one:
-        # without this the next update would read the weights before this step (pi = pi_old, r = 1, no clip)
+        # bf16 autocast keeps the copies of the weights it cast until its region ends, and
+        # train_step runs in one: without this the next update would read the weights before
+        # this step (pi = pi_old, r = 1, no clip)
         torch.clear_autocast_cache()
         return grad_norm, True
     optimizer.zero_grad(set_to_none=True)
@@ -810,7 +815,7 @@ def train(pipe, policy, ref_model, optimizer, examples: list[dict], rewards: dic
     `examples` (prompts file lines, "target" a loaded (3, H, W) image in [0, 1]), scored by `rewards`
     ({name: (fn, weight)}) -> each step's metrics. `main` runs this loop with helpers/run.py's plumbing
     around each step (checks, timing, checkpoints, logging, evaluation, many processes, the variants'
-    seams): test_grpo.py::test_train shows that both give the same numbers on the tiny defaults."""
+    seams): test_grpo.py::test_train shows that both give the same numbers at the tiny presets."""
     settings = LossSettings(cfg.clip_eps, cfg.kl_beta, cfg.sampler_correction, cfg.sampler_cap)
     history = []
     for step in range(cfg.steps):

@@ -880,7 +880,7 @@ def test_train_step_gradient_checkpointing(pipe):
 # ---- The loop: steps 1-5, a step at a time -------------------------------------------------------
 
 def test_train(tmp_path):
-    """The loop a student reads is the loop that runs: `train` on the tiny defaults (G 8, 2 prompts a step, mu 2, the
+    """The loop a student reads is the loop that runs: `train` at the tiny presets (G 8, 2 prompts a step, mu 2, the
     KL at beta 0.1) gives main's numbers step for step (rewards, loss, KL, ratios, clip fraction, gradient norm) and
     main's final weights, bit for bit."""
     from helpers import user_input

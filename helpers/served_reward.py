@@ -12,14 +12,17 @@ The protocol (docs/rewards.md has it with a server in a page of code):
             every image (the G samples; "target" and "source" when the example has them) a data URL of an 8-bit RGB
             PNG, "data:image/png;base64,...", as the DiT decoded it rounded to 8 bits (what a viewer, and every
             preference model's processor, reads); every other field as JSON has it (a field that is not JSON: its
-            str). A None field is null.
-  answer    status 200, Content-Type application/json, body {"scores": [G finite numbers]}, higher is better, in the
-            order of the images; any other status: an error, whose body may say why ({"error": "..."}).
+            str). A None field is null. The images are the run's H x W; the body has a Content-Length.
+  answer    status 200, Content-Type application/json, body {"scores": [G finite numbers]} (not booleans), higher is
+            better, in the order of the images; any other status: an error, whose body may say why ({"error": ...}).
+  A request may come twice (a retry after a timeout, while the first is still scored): a server must not count
+  requests. Under torchrun every process sends its own, at once: a server that answers one at a time makes the last
+  wait for the others, and --reward-timeout must cover that wait.
 
 The faults and their rules (docs/robustness.md):
   - Before the first answer (the start-up check, on three gray images): one try. A server that does not answer, or
     answers what is not scores, stops the run before anything is written (exit 2).
-  - After it: a try that gets no answer (refused, dropped, reset, no answer within --reward-timeout seconds) or a
+  - After it: a try that gets no answer (refused, dropped, reset, nothing received for --reward-timeout s) or a
     502 / 503 / 504 (a proxy or a server still loading) is tried again, after 1, 2, 4, 8, 16 and 32 s (RETRY_WAITS:
     a restarted server has about a minute to come back). Anything else (another status, an answer that is not G
     finite numbers), or a seventh try that fails, is a ServedRewardError: the run stops with one line, its landed
@@ -42,7 +45,7 @@ from PIL import Image
 PNG = "data:image/png;base64,"  # how every image travels: a data URL of an 8-bit RGB PNG
 RETRY_WAITS = (1, 2, 4, 8, 16, 32)  # seconds before each try again: 63 s in all
 RETRIED_STATUSES = (502, 503, 504)  # a proxy without its server, a server still loading: a later try may succeed
-NO_ANSWER = (urllib.error.URLError, http.client.HTTPException, ConnectionError, TimeoutError)  # refused, dropped...
+NO_ANSWER = (OSError, http.client.HTTPException)  # refused, dropped, reset, timed out (URLError is an OSError)
 
 
 class ServedRewardError(Exception):
@@ -150,6 +153,9 @@ class ServedReward:
             time.sleep(wait)
             try:
                 with urllib.request.urlopen(request, timeout=self.timeout) as response:
+                    if response.status != 200:  # urllib raises for >= 400; a 2xx other than 200 is no answer either
+                        raise ServedRewardError(f"answered HTTP {response.status} {response.reason}; answer 200 with "
+                                                "the scores")
                     return response.read()
             except urllib.error.HTTPError as error:  # it answered, with an error status
                 problem = f"answered HTTP {error.code} {error.reason}{said(error)}"

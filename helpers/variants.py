@@ -369,7 +369,8 @@ def uncertain_kl_weights(reward: torch.Tensor, each: dict, in_loss: torch.Tensor
     (`uncertainty`; b from `risk`), less those with A = 0, which GARDO's code leaves out of its update. Each of those
     weighs S / n (S the batch's samples, n those gated), the others 0, so the KL term is beta times the mean KL of
     the step's gated samples (no sample gated: no KL). GARDO's code averages over the gated samples within each
-    micro-batch (scripts/train_sd3_grpo_gardo.py L984); the two agree when every micro-batch gates as many."""
+    micro-batch (scripts/train_sd3_grpo_gardo.py L984); the two agree when every micro-batch gates as many.
+    It moves `risk` (its window of the steps' mean uncertainty): call it once a step."""
     from .parallel import distributed
     mine = reward[in_loss].flatten().cpu()
     counts = gather_rows(torch.tensor([len(mine)]))  # each process's samples, in rank order

@@ -8,7 +8,7 @@ its own packages (helpers/served_reward.py has the protocol; docs/rewards.md the
 Each reward is served at /NAME: its name without `@checkpoint` (/pickscore, /clip) or its import path
 (/mypkg.rewards:hps). A name of this project's rewards (ssim, shapes, pickscore, ...) needs its requirements in the
 server's environment; a module:function of yours needs only torch, numpy and Pillow beside it. The rewards load when
-the server starts (it scores three gray images with each) and answer one request at a time. GET / lists them.
+the server starts (each that needs no target scores three gray images) and answer one request at a time. GET / lists them.
 `--port 0` takes a free port; the first line printed names the address. Ctrl-C or SIGTERM stops it (exit 0).
 """
 import argparse
@@ -58,11 +58,12 @@ def handler(rewards: dict, device: str) -> type:
             self.answer(200, {"rewards": sorted(rewards)})
 
         def do_POST(self):
+            body = self.rfile.read(int(self.headers.get("Content-Length", 0)))  # read whole: the connection stays
             reward = rewards.get(self.path)
             if reward is None:
                 return self.answer(404, {"error": f"no reward at {self.path}; this server has {', '.join(rewards)}"})
             try:
-                images, example = read_request(self.rfile.read(int(self.headers.get("Content-Length", 0))))
+                images, example = read_request(body)
             except (ValueError, TypeError, OSError) as error:
                 return self.answer(400, {"error": f"bad request: {error}"})
             example = {k: v.to(device) if torch.is_tensor(v) else v for k, v in example.items()}
@@ -89,13 +90,18 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                         help="where the rewards run (default: cuda if there is one)")
     args = parser.parse_args(argv)
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM as Ctrl-C, while the rewards load too
     try:
         rewards = load_rewards(args.rewards)
         for path, reward in rewards.items():  # load and check each now (one that needs a target: at its first request)
             if not getattr(reward, "needs", ()):
-                reward(torch.full((3, 3, 64, 64), 0.5, device=args.device), {"prompt": "a test"})
+                reward(torch.full((3, 3, 64, 64), 0.5, device=args.device),
+                       {"prompt": "a test", "target": None, "source": None, "where": "reward_server.py"})
     except (ValueError, ImportError, RewardError) as error:
         raise SystemExit(f"reward_server.py: error: {error}") from None
+    except KeyboardInterrupt:
+        print("reward_server.py: stopped", flush=True)
+        return
     try:
         server = http.server.ThreadingHTTPServer((args.host, args.port), handler(rewards, args.device))
     except OSError as error:
@@ -104,9 +110,8 @@ def main(argv: list[str] | None = None) -> None:
     host, port = server.server_address[:2]
     urls = ", ".join(f"http://{host}:{port}{path}" for path in rewards)
     print(f"reward_server.py: serving {urls} on {args.device} (Ctrl-C stops it)", flush=True)
-    signal.signal(signal.SIGTERM, lambda *_: threading.Thread(target=server.shutdown).start())
     try:
-        server.serve_forever()
+        server.serve_forever()  # until Ctrl-C or SIGTERM (a KeyboardInterrupt here)
     except KeyboardInterrupt:
         pass
     server.server_close()
