@@ -424,9 +424,9 @@ def mean_entropy(policy, batches: list, temperature: float, train_tokens: str, l
 
 
 def entropy(distribution: torch.Tensor) -> torch.Tensor:
-    """(..., K) log-probs -> (...) entropy in nats, >= 0; codes outside a truncation (-inf) add 0. (A log-softmax can
-    round its largest log-prob a little above 0: the clamp keeps a one-code distribution's entropy at 0, not -1e-7.)"""
-    return (-(distribution.exp() * distribution.nan_to_num(neginf=0.0)).sum(dim=-1)).clamp_min(0)
+    """(..., K) log-probs (a log-softmax) -> (...) entropy in nats, >= 0: each term -p log p is, as a log-softmax
+    never rounds a log-prob above 0; codes outside a truncation (-inf) add 0."""
+    return -(distribution.exp() * distribution.nan_to_num(neginf=0.0)).sum(dim=-1)
 
 
 def loss_tokens(mb, train_tokens: str) -> slice:

@@ -176,6 +176,24 @@ def test_merge_parts():
                                          "x/max": 3.0, "preview/kl": 0.5}
 
 
+def test_trainable_state_before_any_update():
+    """A checkpoint written before any update (a stop in step 1, a first step whose updates were all skipped) saves
+    a fresh AdamW and leaves the running one fresh: get_state_dict steps the optimizer once at lr 0 to build its
+    state, whose step count 1 would otherwise reach the next update's bias correction (its step then off by one)."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    _, saved = parallel.trainable_state(model, opt)
+    assert saved["state"] == {} and not opt.state  # fresh, saved and running
+    twin = torch.nn.Linear(3, 2)
+    twin.load_state_dict(model.state_dict())
+    twin_opt = torch.optim.AdamW(twin.parameters(), lr=0.1)
+    for m, o in ((model, opt), (twin, twin_opt)):  # the next update: as if nothing had been saved
+        m(torch.ones(1, 3)).sum().backward()
+        o.step()
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), twin.parameters()))
+
+
 def test_merge_metrics():
     """train_step's mu updates -> the last update's means, extremes over every update, the sampler's readings from
     the first update only (later updates read the changed policy), the largest update's kl as kl_peak (mu > 1)."""
