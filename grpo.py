@@ -608,7 +608,8 @@ def grpo_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, ref_logprobs: 
     tokens are drawn from pi itself. Here they are drawn by the sampler (pi_old; at mu > 1 pi has
     moved since) and, under top-p, from its nucleus q: the k3 is then the sampler's average of that
     expression, blind to the codes the nucleus cut (docs/healthy_training.md). In expectation under
-    pi, its gradient is KL(ref || pi)'s. d is capped at +-20 so that exp stays finite (tools/bench_kl_cap.py)."""
+    pi, its gradient is KL(ref || pi)'s. d is capped at +-20 so that exp stays finite
+    (tools/bench_kl_cap.py)."""
     A = advantages.reshape(len(advantages), -1).to(logprobs)  # (S, 1): A_i on each of its tokens
     ratio = torch.exp(logprobs - old_logprobs)  # (S, n)
     clipped_ratio = torch.clamp(ratio, 1 - clip_eps, 1 + clip_eps)

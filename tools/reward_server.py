@@ -32,8 +32,7 @@ def load_rewards(names: list[str]) -> dict:
     """--reward-like names -> {path: guarded reward}: a name of grpo.REWARDS (imported only for one) or module:function."""
     table = {}
     if any(":" not in name.split("@")[0] for name in names):
-        sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-        from grpo import REWARDS
+        from grpo import REWARDS  # (the repository is on sys.path: the insert above)
         table = REWARDS
     rewards = parse_rewards(",".join(names), table, "reward_server.py")
     return {"/" + name: fn for name, (fn, _) in rewards.items()}
