@@ -3,7 +3,8 @@
 # (tools/bench_dit_step.py), then every test file on CUDA (GRPO_TEST_DEVICE=cuda; test_notebook.py runs the notebook
 # on the CPU and needs Jupyter, which the GPU machine lacks). Logs go to $OUT (or runs/gpu_check).
 #   bash tools/gpu_check.sh [seconds for the tests, default 330]      (BENCH=0: skip the measurement)
-# Wheels in .whl/ (transformers, diffusers, peft, regex: docs/real_model.md) are installed first when present.
+# Wheels in .whl/ (transformers, diffusers, peft, regex: `bash tools/gpu_wheels.sh` fetches them) are installed first when
+# present; the device call carries [".whl"].
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-runs/gpu_check}; mkdir -p "$OUT"

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Issue 59's GPU measurement as one script for a lent H100 / H200 (at most 8 minutes from a fresh machine):
-#   1. the carried wheels (.whl/: transformers, diffusers, peft, regex, ...: docs/real_model.md) installed;
+#   1. the carried wheels installed (.whl/, made here by `bash tools/gpu_wheels.sh`; the device call carries [".whl"]);
 #   2. tools/gpu_measure.py: 3 real-default steps of grpo.main on GLM-Image at full depth (random bf16 weights),
 #      then 2 with --num-inference-steps 20: phase seconds, peak GiB beside the plan, ms a token step, the bf16 drift;
 #   3. the CUDA tests that decide exactness: test_grpo.py and tests/test_fast_decode.py (GRPO_TEST_DEVICE=cuda).
@@ -19,8 +19,9 @@ if ls .whl/*.whl >/dev/null 2>&1; then
 fi
 export PYTHONUNBUFFERED=1
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null || echo "no GPU"
-  python3 -c "import torch, transformers, diffusers; print(torch.__version__, transformers.__version__, diffusers.__version__)"
+  python3 -c "import torch, transformers, diffusers; print(torch.__version__, transformers.__version__, diffusers.__version__)" 2>&1 | tail -1
 } | tee "$OUT/gpu.txt"
+grep -q Error "$OUT/gpu.txt" && { echo "gpu_measure: transformers/diffusers missing here: run 'bash tools/gpu_wheels.sh' where pip works and carry .whl"; exit 2; }
 timeout "${MEASURE_SECONDS:-330}" python3 tools/gpu_measure.py "$OUT" --model "${MODEL:-random}" --size "${SIZE:-1024}" \
   --steps "${STEPS:-3}" --short-steps "${SHORT_STEPS:-2}" --dit "${DIT:-0}" --short-dit "${SHORT_DIT:-20}" 2>&1 | grep -v "it/s\]" | tee "$OUT/measure.log" | tail -80
 device=$([ -z "${MODEL:-}" ] && echo cuda || echo "${GRPO_TEST_DEVICE:-cpu}")
