@@ -49,7 +49,9 @@ LINE_END = re.compile(r"\r\n|\r|\n")  # the line ends editors write; str.splitli
 
 def read_text(path: str | Path, flag: str, fix: str) -> str:
     """The text of a user's file: UTF-8 with or without a byte-order mark, or UTF-16 with one (PowerShell's `>`
-    writes it). Raises ValueError naming `flag`, the file, the line of a byte that is not UTF-8, and `fix`."""
+    writes it). A NUL byte is refused: no caption holds one, and UTF-16 saved without a byte-order mark is valid UTF-8
+    when its text is ASCII ("a\\0 \\0r\\0..."), so it would otherwise be read as captions laced with NULs.
+    Raises ValueError naming `flag`, the file, the line of a NUL or of a byte that is not UTF-8, and `fix`."""
     path = Path(path)
     try:
         data = path.read_bytes()
@@ -61,6 +63,10 @@ def read_text(path: str | Path, flag: str, fix: str) -> str:
             return data.decode("utf-16")
         except UnicodeDecodeError:
             raise ValueError(f"{flag} {path} starts as UTF-16 and is not; save it as UTF-8") from None
+    if b"\0" in data:
+        line = data[:data.index(b"\0")].count(b"\n") + 1
+        raise ValueError(f"{flag} {path}:{line} holds a NUL byte: UTF-16 saved without a byte-order mark, or not a "
+                         "text file; save it as UTF-8")
     try:
         return data.decode("utf-8-sig")  # the BOM, if any, dropped
     except UnicodeDecodeError as error:

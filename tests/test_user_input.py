@@ -218,7 +218,7 @@ def test_line_ends_only_where_editors_end_them(tmp_path, separator):
 def test_json_lines_whatever_the_name(tmp_path):
     """A file whose first line is a JSON object is JSON Lines (named .txt or .json); a JSON object in a text file is
     refused, never a caption; a .json list of examples is refused with the fix; bytes that are not UTF-8 name their
-    line."""
+    line, and a NUL byte (UTF-16 saved without a byte-order mark) its line."""
     (tmp_path / "p.txt").write_text('{"prompt": "a red circle", "target": "t.png"}\n{"prompt": "two squares"}\n')
     a, b = user_input.read_prompts(tmp_path / "p.txt")
     assert (a["prompt"], a["target"], b["prompt"]) == ("a red circle", tmp_path / "t.png", "two squares")
@@ -231,6 +231,12 @@ def test_json_lines_whatever_the_name(tmp_path):
     (tmp_path / "latin1.txt").write_bytes("a red circle\ncafé crème\n".encode("latin-1"))
     with pytest.raises(ValueError, match=r"latin1.txt:2 is not UTF-8 text"):
         user_input.read_prompts(tmp_path / "latin1.txt")
+    for name, data in [("utf16le.txt", "a red circle\ncafé crème\n".encode("utf-16-le")),  # no byte-order mark
+                       ("utf16be.jsonl", '{"prompt": "a red circle"}\n'.encode("utf-16-be")),
+                       ("nul.txt", b"a red circle\ntwo\0squares\n")]:
+        (tmp_path / name).write_bytes(data)
+        with pytest.raises(ValueError, match=rf"{name}:{2 if name == 'nul.txt' else 1} holds a NUL byte: UTF-16"):
+            user_input.read_prompts(tmp_path / name)
     (tmp_path / "braces.txt").write_text("{curly} braces in a caption\n")  # not JSON: a caption
     assert user_input.read_prompts(tmp_path / "braces.txt")[0]["prompt"] == "{curly} braces in a caption"
 
@@ -287,12 +293,12 @@ CAPTION = st.text(st.characters(blacklist_categories=("Cs",), blacklist_characte
 def test_captions_read_back_as_written(tmp_path_factory, captions, bom, end):
     """Any caption (any character but \\r and \\n, its ends stripped) written into a JSON Lines file, with or without
     a BOM, with any line end, reads back as itself; so does one written as a text line, where the format allows it
-    (no '|', not a comment, not JSON)."""
+    (no '|', no NUL, not a comment, not JSON)."""
     folder = tmp_path_factory.mktemp("captions")
     lines = end.join(json.dumps({"prompt": c}, ensure_ascii=False) for c in captions) + end
     (folder / "p.jsonl").write_bytes(("\ufeff" * bom + lines).encode("utf-8"))
     assert [e["prompt"] for e in user_input.read_prompts(folder / "p.jsonl")] == captions
-    text = [c for c in captions if "|" not in c and not c.startswith("#") and not is_json(c)]
+    text = [c for c in captions if "|" not in c and "\0" not in c and not c.startswith("#") and not is_json(c)]
     if text:
         (folder / "p.txt").write_bytes(("\ufeff" * bom + end.join(text) + end).encode("utf-8"))
         assert [e["prompt"] for e in user_input.read_prompts(folder / "p.txt")] == text

@@ -84,6 +84,8 @@ PLANTS += [
      "lines = text.splitlines()", user_input("line_ends or captions")),
     ("prompts: the BOM kept", "helpers/user_input.py", 'return data.decode("utf-8-sig")', 'return data.decode("utf-8")',
      user_input("notepad or captions")),
+    ("prompts: NUL bytes read (UTF-16 without a BOM)", "helpers/user_input.py", '    if b"\\0" in data:',
+     "    if False:", user_input("json_lines")),
     ("prompts: JSON Lines by suffix only", "helpers/user_input.py",
      " or (bool(content) and is_json_object(content[0][1]))", "", user_input("json_lines")),
     ("rewards: the inputs shared", "helpers/user_input.py", "value = fn(images.clone(), copy.deepcopy(example))",
