@@ -459,16 +459,39 @@ def with_checkpoint(name: str, fn, where: str):
 # ---- plug-ins ------------------------------------------------------------------------------------
 
 def import_reward(path: str):
-    """'package.module:function' -> the function."""
+    """'package.module:function' or 'path/to/file.py:function' -> the function. A module is found as `python -m`
+    finds one (installed, or in the current directory); a .py file is loaded from its path (relative to the current
+    directory, ~ expanded). Raises ValueError, one line, for what cannot be imported (a missing module or file, or
+    whatever the module raised while importing: a SyntaxError, a missing package, an argparse exit), a missing name,
+    or a name that is not callable."""
     import importlib
-    module_name, _, attr = path.partition(":")
-    if str(Path.cwd()) not in sys.path:
-        sys.path.append(str(Path.cwd()))
+    import importlib.util
+    where, _, attr = path.rpartition(":")  # rpartition: a Windows path's drive letter keeps its ':'
+    fix = "give module:function (installed, or a .py file in the current directory) or path/to/file.py:function"
+    file = Path(where).expanduser()
+    if where.endswith(".py") and not file.is_file():
+        raise ValueError(f"--reward {path}: no file {file}; {fix}")
     try:
-        fn = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as error:
-        raise ValueError(f"--reward {path}: cannot import it ({type(error).__name__}: {error}); give module:function "
-                         "of an installed module or a .py file in the current directory") from None
+        if where.endswith(".py"):
+            spec = importlib.util.spec_from_file_location(f"reward_file_{file.stem}", file)
+            module = importlib.util.module_from_spec(spec)
+            sys.modules[spec.name] = module  # as an import would: dataclasses and pickle look a module up by name
+            try:
+                spec.loader.exec_module(module)
+            except BaseException:
+                del sys.modules[spec.name]  # as a failed import leaves nothing behind
+                raise
+        else:
+            if str(Path.cwd()) not in sys.path:
+                sys.path.append(str(Path.cwd()))
+            module = importlib.import_module(where)
+        fn = getattr(module, attr)
+    except SystemExit as error:  # argparse's parse_args() at the module's top level, say
+        raise ValueError(f"--reward {path}: importing it exited (sys.exit({error.code})); keep a module's command "
+                         "line under `if __name__ == \"__main__\":`") from None
+    except Exception as error:
+        raise ValueError(f"--reward {path}: cannot import it ({first_line(error)}); "
+                         f"{fix}") from None
     if not callable(fn):
         raise ValueError(f"--reward {path} is not a function; give module:function")
     return fn

@@ -637,13 +637,13 @@ def training(r: Run):
     a failed write (a full disk) is one line and exit 1 with the last checkpoint good."""
     if r.rank == 0:
         print("\n".join(start_summary(r)), file=sys.stderr, flush=True)
-    if r.cfg.before_after and r.start == 0:  # sampled with fixed seeds now and after training: what changed, by eye
-        show(r, "before.png", "before training")
     r.reporter = Reporter(r.cfg.report_to if r.rank == 0 else "none", r.out, dataclasses.asdict(r.cfg), r.start)
     r.progress = tqdm(range(r.start, r.cfg.steps), desc=PROG["name"][:-3], initial=r.start, total=r.cfg.steps,
                       disable=r.rank != 0 or not bars_shown())
     try:
         with interrupts_caught():  # Ctrl-C and SIGTERM: see parallel.on_interrupt
+            if r.cfg.before_after and r.start == 0:  # sampled with fixed seeds now and after training: by eye
+                show(r, "before.png", "before training")
             if r.evals and eval_due(r.start, r.cfg) and r.start not in r.evaluated:  # before any update
                 run_evaluation(r, r.start)
             yield
@@ -890,8 +890,8 @@ def resume_command(r: Run) -> str:
 
 
 def reward_failed(r: Run, error: RewardError) -> None:
-    """A reward raised, or returned what is not one score per image, in a step or an evaluation (never in a landing:
-    rewards are scored before it): one line naming it, its traceback in <out>/error.txt, the landed steps saved (one
+    """A reward raised, or returned what is not one score per image, in a step, an evaluation or the before / after
+    grids (never in a landing: rewards are scored before it): one line naming it, its traceback in <out>/error.txt, the landed steps saved (one
     process; under torchrun the other processes wait in a collective, so the last checkpoint stays), exit 1."""
     r.progress.close()
     if r.world == 1:
@@ -1112,7 +1112,10 @@ def finish(r: Run) -> dict:
     except Exception as error:  # everything is saved; a picture that fails is only a warning
         tqdm.write(f"warning: could not draw {r.out / 'curves.png'} ({type(error).__name__}: {error}); "
                    f"python tools/plot_run.py {r.out} draws it later", file=sys.stderr)
-    after = show(r, "after.png", f"after {r.cfg.steps} steps") if r.cfg.before_after else None
+    try:
+        after = show(r, "after.png", f"after {r.cfg.steps} steps") if r.cfg.before_after else None
+    except RewardError as error:  # the model is saved; a resume (no step left to do) writes the end again
+        reward_failed(r, error)
     summary = summarize(r.out, r.history, len(r.examples), r.skipped, r.rank, after)
     stop_processes()  # torchrun: leave the process group cleanly
     if r.rank == 0:

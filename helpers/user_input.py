@@ -334,7 +334,8 @@ def guarded(name: str, fn):
     - It runs under torch.no_grad(), and its scores are detached: a reward computed by a trainable module builds no
       graph, so the GRPO loss never backpropagates into it.
     - Its return becomes `scores`' (G,) float32 tensor on the images' device.
-    An exception it raises becomes a RewardError naming it, with the traceback kept for the run's error file. The
+    An exception it raises, or a sys.exit, becomes a RewardError naming it, with the traceback kept for the run's
+    error file. The
     function's own attributes (needs, check) stay; `guarded(...).__wrapped__` is `fn`."""
     @functools.wraps(fn)
     def reward(images: torch.Tensor, example: dict) -> torch.Tensor:
@@ -348,6 +349,9 @@ def guarded(name: str, fn):
         except Exception as error:
             raise RewardError(name, f"raised {type(error).__name__}: {first_line(error)}", traceback.format_exc(),
                               example.get("where")) from error
+        except SystemExit as error:  # sys.exit, or argparse's parse_args() inside the reward
+            raise RewardError(name, f"exited (sys.exit({error.code})) instead of returning scores",
+                              traceback.format_exc(), example.get("where")) from None
         try:
             return scores(value, len(images), name, images.device)
         except RewardError as error:

@@ -193,3 +193,34 @@ def test_measured_case_rates_and_reset(tmp_path, monkeypatch):
     grpo.main(["--resume", str(tmp_path / "stopped")])
     rates = [[line["lr"] for line in run_record(tmp_path / name)] for name in ("whole", "stopped")]
     assert rates[0] == rates[1] and len(set(rates[0])) == 7
+
+
+@pytest.mark.parametrize("fails", ["before", "after"])
+def test_reward_fails_in_the_grids(tmp_path, monkeypatch, capsys, fails):
+    """A reward that raises while the before or the after grid is drawn (--before-after, outside any step) stops the
+    run as in a step: one line naming it, its traceback in <out>/error.txt, exit 1, the command that continues. The
+    resume ends the run: after a failed after grid, with no step to do, it writes the end again (final/run.json)."""
+    calls = {"n": 0}
+    failing = {"before": 2, "after": 4}[fails]  # 1: the start-up check, 2: the before grid, 3: step 1, 4: the after
+
+    def flaky(images, example):
+        calls["n"] += 1
+        if calls["n"] == failing:
+            raise RuntimeError("the judge is down")
+        return images.mean(dim=(1, 2, 3))
+
+    monkeypatch.setitem(grpo.REWARDS, "flaky", flaky)
+    prompts = write_example(tmp_path, ["a gray square | t.png"])
+    out = tmp_path / "run"
+    argv = [*TINY, "--prompts", str(prompts), "--reward", "ssim=1,flaky=0", "--steps", "1", "--before-after", "1",
+            "--save-every", "0", "--out", str(out)]
+    with pytest.raises(SystemExit) as exit_info:
+        grpo.main(argv)
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 1 and "Traceback" not in err
+    assert "reward 'flaky' raised RuntimeError: the judge is down" in err and f"--resume {out}" in err
+    assert "the judge is down" in (out / "error.txt").read_text()
+    assert (out / "final").is_dir() == (fails == "after") and not (out / "final" / "run.json").exists()
+    grpo.main(["--resume", str(out)])
+    assert (out / "final" / "run.json").exists() and (out / "images" / "before_after.png").exists()
+    assert [line["step"] for line in run_record(out)] == [1]

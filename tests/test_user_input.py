@@ -10,6 +10,7 @@ import dataclasses
 import json
 import math
 import re
+import sys
 
 import numpy as np
 import pytest
@@ -392,6 +393,13 @@ def test_reward_that_raises_is_named():
         fn(torch.zeros(2, 3, 8, 8), {})
     assert "in broken" in error.value.details and "Traceback" in error.value.details
 
+    def exits(images, example):  # sys.exit, or argparse's parse_args() inside the reward: not a silent exit 3
+        sys.exit(3)
+
+    [(fn, _)] = user_input.parse_rewards("exits", {"exits": exits}).values()
+    with pytest.raises(user_input.RewardError, match=r"reward 'exits' exited \(sys.exit\(3\)\)"):
+        fn(torch.zeros(2, 3, 8, 8), {})
+
     def needs_package(images, example):
         raise ImportError("the reward needs easyocr: pip install easyocr")
 
@@ -400,8 +408,9 @@ def test_reward_that_raises_is_named():
 
 
 def test_parse_rewards(tmp_path, monkeypatch):
-    """Built-in names and module:function import paths with weights, each guarded; bad names, weights (negative, not
-    finite) and imports are refused."""
+    """Built-in names, module:function import paths and path/to/file.py:function with weights, each guarded; bad
+    names, weights (negative, not finite) and imports (a missing file or name, a module that raises or exits while
+    importing) are refused in one line."""
     rewards = user_input.parse_rewards("ssim=1,mse=0.5", grpo.REWARDS)
     assert {k: w for k, (_, w) in rewards.items()} == {"ssim": 1.0, "mse": 0.5}
     assert rewards["ssim"][0].__wrapped__ is grpo.ssim_reward and rewards["ssim"][0].needs == ("target",)
@@ -410,11 +419,21 @@ def test_parse_rewards(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # module:function is found in the current directory, as `python -m` would
     custom = user_input.parse_rewards("my_rewards:brightness=2,ssim=0", grpo.REWARDS)
     assert custom["my_rewards:brightness"][1] == 2.0 and custom["my_rewards:brightness"][0].__name__ == "brightness"
+    (tmp_path / "sub").mkdir()  # a file path, as people write one: path/to/file.py:function
+    (tmp_path / "sub" / "mine.py").write_text("def dark(images, example):\n    return 1 - images.mean(dim=(1, 2, 3))\n")
+    (tmp_path / "bad_syntax.py").write_text("def broken(:\n")
+    (tmp_path / "argv.py").write_text("import argparse\nargparse.ArgumentParser().parse_args(['--nope'])\n")
+    for spec in ["sub/mine.py:dark", f"{tmp_path}/sub/mine.py:dark"]:
+        [(fn, _)] = user_input.parse_rewards(spec, grpo.REWARDS).values()
+        assert torch.equal(fn(torch.zeros(2, 3, 8, 8), {}), torch.ones(2))
     for bad, needle in [("ssmi=1", "unknown reward"), ("ssim=x", "name=number"), ("ssim=", "name=number"),
                         ("ssim=-1", "negative"), ("ssim=inf", "not finite"), ("ssim=nan", "not finite"),
                         ("ssim=1e400", "not finite"), ("ssim=0,mse=0", "every reward weight 0"),
                         ("no_such_module:f=1", "cannot import"), ("my_rewards:nope=1", "cannot import"),
-                        ("my_rewards:not_a_function=1", "not a function")]:
+                        ("my_rewards:not_a_function=1", "not a function"), ("sub/none.py:f", "no file"),
+                        ("sub/mine.py:light", "cannot import it .AttributeError"),
+                        ("bad_syntax:broken", r"cannot import it \(SyntaxError: invalid syntax \(bad_syntax.py, line 1"),
+                        ("argv.py:f", r"importing it exited \(sys.exit\(2\)\)")]:
         with pytest.raises(ValueError, match=needle):
             user_input.parse_rewards(bad, grpo.REWARDS)
 
