@@ -16,7 +16,7 @@ trains, so a bad line stops the run before anything is written.
   dino       closeness to the target: cosine of DINOv2 features of the image and of example["target"]
   aesthetic  LAION's aesthetic predictor: an MLP head on CLIP ViT-L/14's normalised image embedding
   lpips      minus LPIPS (the lpips package, AlexNet) to example["target"]: lpips@FOLDER with AlexNet's weights
-  module:function   any function of yours (`import_reward`)
+  module:function   any function of yours, or path/to/file.py:function (`import_reward`)
 
 The learned rewards (clip, pickscore, dino, aesthetic) load a checkpoint through transformers, once a process, when
 first called: `name@hub-id-or-folder` picks it (--reward pickscore@yuvalkirstain/PickScore_v1=1,ocr=0.5), the name

@@ -282,9 +282,9 @@ class RewardError(ValueError):
 def parse_rewards(spec: str, table: dict, flag: str = "--reward", timeout: float = 600.0) -> dict[str, tuple]:
     """'ssim=1,ocr=0.5,pickscore@yuvalkirstain/PickScore_v1=1,mypkg.rewards:clip=1' -> {name: (fn, weight)} (a name
     alone weighs 1): names of `table` (grpo.REWARDS; a learned one may name its checkpoint after @), import paths
-    module:function (found like `python -m` finds modules: installed, or in the current directory), or the URL of a
-    served reward, http://HOST:PORT/NAME (helpers/served_reward.py; `timeout`: the seconds a try waits for its
-    answer), each `guarded`.
+    module:function (found like `python -m` finds modules: installed, or in the current directory) or
+    path/to/file.py:function, or the URL of a served reward, http://HOST:PORT/NAME (helpers/served_reward.py;
+    `timeout`: the seconds a try waits for its answer), each `guarded`.
     Every reward listed is computed and logged; weight 0 only keeps it out of the sum. Raises ValueError naming the
     problem."""
     rewards = {}
