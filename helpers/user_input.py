@@ -58,21 +58,26 @@ def read_text(path: str | Path, flag: str, fix: str) -> str:
     except OSError as error:
         reason = "a directory" if path.is_dir() else error.strerror or str(error)
         raise ValueError(f"cannot read {flag} {path} ({reason}); {fix}") from None
+    nul = "holds a NUL: UTF-16 without a byte-order mark, UTF-32, or not a text file; save it as UTF-8"
     if data.startswith((b"\xff\xfe", b"\xfe\xff")):  # UTF-16's byte-order marks
         try:
-            return data.decode("utf-16")
+            text = data.decode("utf-16")
         except UnicodeDecodeError:
             raise ValueError(f"{flag} {path} starts as UTF-16 and is not; save it as UTF-8") from None
-    if b"\0" in data:
-        line = data[:data.index(b"\0")].count(b"\n") + 1
-        raise ValueError(f"{flag} {path}:{line} holds a NUL byte: UTF-16 saved without a byte-order mark, or not a "
-                         "text file; save it as UTF-8")
-    try:
-        return data.decode("utf-8-sig")  # the BOM, if any, dropped
-    except UnicodeDecodeError as error:
-        line = data[:error.start].count(b"\n") + 1
-        raise ValueError(f"{flag} {path}:{line} is not UTF-8 text (byte 0x{data[error.start]:02x}); save the file "
-                         "as UTF-8") from None
+    else:
+        if b"\0" in data:  # before decoding: a BOM-less UTF-16 file with an "é" is not UTF-8 either, and this says why
+            line = data[:data.index(b"\0")].count(b"\n") + 1
+            raise ValueError(f"{flag} {path}:{line} {nul}")
+        try:
+            text = data.decode("utf-8-sig")  # the BOM, if any, dropped
+        except UnicodeDecodeError as error:
+            line = data[:error.start].count(b"\n") + 1
+            raise ValueError(f"{flag} {path}:{line} is not UTF-8 text (byte 0x{data[error.start]:02x}); save the "
+                             "file as UTF-8") from None
+    if "\0" in text:  # UTF-32 read as UTF-16 (its byte-order mark starts as UTF-16's)
+        line = text[:text.index("\0")].count("\n") + 1
+        raise ValueError(f"{flag} {path}:{line} {nul}")
+    return text
 
 
 def text_lines(text: str) -> list[str]:

@@ -234,9 +234,10 @@ def test_json_lines_whatever_the_name(tmp_path):
         user_input.read_prompts(tmp_path / "latin1.txt")
     for name, data in [("utf16le.txt", "a red circle\ncafé crème\n".encode("utf-16-le")),  # no byte-order mark
                        ("utf16be.jsonl", '{"prompt": "a red circle"}\n'.encode("utf-16-be")),
-                       ("nul.txt", b"a red circle\ntwo\0squares\n")]:
+                       ("nul.txt", b"a red circle\ntwo\0squares\n"),
+                       ("utf32.txt", "a red circle\n".encode("utf-32"))]:  # its BOM starts as UTF-16's
         (tmp_path / name).write_bytes(data)
-        with pytest.raises(ValueError, match=rf"{name}:{2 if name == 'nul.txt' else 1} holds a NUL byte: UTF-16"):
+        with pytest.raises(ValueError, match=rf"{name}:{2 if name == 'nul.txt' else 1} holds a NUL: UTF-16"):
             user_input.read_prompts(tmp_path / name)
     (tmp_path / "braces.txt").write_text("{curly} braces in a caption\n")  # not JSON: a caption
     assert user_input.read_prompts(tmp_path / "braces.txt")[0]["prompt"] == "{curly} braces in a caption"
