@@ -458,40 +458,66 @@ def with_checkpoint(name: str, fn, where: str):
 
 # ---- plug-ins ------------------------------------------------------------------------------------
 
-def import_reward(path: str):
+def import_reward(path: str, flag: str = "--reward"):
     """'package.module:function' or 'path/to/file.py:function' -> the function. A module is found as `python -m`
     finds one (installed, or in the current directory); a .py file is loaded from its path (relative to the current
-    directory, ~ expanded). Raises ValueError, one line, for what cannot be imported (a missing module or file, or
-    whatever the module raised while importing: a SyntaxError, a missing package, an argparse exit), a missing name,
-    or a name that is not callable."""
+    directory, ~ expanded), once however often it is named, and its own imports find the files beside it, as under
+    `python path/to/file.py`. Raises ValueError, one line, for what cannot be imported (a missing module or file, or
+    whatever the module raised while importing: a SyntaxError, a missing package, an argparse exit, whose last printed
+    line the message quotes), a missing name, or a name that is not callable."""
     import importlib
-    import importlib.util
-    where, _, attr = path.rpartition(":")  # rpartition: a Windows path's drive letter keeps its ':'
+    import io
+    where, _, attr = (part.strip() for part in path.rpartition(":"))  # a Windows drive letter keeps its ':'
     fix = "give module:function (installed, or a .py file in the current directory) or path/to/file.py:function"
-    file = Path(where).expanduser()
-    if where.endswith(".py") and not file.is_file():
-        raise ValueError(f"--reward {path}: no file {file}; {fix}")
+    file = Path(where).expanduser().resolve() if where.endswith(".py") else None
+    if file is not None and not file.is_file():
+        raise ValueError(f"{flag} {path}: no file {file}; {fix}")
+    printed = io.StringIO()  # what importing prints to stderr (argparse's usage): shown after, or quoted if it exits
     try:
-        if where.endswith(".py"):
-            spec = importlib.util.spec_from_file_location(f"reward_file_{file.stem}", file)
-            module = importlib.util.module_from_spec(spec)
-            sys.modules[spec.name] = module  # as an import would: dataclasses and pickle look a module up by name
-            try:
-                spec.loader.exec_module(module)
-            except BaseException:
-                del sys.modules[spec.name]  # as a failed import leaves nothing behind
-                raise
-        else:
-            if str(Path.cwd()) not in sys.path:
-                sys.path.append(str(Path.cwd()))
-            module = importlib.import_module(where)
-        fn = getattr(module, attr)
+        with contextlib.redirect_stderr(printed):
+            if file is not None:
+                module = import_file(file)
+            else:
+                if str(Path.cwd()) not in sys.path:
+                    sys.path.append(str(Path.cwd()))
+                module = importlib.import_module(where)
     except SystemExit as error:  # argparse's parse_args() at the module's top level, say
-        raise ValueError(f"--reward {path}: importing it exited (sys.exit({error.code})); keep a module's command "
-                         "line under `if __name__ == \"__main__\":`") from None
+        said = printed.getvalue().strip().splitlines()
+        raise ValueError(f"{flag} {path}: importing it exited ({exit_call(error)}{': ' + said[-1] if said else ''}); "
+                         "keep a module's command line under `if __name__ == \"__main__\":`") from None
     except Exception as error:
-        raise ValueError(f"--reward {path}: cannot import it ({first_line(error)}); "
-                         f"{fix}") from None
+        sys.stderr.write(printed.getvalue())
+        raise ValueError(f"{flag} {path}: cannot import it ({first_line(error)}); {fix}") from None
+    sys.stderr.write(printed.getvalue())
+    fn = getattr(module, attr, None)
+    if fn is None:
+        raise ValueError(f"{flag} {path}: {file or where} has no '{attr}'; {fix}")
     if not callable(fn):
-        raise ValueError(f"--reward {path} is not a function; give module:function")
+        raise ValueError(f"{flag} {path} is not a function; give module:function")
     return fn
+
+
+def import_file(file: Path):
+    """The module of the .py file `file` (an absolute path), imported once: under a name made from its path, so that
+    two files named alike stay two modules; its folder on sys.path (after the others) for the files beside it."""
+    import hashlib
+    import importlib.util
+    name = "reward_file_" + hashlib.sha1(str(file).encode()).hexdigest()[:12]
+    if name in sys.modules:  # the same file in --reward and --eval-reward: its import-time work done once
+        return sys.modules[name]
+    if str(file.parent) not in sys.path:
+        sys.path.append(str(file.parent))
+    spec = importlib.util.spec_from_file_location(name, file)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # as an import would: dataclasses and pickle look a module up by its name
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        sys.modules.pop(name, None)  # as a failed import leaves nothing behind
+        raise
+    return module
+
+
+def exit_call(error: SystemExit) -> str:
+    """How a SystemExit was raised, in words for a one-line message: 'sys.exit()', 'sys.exit(2)', "sys.exit('bad')"."""
+    return "sys.exit()" if error.code is None else f"sys.exit({error.code!r:.80})"

@@ -37,7 +37,7 @@ import numpy as np
 import torch
 from PIL import Image, ImageOps
 
-from .rewards import CheckpointError, import_reward, with_checkpoint
+from .rewards import CheckpointError, exit_call, import_reward, with_checkpoint
 from .served_reward import ServedReward, ServedRewardError, is_url
 
 
@@ -297,10 +297,11 @@ def parse_rewards(spec: str, table: dict, flag: str = "--reward", timeout: float
         name, where, weight = split_reward(part, flag)
         if name in rewards:
             raise ValueError(f"reward '{name}' is listed twice in {flag} '{spec}'; list it once")
-        fn = ServedReward(name, timeout) if is_url(name) else import_reward(name) if ":" in name else table.get(name)
+        fn = (ServedReward(name, timeout) if is_url(name) else import_reward(name, flag) if ":" in name
+              else table.get(name))
         if fn is None:
-            raise ValueError(f"unknown reward '{name}' in {flag} '{spec}'; use {', '.join(table)} or an import "
-                             "path module:function")
+            raise ValueError(f"unknown reward '{name}' in {flag} '{spec}'; use {', '.join(table)}, module:function "
+                             "or path/to/file.py:function")
         if where is not None:
             fn = with_checkpoint(name, fn, where)
         rewards[name] = (guarded(name, fn), weight)
@@ -311,7 +312,8 @@ def parse_rewards(spec: str, table: dict, flag: str = "--reward", timeout: float
 
 def split_reward(part: str, flag: str = "--reward") -> tuple[str, str | None, float]:
     """One entry of --reward, 'name@where=weight' -> (name, where, weight): `where` None without an @ (a learned
-    reward's checkpoint, or the ocr reward's languages); a name alone weighs 1. Raises ValueError for a weight that is
+    reward's checkpoint, or the ocr reward's languages; a URL or a path/to/file.py:function keeps its '@'); a name
+    alone weighs 1. Raises ValueError for a weight that is
     not a finite number >= 0."""
     name, _, value = (x.strip() for x in part.rpartition("=")) if "=" in part else (part.strip(), "", "")
     try:
@@ -321,7 +323,7 @@ def split_reward(part: str, flag: str = "--reward") -> tuple[str, str | None, fl
     if not (math.isfinite(weight) and weight >= 0):
         raise ValueError(f"reward weight '{part}' in {flag} is {'negative' if weight < 0 else 'not finite'}; weights "
                          "must be finite numbers >= 0")
-    if is_url(name):  # a served reward: its URL is its name
+    if is_url(name) or ".py:" in name:  # a served reward's URL, a file's path: an '@' is theirs
         return name, None, weight
     name, at, where = name.partition("@")
     return name, where.strip() if at else None, weight
@@ -355,7 +357,7 @@ def guarded(name: str, fn):
             raise RewardError(name, f"raised {type(error).__name__}: {first_line(error)}", traceback.format_exc(),
                               example.get("where")) from error
         except SystemExit as error:  # sys.exit, or argparse's parse_args() inside the reward
-            raise RewardError(name, f"exited (sys.exit({error.code})) instead of returning scores",
+            raise RewardError(name, f"exited ({exit_call(error)}) instead of returning scores",
                               traceback.format_exc(), example.get("where")) from None
         try:
             return scores(value, len(images), name, images.device)

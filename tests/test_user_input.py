@@ -420,21 +420,33 @@ def test_parse_rewards(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # module:function is found in the current directory, as `python -m` would
     custom = user_input.parse_rewards("my_rewards:brightness=2,ssim=0", grpo.REWARDS)
     assert custom["my_rewards:brightness"][1] == 2.0 and custom["my_rewards:brightness"][0].__name__ == "brightness"
-    (tmp_path / "sub").mkdir()  # a file path, as people write one: path/to/file.py:function
-    (tmp_path / "sub" / "mine.py").write_text("def dark(images, example):\n    return 1 - images.mean(dim=(1, 2, 3))\n")
+    monkeypatch.setattr(sys, "path", [*sys.path])  # (the imports below add their folders)
+    # a file path, as people write one: path/to/file.py:function, imported once, beside files it imports; two files
+    # named alike stay two; an '@' in the path is the path's
+    for folder, value in [("sub", 1), ("me@work", 2)]:
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / "helper_value.py").write_text(f"VALUE = {value}\n")
+        (tmp_path / folder / "mine.py").write_text(
+            "import helper_value\nLOADS = globals().get('LOADS', 0) + 1\n"
+            f"def dark(images, example):\n    return {value} - images.mean(dim=(1, 2, 3))\n")
+    rewards = user_input.parse_rewards(f"sub/mine.py:dark=1,{tmp_path}/sub/mine.py : dark=0,me@work/mine.py:dark=1",
+                                       grpo.REWARDS)
+    assert [w for _, w in rewards.values()] == [1, 0, 1]
+    assert [float(fn(torch.zeros(1, 3, 8, 8), {})) for fn, _ in rewards.values()] == [1, 1, 2]
+    first, again, other = (fn.__wrapped__ for fn, _ in rewards.values())
+    assert first is again and first.__globals__["LOADS"] == 1 and other is not first
     (tmp_path / "bad_syntax.py").write_text("def broken(:\n")
-    (tmp_path / "argv.py").write_text("import argparse\nargparse.ArgumentParser().parse_args(['--nope'])\n")
-    for spec in ["sub/mine.py:dark", f"{tmp_path}/sub/mine.py:dark"]:
-        [(fn, _)] = user_input.parse_rewards(spec, grpo.REWARDS).values()
-        assert torch.equal(fn(torch.zeros(2, 3, 8, 8), {}), torch.ones(2))
+    (tmp_path / "argv.py").write_text("import argparse\nargparse.ArgumentParser(prog='mine').parse_args(['--no'])\n")
+    (tmp_path / "quits.py").write_text("import sys\nsys.exit()\n")
     for bad, needle in [("ssmi=1", "unknown reward"), ("ssim=x", "name=number"), ("ssim=", "name=number"),
                         ("ssim=-1", "negative"), ("ssim=inf", "not finite"), ("ssim=nan", "not finite"),
                         ("ssim=1e400", "not finite"), ("ssim=0,mse=0", "every reward weight 0"),
-                        ("no_such_module:f=1", "cannot import"), ("my_rewards:nope=1", "cannot import"),
+                        ("no_such_module:f=1", "cannot import"), ("my_rewards:nope=1", "my_rewards has no 'nope'"),
                         ("my_rewards:not_a_function=1", "not a function"), ("sub/none.py:f", "no file"),
-                        ("sub/mine.py:light", "cannot import it .AttributeError"),
+                        ("sub/mine.py:light", r"sub/mine.py has no 'light'"),
                         ("bad_syntax:broken", r"cannot import it \(SyntaxError: invalid syntax \(bad_syntax.py, line 1"),
-                        ("argv.py:f", r"importing it exited \(sys.exit\(2\)\)")]:
+                        ("argv.py:f", r"importing it exited \(sys.exit\(2\): mine: error: unrecognized arguments: --no\)"),
+                        ("quits.py:f", r"importing it exited \(sys.exit\(\)\)")]:
         with pytest.raises(ValueError, match=needle):
             user_input.parse_rewards(bad, grpo.REWARDS)
 
