@@ -891,17 +891,21 @@ def resume_command(r: Run) -> str:
 
 def reward_failed(r: Run, error: RewardError) -> None:
     """A reward raised, or returned what is not one score per image, in a step, an evaluation or the before / after
-    grids (never in a landing: rewards are scored before it): one line naming it, its traceback in <out>/error.txt, the landed steps saved (one
-    process; under torchrun the other processes wait in a collective, so the last checkpoint stays), exit 1."""
+    grids (never in a landing: rewards are scored before it): one line naming it, its traceback in <out>/error.txt,
+    a checkpoint of the landed steps (one process; under torchrun the other processes wait in a collective, so the
+    last checkpoint stays, and before any there is nothing to resume: the line says to start again), exit 1."""
     r.progress.close()
     if r.world == 1:
         save_run(r, r.done)
-    saved = f"the {plural(r.done, 'landed step')} saved" if r.world == 1 else "the last checkpoint kept"
+    if r.saved >= 0:
+        then = f"checkpoint at step {r.saved}: fix it, then continue with: {resume_command(r)}"
+    else:
+        then = "nothing saved yet: fix it, then start the run again with --overwrite"
     where = "its traceback: " + str(r.out / "error.txt")
     with contextlib.suppress(OSError):
         atomic_write(r.out / "error.txt", lambda f: f.write((error.details or str(error)).encode()))
     example = f" on {error.where}" if error.where else ""
-    fail(f"{error}{example} ({where}); {saved}: fix it, then continue with: {resume_command(r)}", code=1)
+    fail(f"{error}{example} ({where}); {then}", code=1)
 
 
 def save_grid(path: Path, batch: list[dict], images: list[torch.Tensor], reward: torch.Tensor,

@@ -195,7 +195,7 @@ def test_faults_stop_the_run(tmp_path, monkeypatch, capsys, cue, needle):
                            "--out", str(out)], 1, f"reward '{url}' {needle}", capsys)
     finally:
         stop(process)
-    assert f"on {prompts}:2" in err and f"--resume {out}" in err and "1 landed step saved" in err
+    assert f"on {prompts}:2" in err and f"--resume {out}" in err and "checkpoint at step 1" in err
     assert [x["step"] for x in run_record(out)] == [1] and (out / "checkpoints" / "step-1").is_dir()
     if cue == "exit":
         assert "7 tries over 0.3 s" in err

@@ -224,3 +224,20 @@ def test_reward_fails_in_the_grids(tmp_path, monkeypatch, capsys, fails):
     grpo.main(["--resume", str(out)])
     assert (out / "final" / "run.json").exists() and (out / "images" / "before_after.png").exists()
     assert [line["step"] for line in run_record(out)] == [1]
+
+
+def test_reward_failed_before_any_checkpoint_under_torchrun(tmp_path, capsys):
+    """Under torchrun a failing reward saves nothing (the other processes wait in a collective): before any checkpoint
+    the line says to start again, not to --resume what is not there; after one it names that checkpoint."""
+    from types import SimpleNamespace
+    from tqdm import tqdm
+    from helpers.user_input import RewardError
+    r = SimpleNamespace(progress=tqdm(disable=True), world=2, saved=-1, done=0, out=tmp_path)
+    for saved, needle in [(-1, "nothing saved yet: fix it, then start the run again with --overwrite"),
+                          (4, "checkpoint at step 4: fix it, then continue with: torchrun --nproc-per-node 2")]:
+        r.saved = saved
+        with pytest.raises(SystemExit) as exit_info:
+            run.reward_failed(r, RewardError("judge", "raised RuntimeError: down", "Traceback ..."))
+        err = capsys.readouterr().err
+        assert exit_info.value.code == 1 and needle in err and ("--resume" in err) == (saved >= 0)
+        assert (tmp_path / "error.txt").read_text() == "Traceback ..."
