@@ -21,7 +21,7 @@ export PYTHONUNBUFFERED=1
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null || echo "no GPU"
   python3 -c "import torch, transformers, diffusers; print(torch.__version__, transformers.__version__, diffusers.__version__)" 2>&1 | tail -1
 } | tee "$OUT/gpu.txt"
-grep -q Error "$OUT/gpu.txt" && { echo "gpu_measure: transformers/diffusers missing here: run 'bash tools/gpu_wheels.sh' where pip works and carry .whl"; exit 2; }
+grep -q Error "$OUT/gpu.txt" && { echo "gpu_measure: cannot import torch, transformers or diffusers (the line above); for the two last: run 'bash tools/gpu_wheels.sh' where pip works and carry .whl"; exit 2; }
 timeout "${MEASURE_SECONDS:-330}" python3 tools/gpu_measure.py "$OUT" --model "${MODEL:-random}" --size "${SIZE:-1024}" \
   --steps "${STEPS:-3}" --short-steps "${SHORT_STEPS:-2}" --dit "${DIT:-0}" --short-dit "${SHORT_DIT:-20}" 2>&1 | grep -v "it/s\]" | tee "$OUT/measure.log" | tail -80
 device=$([ -z "${MODEL:-}" ] && echo cuda || echo "${GRPO_TEST_DEVICE:-cpu}")
