@@ -195,17 +195,20 @@ def test_measured_case_rates_and_reset(tmp_path, monkeypatch):
     assert rates[0] == rates[1] and len(set(rates[0])) == 7
 
 
-@pytest.mark.parametrize("fails", ["before", "after"])
+@pytest.mark.parametrize("fails", ["before", "after", "SIGTERM before"])
 def test_reward_fails_in_the_grids(tmp_path, monkeypatch, capsys, fails):
     """A reward that raises while the before or the after grid is drawn (--before-after, outside any step) stops the
     run as in a step: one line naming it, its traceback in <out>/error.txt, exit 1, the command that continues. The
-    resume ends the run: after a failed after grid, with no step to do, it writes the end again (final/run.json)."""
+    resume ends the run: after a failed after grid, with no step to do, it writes the end again (final/run.json). A
+    SIGTERM while the before grid is drawn is the run's stop: a checkpoint at step 0, exit 130, no traceback."""
     calls = {"n": 0}
-    failing = {"before": 2, "after": 4}[fails]  # 1: the start-up check, 2: the before grid, 3: step 1, 4: the after
+    failing = {"after": 4}.get(fails, 2)  # 1: the start-up check, 2: the before grid, 3: step 1, 4: the after grid
 
     def flaky(images, example):
         calls["n"] += 1
-        if calls["n"] == failing:
+        if calls["n"] == failing and fails.startswith("SIGTERM"):
+            signal.raise_signal(signal.SIGTERM)
+        elif calls["n"] == failing:
             raise RuntimeError("the judge is down")
         return images.mean(dim=(1, 2, 3))
 
@@ -217,9 +220,11 @@ def test_reward_fails_in_the_grids(tmp_path, monkeypatch, capsys, fails):
     with pytest.raises(SystemExit) as exit_info:
         grpo.main(argv)
     err = capsys.readouterr().err
-    assert exit_info.value.code == 1 and "Traceback" not in err
-    assert "reward 'flaky' raised RuntimeError: the judge is down" in err and f"--resume {out}" in err
-    assert "the judge is down" in (out / "error.txt").read_text()
+    assert exit_info.value.code == (130 if fails.startswith("SIGTERM") else 1) and "Traceback" not in err
+    assert f"--resume {out}" in err and f"checkpoint at step {1 if fails == 'after' else 0}" in err
+    if not fails.startswith("SIGTERM"):
+        assert "reward 'flaky' raised RuntimeError: the judge is down" in err
+        assert "the judge is down" in (out / "error.txt").read_text()
     assert (out / "final").is_dir() == (fails == "after") and not (out / "final" / "run.json").exists()
     grpo.main(["--resume", str(out)])
     assert (out / "final" / "run.json").exists() and (out / "images" / "before_after.png").exists()
