@@ -313,8 +313,7 @@ def parse_rewards(spec: str, table: dict, flag: str = "--reward", timeout: float
 def split_reward(part: str, flag: str = "--reward") -> tuple[str, str | None, float]:
     """One entry of --reward, 'name@where=weight' -> (name, where, weight): `where` None without an @ (a learned
     reward's checkpoint, or the ocr reward's languages; a URL or a path/to/file.py:function keeps its '@'); a name
-    alone weighs 1. Raises ValueError for a weight that is
-    not a finite number >= 0."""
+    alone weighs 1. Raises ValueError for a weight that is not a finite number >= 0."""
     name, _, value = (x.strip() for x in part.rpartition("=")) if "=" in part else (part.strip(), "", "")
     try:
         weight = float(value) if "=" in part else 1.0
