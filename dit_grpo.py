@@ -295,9 +295,9 @@ def main(argv: list[str] | None = None) -> dict:
     job = run.prepare(parse_config(argv), argv, grpo.REWARDS, grpo, train="dit")  # the Run
     cfg = job.cfg
     run.start(job)
-    with run.timed({}, "load", cfg), run.loading(cfg.model):
+    with run.timed({}, "load", job), run.loading(cfg.model):
         pipe = grpo.load_glm_image(cfg.model, job.device, job.dtype, cfg.revision)
-    with run.timed({}, "setup", cfg):
+    with run.timed({}, "setup", job):
         policy, ref_model, optimizer = setup_training(pipe, cfg, job.dtype, job.world)
         run.open_run(job, policy, optimizer)
 
@@ -307,22 +307,22 @@ def main(argv: list[str] | None = None) -> dict:
     with run.training(job):
         for step, group_ids, examples, seconds in run.steps(job):
             seeds = [grpo.group_seed(cfg.seed, g) for g in group_ids]  # the AR's sample and the decoder's noise
-            with run.timed(seconds, "sample", cfg), job.autocast:  # 1. ONE token grid per prompt, shared by the group
+            with run.timed(seconds, "sample", job), job.autocast:  # 1. ONE token grid per prompt, shared by the group
                 tokens = grpo.sample_groups(pipe, prompts=[ex["prompt"] for ex in examples], group_size=1,
                                             height=cfg.height, width=cfg.width, temperature=cfg.temperature,
                                             seeds=seeds, top_k=cfg.top_k, top_p=cfg.top_p)
-            with run.timed(seconds, "decode", cfg), run.decoder_on(pipe, job.device, cfg.offload), unsharded(policy):
+            with run.timed(seconds, "decode", job), run.decoder_on(pipe, job.device, cfg.offload), unsharded(policy):
                 chains = [sample_chain(pipe, ex["prompt"], t.tokens.repeat(cfg.group_size, 1), t.large_hw, cfg.height,
                                        cfg.width, cfg.sde_steps or cfg.num_inference_steps, cfg.guidance_scale, s,
                                        cfg.sde_noise, cfg.sde_window)  # 2. G pictures by the SDE sampler
                           for ex, t, s in zip(examples, tokens, seeds)]
-            with run.timed(seconds, "reward", cfg):  # 3.-4. as for the AR
+            with run.timed(seconds, "reward", job):  # 3.-4. as for the AR
                 reward, each = grpo.group_rewards([c.images for c in chains], examples, job.rewards)
                 in_loss = run.finite_groups(job, step, reward, each, examples)  # (P,): NaN / inf: A = 0, out, warned
                 advantages = variants.advantages(grpo.group_advantages(reward), [], reward, each, in_loss,
                                                  cfg, grpo)  # --scale-rewards
             with run.landing():  # from here the step lands whole or not at all: a stop waits
-                with run.timed(seconds, "train", cfg), job.autocast:  # 5. the update, each trained step a token
+                with run.timed(seconds, "train", job), job.autocast:  # 5. the update, each trained step a token
                     metrics = train_step(policy, optimizer, chains, advantages, ref_model, noise_level=cfg.sde_noise,
                                          steps=window(len(chains[0].timesteps), cfg.sde_window),
                                          clip_eps=cfg.clip_eps, clip_eps_high=cfg.clip_eps_high,

@@ -539,7 +539,7 @@ def group_rewards(images: list[torch.Tensor], examples: list[dict], rewards: dic
 
 def group_advantages(rewards: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """(P, G) or (G,) rewards R -> advantages A_i = (R_i - mean(R)) / std(R) within each group. The
-    std is the population's (/ G; TRL divides by G - 1). A group whose rewards do not spread (equal
+    std is the population's (/ G; TRL divides by the sample std + 1e-4). A group whose rewards do not spread (equal
     up to rounding) gets zeros: it has nothing to teach; so does a group with a NaN or inf reward
     (main leaves its loss out of the step, train_step)."""
     mean = rewards.mean(dim=-1, keepdim=True)
@@ -617,13 +617,13 @@ def grpo_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, ref_logprobs: 
     kl = torch.zeros_like(logprobs)
     if ref_logprobs is not None:
         d = (ref_logprobs - logprobs).clamp(-20.0, 20.0)
-        kl = (torch.exp(d) - d - 1).clamp_min(0)  # the clamp only removes rounding below 0
+        kl = torch.exp(d) - d - 1  # >= 0 but for rounding (-6e-8 in float32), kept: a clamp would zero its gradient
     per_token = weights * surrogate - kl_beta * kl  # (S, n)
     loss = -per_token.mean(dim=1).mean()  # 1/|o_i| within a sequence, then 1/G over sequences
     with torch.no_grad():  # the clip stops the gradient: r > 1+eps with A > 0, r < 1-eps with A < 0
         clipped = ((ratio > 1 + clip_eps) & (A > 0)) | ((ratio < 1 - clip_eps) & (A < 0))
         metrics = {"policy_loss": -(weights * surrogate).mean(dim=1).mean().item(),
-                   "kl": kl.mean().item(), "clip_frac": clipped.float().mean().item(),
+                   "kl": kl.mean().clamp_min(0).item(), "clip_frac": clipped.float().mean().item(),
                    "ratio_min": ratio.min().item(), "ratio_mean": ratio.mean().item(),
                    "ratio_max": ratio.max().item()}
     return loss, metrics
@@ -850,9 +850,9 @@ def main(argv: list[str] | None = None) -> dict:
     job = run.prepare(parse_config(argv), argv, REWARDS, lesson)  # all input checked, none written
     cfg = job.cfg
     run.start(job)  # torchrun: one process per GPU (else rank 0 of 1), the device and dtype
-    with run.timed({}, "load", cfg), run.loading(cfg.model):
+    with run.timed({}, "load", job), run.loading(cfg.model):
         pipe = load_glm_image(cfg.model, job.device, job.dtype, cfg.revision)
-    with run.timed({}, "setup", cfg):
+    with run.timed({}, "setup", job):
         policy, ref_model, optimizer = setup.setup_training(  # the AR: LoRA, FSDP2, AdamW
             pipe, cfg, job.dtype, job.world, reference_model)
         run.open_run(job, policy, optimizer, ref_model)  # --resume's checkpoint; the run directory
@@ -865,27 +865,27 @@ def main(argv: list[str] | None = None) -> dict:
     with run.training(job):  # Ctrl-C: a checkpoint, exit 130; a full disk: one line, exit 1
         # each step: P examples (prompts, targets, sources), numbered over the run by group_ids
         for step, group_ids, examples, seconds in run.steps(job):
-            with run.timed(seconds, "sample", cfg), job.autocast, unsharded(policy):
+            with run.timed(seconds, "sample", job), job.autocast, unsharded(policy):
                 rollouts = sample_groups(  # 1. sample a group of token grids per prompt
                     pipe, prompts=[ex["prompt"] for ex in examples], group_size=cfg.group_size,
                     height=cfg.height, width=cfg.width, temperature=cfg.temperature,
                     seeds=[group_seed(cfg.seed, g) for g in group_ids],
                     sources=[ex.get("source") for ex in examples], top_k=cfg.top_k,
                     top_p=cfg.top_p)
-            with run.timed(seconds, "decode", cfg), run.decoder_on(pipe, job.device, cfg.offload):
+            with run.timed(seconds, "decode", job), run.decoder_on(pipe, job.device, cfg.offload):
                 images = [decode_images(  # 2. decode the tokens to pictures
                     pipe, prompt=ex["prompt"], tokens=rollout.tokens, large_hw=rollout.large_hw,
                     height=cfg.height, width=cfg.width, num_inference_steps=cfg.num_inference_steps,
                     seed=cfg.decode_seed, guidance_scale=cfg.guidance_scale, source=rollout.source)
                     for ex, rollout in zip(examples, rollouts)]
-            with run.timed(seconds, "reward", cfg):
+            with run.timed(seconds, "reward", job):
                 reward, each = group_rewards(images, examples, job.rewards)  # 3. score: (P, G)
                 # (P,) bool, False for a group with a NaN / inf reward (warned): A 0, loss out
                 in_loss = run.finite_groups(job, step, reward, each, examples)
                 advantages = variants.advantages(  # 4. z-scores within each group (and the seam)
                     group_advantages(reward), rollouts, reward, each, in_loss, cfg, lesson, images)
             with run.landing():  # from here the step lands whole or not at all: a stop waits
-                with run.timed(seconds, "train", cfg), job.autocast:  # 5. the clipped update
+                with run.timed(seconds, "train", job), job.autocast:  # 5. the clipped update
                     # the seam of step 5: the variants' micro-batches and loss (else as given)
                     micro, loss_fn = variants.update(
                         micro_batches(rollouts, advantages, cfg.micro_batch_size, in_loss),

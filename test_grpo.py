@@ -581,6 +581,23 @@ def test_grpo_loss_clip_gradient():
     assert m["clip_frac"] == 0.5
 
 
+def test_grpo_loss_kl_gradient():
+    """The KL term's gradient is k3's own, beta (1 - exp(ref - logp)) / (S n) per token, also on the tokens whose k3
+    float32 rounds below 0 (a clamp at 0 zeroed their gradient there; TRL's per_token_kl has none); the logged KL
+    keeps its sign."""
+    g = torch.Generator().manual_seed(0)
+    ref = -torch.rand(4, 256, generator=g) * 4
+    logp = (ref + (torch.rand(4, 256, generator=g) - 0.5) * 2e-4).requires_grad_()  # near the reference
+    d = ref - logp.detach()
+    below = (d.exp() - d - 1) < 0
+    assert below.sum() >= 3  # float32 rounds these tokens' k3 below 0
+    loss, m = grpo.grpo_loss(logp, logp.detach(), ref, torch.zeros(4), 0.2, 0.1)  # A = 0: the KL's gradient alone
+    loss.backward()
+    expected = 0.1 * (1 - d.double().exp()) / logp.numel()
+    assert (logp.grad[below].double() * expected[below] > 0).all()  # their gradient kept, its sign k3's
+    assert (logp.grad.double() - expected).abs().sum() / expected.abs().sum() < 1e-2 and m["kl"] >= 0
+
+
 def test_grpo_loss_weights():
     """The mismatch weights multiply each token's surrogate (and its gradient), not the KL."""
     g = torch.Generator().manual_seed(1)

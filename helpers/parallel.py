@@ -7,6 +7,7 @@ same for one process and for many.
 """
 
 import contextlib
+import datetime
 import math
 import os
 import signal
@@ -36,16 +37,17 @@ def inner_bar(desc: str) -> dict:
     return {"desc": desc, "leave": False, "delay": INNER_DELAY, "disable": not shown}
 
 
-def start_processes(device: str) -> tuple[int, int, str]:
-    """Under torchrun (WORLD_SIZE > 1): join the process group (NCCL on GPUs, gloo on the CPU), one GPU per process.
-    Returns (rank, world size, device). Without torchrun: (0, 1, device)."""
+def start_processes(device: str, timeout: float = 600.0) -> tuple[int, int, str]:
+    """Under torchrun (WORLD_SIZE > 1): join the process group (NCCL on GPUs, gloo on the CPU), one GPU per process;
+    a process waiting in a collective longer than `timeout` seconds for the others is failed (NCCL's watchdog, gloo's
+    timeout). Returns (rank, world size, device). Without torchrun: (0, 1, device)."""
     cuda = torch.cuda.is_available() if device == "auto" else device == "cuda"
     if int(os.environ.get("WORLD_SIZE", 1)) == 1:
         return 0, 1, "cuda" if cuda else "cpu"
     local_rank = int(os.environ["LOCAL_RANK"])
     if cuda:
         torch.cuda.set_device(local_rank)
-    dist.init_process_group("nccl" if cuda else "gloo")
+    dist.init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(seconds=timeout))
     return dist.get_rank(), dist.get_world_size(), f"cuda:{local_rank}" if cuda else "cpu"
 
 
@@ -110,11 +112,23 @@ def unsharded(model):
 
 # ---- Collectives of the training loop -------------------------------------------------------------
 
+def collective_device() -> torch.device:
+    """The device of the tensors a collective sends: the CPU where the process group's backend serves it (gloo), else
+    this process's GPU (start_processes set it). NCCL serves CUDA tensors only: a CPU tensor there raises "No backend
+    type associated with device type cpu". (The object collectives, all_gather_object, pick their device themselves.)"""
+    backend = dist.get_backend()  # a name ("nccl", "gloo") or "device:backend" pairs ("cpu:gloo,cuda:nccl")
+    if ":" in backend:
+        served = [pair.split(":")[0] for pair in backend.split(",")]
+    else:
+        served = dist.Backend.backend_capability.get(backend, ["cpu"])
+    return torch.device("cpu") if "cpu" in served else torch.device("cuda")
+
+
 def all_agree(flag: bool) -> bool:
     """True only if `flag` is true in every process (e.g. "my loss was finite")."""
     if not distributed():
         return flag
-    t = torch.tensor(float(flag))
+    t = torch.tensor(float(flag), device=collective_device())
     dist.all_reduce(t, op=dist.ReduceOp.MIN)
     return bool(t.item())
 
@@ -124,7 +138,7 @@ def rows_per_process(n: int) -> float:
     gradients, so a loss that is a mean over this many rows per process is the mean over every process's rows."""
     if not distributed():
         return n
-    t = torch.tensor(float(n), dtype=torch.float64)
+    t = torch.tensor(float(n), dtype=torch.float64, device=collective_device())
     dist.all_reduce(t)
     return t.item() / dist.get_world_size()
 

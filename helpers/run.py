@@ -10,6 +10,7 @@ Everything here is checked before anything is written, and a problem is one line
 import argparse
 import contextlib
 import dataclasses
+import errno
 import functools
 import json
 import math
@@ -30,14 +31,15 @@ from .parallel import (INTERRUPT, bars_shown, final_weights, gather_list, gather
                        load_trainable_state, reduce_metrics, start_processes, stop_processes, stop_requested,
                        trainable_state, unsharded)
 from .rewards import folder_path, hub_cached, unreachable_hub
+from .served_reward import RETRY_WAITS, is_url
 from .user_input import (RULES, RewardError, check_numbers, check_rewards, field_kind, load_examples, parse_rewards,
                      read_config_file, read_prompts)
 from .variants import State as VariantState, VariantSettings
 from . import variants
 from .run_io import (RUN_FILES, Reporter, append_metrics, atomic_folder, atomic_write, check_out_dir, check_reporter,
-                     checkpoint_steps, image_grid, open_run_dir, plot_curves, prune_checkpoints, read_checkpoint,
-                     read_metrics, read_resume, restore_rng, resume_point, rng_kept, rng_state, save_checkpoint,
-                     save_image, save_trained, seed_everything, side_by_side, what_trained)
+                     checkpoint_steps, failed_start, image_grid, open_run_dir, plot_curves, prune_checkpoints,
+                     read_checkpoint, read_metrics, read_resume, restore_rng, resume_point, rng_kept, rng_state,
+                     save_checkpoint, save_image, save_trained, seed_everything, side_by_side, what_trained)
 
 SCRIPTS = {"ar": "grpo.py", "dit": "dit_grpo.py"}  # the entry point of each --train
 PROG = {"name": "grpo.py"}  # the script the messages name: set by prepare
@@ -355,7 +357,8 @@ def prepare(cfg, argv: list[str] | None, table: dict, lesson, train: str = "ar")
             raise ValueError(f"--train dit is text-to-image only for now, and {cfg.prompts} has source images; train "
                              "the AR on edits (--train ar)")
         evals = load_evals(cfg, rewards, table)
-        if not cfg.resume and not cfg.overwrite and any((out / name).exists() for name in RUN_FILES):
+        if (not cfg.resume and not cfg.overwrite and any((out / name).exists() for name in RUN_FILES)
+                and not failed_start(out)):  # (a run that stopped before its first checkpoint and step: started again)
             raise ValueError(f"--out {out} holds another run; pass --resume {out} to continue it, --overwrite to "
                              "replace it, or another --out")
     except ValueError as error:
@@ -404,12 +407,33 @@ def start(r: Run) -> None:
     """Quiet the libraries, start torchrun's processes (one per GPU; else rank 0 of 1), pick the device and dtype, and
     check that the model fits in the host's memory before minutes go into building or loading it."""
     quiet_libraries()  # after the checks: --help and bad input never wait for diffusers to import
-    r.rank, r.world, r.device = start_processes(r.cfg.device)
+    r.rank, r.world, r.device = start_processes(r.cfg.device, collective_timeout(r))
     r.dtype = compute_settings(r.device, r.cfg.dtype, r.cfg.model)  # the real model in bf16 on GPUs
     r.autocast = torch.autocast(r.device.split(":")[0], dtype=torch.bfloat16, enabled=r.dtype == torch.bfloat16)
     problem = host_memory_problem(r.cfg, r.device, r.dtype)
     if problem:
         fail(problem)
+
+
+COLLECTIVE_TIMEOUT = 600.0  # torch's own for NCCL: seconds a process waits in a collective for the others
+
+
+def collective_timeout(r: Run) -> float:
+    """Seconds a process may wait in a collective for the others under torchrun before it is failed: torch's 10
+    minutes for the step's own work, plus the longest a served reward can keep one process from the next collective:
+    each try up to --reward-timeout, 7 tries (the first and RETRY_WAITS' six) with their 63 s of waits, for every
+    served reward of every group the process scores in between (a step's --prompts-per-step groups, or its share of
+    the --eval-prompts). Without served rewards: 10 minutes. A reward that fails for good stops the run with its own
+    line before then (torchrun then stops the other processes)."""
+    tries, waits = 1 + len(RETRY_WAITS), sum(RETRY_WAITS)
+    worst = tries * r.cfg.reward_timeout + waits  # one served reward of one group
+    served = sum(is_url(name) for name in r.rewards)
+    longest = r.cfg.prompts_per_step * served * worst
+    if r.evals:
+        world = int(os.environ.get("WORLD_SIZE", 1))
+        share = -(-len(r.evals[0]) // world)  # the most eval prompts one process scores
+        longest = max(longest, share * sum(is_url(name) for name in r.evals[1]) * worst)
+    return COLLECTIVE_TIMEOUT + longest
 
 
 # ---- Host memory, before the model is built or loaded --------------------------------------------
@@ -614,20 +638,39 @@ def memory_levers(phase: str, cfg) -> list[str]:
 
 
 @contextlib.contextmanager
-def timed(seconds: dict, phase: str, cfg):
+def timed(seconds: dict, phase: str, r: Run):
     """seconds[phase] = the wall-clock time the block took. Running out of (GPU) memory in it stops the run like bad
-    input: one line naming the phase and the levers this run does not use yet, exit 2; the step is not saved, so the
-    last checkpoint stays."""
+    input: one line naming the phase, the levers this run does not use yet and what is kept (`to_continue`), exit 2;
+    the step is not saved."""
     began = time.perf_counter()
     try:
         yield
     except torch.OutOfMemoryError:
         rank = int(os.environ.get("RANK", 0))
         tqdm.write(f"{PROG['name']}: error: out of memory while {PHASES.get(phase, phase)}"
-                   f"{f' (process {rank})' if rank else ''}; the last checkpoint is kept. To fit: "
-                   f"{', '.join(memory_levers(phase, cfg))}", file=sys.stderr)
+                   f"{f' (process {rank})' if rank else ''}. To fit: {', '.join(memory_levers(phase, r.cfg))}; "
+                   f"{to_continue(r, 'then ')}", file=sys.stderr)
         raise SystemExit(2) from None
     seconds[phase] = time.perf_counter() - began
+
+
+def saved_step(r: Run) -> int:
+    """The step of the checkpoint a resume reads now: the last one written, or --resume's own before any; -1: none."""
+    return r.saved if r.saved >= 0 else (r.start if r.checkpoint else -1)
+
+
+def to_continue(r: Run, fix: str = "") -> str:
+    """How every stop's line ends (a signal, a failing reward, a full disk, out of memory): the checkpoint kept and
+    the command that continues from it; before any checkpoint, that nothing is saved and what to run instead (a new
+    start into the same --out when no step has landed: prepare takes a run directory that holds only a failed start;
+    else with --overwrite, as the logged steps cannot be continued). `fix`: what to do first ("fix it, then ")."""
+    step = saved_step(r)
+    if step >= 0:
+        return f"checkpoint at step {step} in {r.out}: {fix}continue it with: {resume_command(r)}"
+    if r.done == 0:
+        return f"nothing saved yet: {fix}start the run again (into the same --out)"
+    return (f"nothing saved yet (no checkpoint of the {plural(r.done, 'step')} logged in {r.out}): {fix}start the run "
+            "again with --overwrite")
 
 
 @contextlib.contextmanager
@@ -654,12 +697,23 @@ def training(r: Run):
     except ValueError as error:  # fast_decode.check_tokens: a sample that does not fill its grid
         if not str(error).startswith("sample_groups:"):
             raise
-        fail(f"{str(error).removeprefix('sample_groups: ')} (the last checkpoint is kept)", code=1)
+        fail(f"{str(error).removeprefix('sample_groups: ')}; {to_continue(r)}", code=1)
     except OSError as error:  # a full disk, a vanished directory: the last checkpoint stays good
-        fail(f"cannot write {error.filename or r.out} ({error.strerror or error}); make room, then continue with "
-             f"--resume {r.out}", code=1)
+        write_failed(r, error)
     finally:
         r.reporter.close()
+
+
+def write_failed(r: Run, error: OSError, then: str = "") -> None:
+    """A write into the run directory failed: one line with the file, the cause as the system names it, its fix (a
+    full disk: make room; a read-only one or a refused permission: another --out, a copy of the run there), and what
+    is kept (`to_continue`), exit 1."""
+    fixes = {errno.ENOSPC: "make room, then ", errno.EDQUOT: "make room (a disk quota), then ",
+             errno.EROFS: f"the file system is read-only: remount it, or copy {r.out} where you can write, then ",
+             errno.EACCES: f"check the permissions of {r.out}, then ", errno.EPERM: f"check the permissions of "
+             f"{r.out}, then "}
+    fix = fixes.get(error.errno, "fix it, then ")
+    fail(f"cannot write {error.filename or r.out} ({error.strerror or error}); {then or to_continue(r, fix)}", code=1)
 
 
 def start_summary(r: Run) -> list[str]:
@@ -682,7 +736,9 @@ def start_summary(r: Run) -> list[str]:
             f"{cfg.micro_batch_size}, {plural(cfg.mu, 'update')}",
             f"  {plural(cfg.steps, 'step')} {begin}, lr {cfg.lr:g} {schedule}, reward {cfg.reward}",
             f"  writes {r.out} (metrics.jsonl; checkpoints every {cfg.save_every or cfg.steps} steps)"
-            + ("; the real model's memory: python tools/memory_plan.py" if cfg.model not in TINY_NAMES else "")]
+            + ("; the real model's memory: python tools/memory_plan.py" if cfg.model not in TINY_NAMES else "")] + (
+        [f"  a process waits up to {collective_timeout(r):g} s in a collective for the others (served rewards' "
+         "tries: --reward-timeout)"] if r.world > 1 and collective_timeout(r) > COLLECTIVE_TIMEOUT else [])
 
 
 def plural(n: int, noun: str) -> str:
@@ -871,13 +927,17 @@ def evaluation(r: Run, step: int) -> None:
 
 
 def interrupted(r: Run) -> None:
-    """After Ctrl-C or SIGTERM: a checkpoint of the landed steps (unless the user forced an immediate stop), exit 130."""
+    """After Ctrl-C or SIGTERM: a checkpoint of the landed steps (unless the user forced an immediate stop: then the
+    last one, if any), one line saying what is kept and what to run (`to_continue`), exit 130."""
     r.progress.close()
     if not INTERRUPT["forced"]:
-        save_run(r, r.done)  # the steps after `done` did not land: redone on resume
+        try:
+            save_run(r, r.done)  # the steps after `done` did not land: redone on resume
+        except OSError as error:  # a full disk while saving: the last checkpoint stays
+            tqdm.write(f"interrupted: cannot write {error.filename or r.out} ({error.strerror or error})",
+                       file=sys.stderr)
     if r.rank == 0:
-        saved = "the last checkpoint is kept" if INTERRUPT["forced"] else f"checkpoint at step {r.done}"
-        print(f"interrupted: {saved} in {r.out}; continue it with: {resume_command(r)}", file=sys.stderr)
+        print(f"interrupted: {to_continue(r)}", file=sys.stderr)
     raise SystemExit(130)
 
 
@@ -896,11 +956,9 @@ def reward_failed(r: Run, error: RewardError) -> None:
     last checkpoint stays, and before any there is nothing to resume: the line says to start again), exit 1."""
     r.progress.close()
     if r.world == 1:
-        save_run(r, r.done)
-    if r.saved >= 0:
-        then = f"checkpoint at step {r.saved}: fix it, then continue with: {resume_command(r)}"
-    else:
-        then = "nothing saved yet: fix it, then start the run again with --overwrite"
+        with contextlib.suppress(OSError):  # a full disk too: then the last checkpoint stays
+            save_run(r, r.done)
+    then = to_continue(r, "fix it, then ")
     where = "its traceback: " + str(r.out / "error.txt")
     with contextlib.suppress(OSError):
         atomic_write(r.out / "error.txt", lambda f: f.write((error.details or str(error)).encode()))
@@ -952,7 +1010,7 @@ def show(r: Run, name: str, when: str) -> float:
     """G samples of each of the first --before-after examples with fixed seeds (evaluate_shared), into images/`name`
     (rank 0); after training also images/before_after.png beside the grid from before. Returns the mean reward."""
     examples, path = r.examples[:r.cfg.before_after], r.out / "images" / name
-    with timed({}, "show", r.cfg), rng_kept():  # what training draws after it stays as without it
+    with timed({}, "show", r), rng_kept():  # what training draws after it stays as without it
         images, reward, each, _ = evaluate_shared(r.evaluate, examples, r.rewards, r.cfg.group_size, SHOW_SEED,
                                                   len(examples), r.rank, r.world)
     if r.rank == 0:
@@ -1027,7 +1085,7 @@ def run_evaluation(r: Run, step: int) -> None:
     of the first EVAL_GRID prompts (images/eval_<step>.png: the same prompts and seeds every time, so one prompt can be
     followed through training) and a line on the terminal (rank 0). Every process takes part."""
     (examples, rewards), seconds = r.evals, {}
-    with timed(seconds, "eval", r.cfg), rng_kept():  # training's draws after it are as without it
+    with timed(seconds, "eval", r), rng_kept():  # training's draws after it are as without it
         images, total, each, layouts = evaluate_shared(r.evaluate, examples, rewards, r.cfg.eval_samples, EVAL_SEED,
                                                        EVAL_GRID, r.rank, r.world)
     record = eval_record(step, examples, total, each, layouts, seconds["eval"])
@@ -1108,8 +1166,7 @@ def finish(r: Run) -> dict:
             base = base_model(r.cfg.model, r.lesson.TINY_MODELS)
             atomic_folder(r.out / "final", lambda tmp: save_trained(r.policy, tmp, weights, base))
     except OSError as error:
-        fail(f"cannot write {error.filename or r.out} ({error.strerror or error}); make room, then run --resume "
-             f"{r.out} --steps {r.cfg.steps} again", code=1)
+        write_failed(r, error)
     try:
         if r.rank == 0:
             plot_curves(r.out)  # rewards (training and eval), KL, clip fraction, groups with no signal

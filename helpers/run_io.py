@@ -48,6 +48,20 @@ def check_out_dir(out: Path) -> None:
                          "write to") from None
 
 
+def failed_start(out: Path) -> bool:
+    """Whether `out` holds only what a run that stopped before its first checkpoint and its first landed step left
+    (config.json, an error.txt, the before grid, a tracker's files): nothing a resume could continue and no step's
+    result, so a new run may start there without --overwrite."""
+    if checkpoint_steps(out) or (out / "checkpoint.pt").exists() or (out / "final").exists():
+        return False
+    try:
+        lines = (out / "metrics.jsonl").read_text(encoding="utf-8").splitlines() if (out / "metrics.jsonl").exists() \
+            else []
+        return all(json.loads(line).get("eval") for line in lines if line.strip())  # evaluations of the base only
+    except (OSError, ValueError, AttributeError):  # a line that is not a run's (or a damaged file): the user's to keep
+        return False
+
+
 def checkpoint_steps(out: Path) -> list[tuple[int, Path]]:
     """The saved checkpoints of a run, (step, folder) in step order: out/checkpoints/step-N/ holding trainer_state.pt
     (a folder still being written is named step-N.tmp and does not count)."""

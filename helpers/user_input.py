@@ -339,7 +339,8 @@ def guarded(name: str, fn):
       in-place change (images.sub_(0.5), example["target"] *= 2) reaches neither the other rewards nor a later step.
     - It runs under torch.no_grad(), and its scores are detached: a reward computed by a trainable module builds no
       graph, so the GRPO loss never backpropagates into it.
-    - Its return becomes `scores`' (G,) float32 tensor on the images' device.
+    - Its return becomes `scores`' (G,) float32 tensor on the images' device, a copy: a buffer the reward reuses from
+      group to group changes no group's scores after they are returned.
     An exception it raises, or a sys.exit, becomes a RewardError naming it, with the traceback kept for the run's
     error file. The
     function's own attributes (needs, check) stay; `guarded(...).__wrapped__` is `fn`."""
@@ -374,7 +375,7 @@ def first_line(error: Exception) -> str:
 def scores(value, n: int, name: str, device) -> torch.Tensor:
     """A reward's return for `n` images -> (n,) float32 on `device`, detached. Taken as they are: a tensor or numpy
     array of shape (n,), (n, 1) or (1, n), of floats, integers or booleans; a list or tuple of n numbers (or of
-    one-element tensors). Refused with a RewardError naming the reward: one number for n images, another number of
+    one-element tensors). Always a copy, never the reward's own memory. Refused with a RewardError naming the reward: one number for n images, another number of
     values, another shape, a type that is not numbers."""
     what = type(value).__name__
     if isinstance(value, (list, tuple)):
@@ -395,7 +396,9 @@ def scores(value, n: int, name: str, device) -> torch.Tensor:
     if shape not in ((n,), (n, 1), (1, n)):
         raise RewardError(name, f"returned shape {shape} for {n} images; return one score per image, a ({n},) "
                                 "tensor")
-    return value.detach().reshape(n).to(device=device, dtype=torch.float32)
+    # a copy, never the reward's own memory: a reward that writes every group's scores into one buffer (out=, a
+    # numpy array it keeps) would otherwise hand every group the last group's scores (group_rewards stacks them last)
+    return value.detach().reshape(n).to(device=device, dtype=torch.float32, copy=True)
 
 
 def check_rewards(rewards: dict, example: dict, height: int, width: int) -> None:

@@ -146,16 +146,27 @@ def test_dr_grpo():
     assert grpo.grpo_loss(logp, old, None, A, 0.2, 0.0)[0].item() == pytest.approx(dr_loss.item(), rel=1e-6)
 
 
+def trl_advantages(rewards):
+    """TRL's default advantages (scale_rewards "group"), transcribed from trl/trainer/grpo_trainer.py (f2cd577): the
+    group mean subtracted, divided by the group's sample std (torch.std, / G - 1) plus 1e-4."""
+    mean_grouped_rewards = rewards.mean(dim=1, keepdim=True)
+    std_rewards = rewards.std(dim=1, keepdim=True)
+    return (rewards - mean_grouped_rewards) / (std_rewards + 1e-4)
+
+
 def test_trl_group_std():
-    """grpo.group_advantages divides by the population std (/ G); TRL's default (scale_rewards "group") by the
-    sample std (/ G - 1) + 1e-4: TRL's advantages are sqrt((G - 1) / G) of ours (1.07x smaller at G = 8), up to
-    its 1e-4."""
+    """grpo.group_advantages divides by the population std (/ G); TRL's default by the sample std (/ G - 1) + 1e-4.
+    Where the std is well above 1e-4, TRL's advantages are sqrt((G - 1) / G) of ours (1.07x smaller at G = 8); at a
+    spread near 1e-4 or below, TRL's 1e-4 shrinks them toward 0 while ours stay z-scores: one reward of 8 above the
+    others by 1e-5, near 0.9, gets 2.63 here and 0.084 in TRL (README's step 4)."""
     g = torch.Generator().manual_seed(4)
     reward = torch.rand(3, 8, generator=g)
-    trl = (reward - reward.mean(dim=1, keepdim=True)) / (reward.std(dim=1, keepdim=True) + 1e-4)
-    ratio = grpo.group_advantages(reward) / trl
+    ratio = grpo.group_advantages(reward) / trl_advantages(reward)
     assert torch.allclose(ratio, torch.full_like(ratio, math.sqrt(8 / 7)), rtol=1e-3)
     assert math.sqrt(8 / 7) == pytest.approx(1.069, abs=1e-3)
+    tiny = torch.tensor([[0.9] * 7 + [0.9 + 1e-5]])  # a spread of 1e-5
+    assert grpo.group_advantages(tiny).max().item() == pytest.approx(2.63, abs=0.01)
+    assert trl_advantages(tiny).max().item() == pytest.approx(0.084, abs=0.001)
 
 
 def test_schulman_k3_unbiased():

@@ -505,9 +505,45 @@ def test_main_interrupt_twice(tmp_path, monkeypatch, capsys):
         tiny_run(tmp_path, out, "--steps", "3", "--kl-beta", "0.04", "--save-every", "1")
     monkeypatch.undo()
     assert exit_info.value.code == 130 and len(run_record(out)) == 1 and latest_state(out)["step"] == 1
-    assert f"interrupted: the last checkpoint is kept in {out}; continue it with: python grpo.py --resume {out}" in \
+    assert f"interrupted: checkpoint at step 1 in {out}: continue it with: python grpo.py --resume {out}" in \
         capsys.readouterr().err
     grpo.main(["--resume", str(out)])
+    assert run_record(out) == run_record(tmp_path / "whole")
+    capsys.readouterr()
+    monkeypatch.setattr(grpo, "train_step", twice)  # issue 84's case: in step 2 with --save-every 0, no checkpoint yet
+    with pytest.raises(SystemExit) as exit_info:
+        tiny_run(tmp_path, out, "--steps", "3", "--kl-beta", "0.04", "--save-every", "0", "--overwrite")
+    monkeypatch.undo()
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 130 and "--resume" not in err
+    assert "interrupted: nothing saved yet (no checkpoint of the 1 step logged in" in err and "--overwrite" in err
+    with pytest.raises(SystemExit):  # a logged step is the run's: a new start without --overwrite is refused
+        tiny_run(tmp_path, out, "--steps", "3", "--kl-beta", "0.04")
+    assert "holds another run" in capsys.readouterr().err
+
+
+def test_failed_start_starts_again(tmp_path, monkeypatch, capsys):
+    """Two Ctrl-C in step 1's landing, nothing landed or saved yet: the line says so and to start again, and the same
+    command starts the run again in that --out (no --overwrite needed: it holds only a failed start), to the
+    uninterrupted run's numbers."""
+    import signal
+    tiny_run(tmp_path, tmp_path / "whole", "--steps", "2")
+    original, out = grpo.train_step, tmp_path / "failed"
+
+    def twice(*args, **kwargs):
+        result = original(*args, **kwargs)
+        signal.raise_signal(signal.SIGINT)
+        signal.raise_signal(signal.SIGINT)
+        return result
+
+    monkeypatch.setattr(grpo, "train_step", twice)
+    with pytest.raises(SystemExit) as exit_info:
+        tiny_run(tmp_path, out, "--steps", "2", "--save-every", "0")
+    monkeypatch.undo()
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 130 and "interrupted: nothing saved yet: start the run again (into the same --out)" \
+        in err and (out / "config.json").exists() and not run_record(out)
+    tiny_run(tmp_path, out, "--steps", "2", "--save-every", "0")
     assert run_record(out) == run_record(tmp_path / "whole")
 
 

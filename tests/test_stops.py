@@ -8,6 +8,7 @@ all (helpers/run.py's `landing`). In-process and on the tiny model at 64x64: one
     python -m pytest -q tests/test_stops.py
 """
 
+import os
 import signal
 
 import pytest
@@ -237,12 +238,57 @@ def test_reward_failed_before_any_checkpoint_under_torchrun(tmp_path, capsys):
     from types import SimpleNamespace
     from tqdm import tqdm
     from helpers.user_input import RewardError
-    r = SimpleNamespace(progress=tqdm(disable=True), world=2, saved=-1, done=0, out=tmp_path)
-    for saved, needle in [(-1, "nothing saved yet: fix it, then start the run again with --overwrite"),
-                          (4, "checkpoint at step 4: fix it, then continue with: torchrun --nproc-per-node 2")]:
+    r = SimpleNamespace(progress=tqdm(disable=True), world=2, saved=-1, done=0, out=tmp_path, start=0, checkpoint=None)
+    for saved, needle in [(-1, "nothing saved yet: fix it, then start the run again (into the same --out)"),
+                          (4, "checkpoint at step 4 in "), (4, ": fix it, then continue it with: torchrun --nproc-per-node 2")]:
         r.saved = saved
         with pytest.raises(SystemExit) as exit_info:
             run.reward_failed(r, RewardError("judge", "raised RuntimeError: down", "Traceback ..."))
         err = capsys.readouterr().err
         assert exit_info.value.code == 1 and needle in err and ("--resume" in err) == (saved >= 0)
         assert (tmp_path / "error.txt").read_text() == "Traceback ..."
+
+
+STATES = {"step 0": (0, -1), "a step logged, no checkpoint": (2, -1), "after a checkpoint": (3, 2)}  # (done, saved)
+
+
+@pytest.mark.parametrize("when", list(STATES))
+@pytest.mark.parametrize("how", ["one signal", "two signals", "a reward fails", "a reward fails under torchrun",
+                                 "a full disk", "a read-only disk", "out of memory"])
+def test_every_stop_says_what_is_kept(tmp_path, monkeypatch, capsys, how, when):
+    """Every way a run stops says what is kept and what to run, and it is true: --resume only when a checkpoint exists
+    after the stop, naming its step; before any, that nothing is saved and to start again (with --overwrite once a
+    step is logged, as a new start deletes it). One signal and a failing reward in one process save the landed steps
+    first; two signals, a reward failing under torchrun, a failed write and out of memory save nothing."""
+    import errno
+    from tqdm import tqdm
+    from helpers import parallel
+    from helpers.user_input import RewardError
+    r = run.Run(grpo.parse_config(["--out", str(tmp_path)]), tmp_path, 0, None, [], {}, None, grpo)
+    r.progress, (r.done, r.saved) = tqdm(disable=True), STATES[when]
+    monkeypatch.setattr(run, "save_run", lambda r, step: setattr(r, "saved", step))
+    monkeypatch.setitem(parallel.INTERRUPT, "forced", how == "two signals")
+    saves = how in ("one signal", "a reward fails")
+    with pytest.raises(SystemExit) as exit_info:
+        if how in ("one signal", "two signals"):
+            run.interrupted(r)
+        elif how.startswith("a reward fails"):
+            r.world = 2 if how.endswith("torchrun") else 1
+            run.reward_failed(r, RewardError("judge", "raised RuntimeError: down", "Traceback ..."))
+        elif how == "out of memory":
+            with run.timed({}, "train", r):
+                raise torch.OutOfMemoryError("CUDA out of memory")
+        else:
+            code = errno.ENOSPC if how == "a full disk" else errno.EROFS
+            run.write_failed(r, OSError(code, os.strerror(code), str(tmp_path / "metrics.jsonl")))
+    err = capsys.readouterr().err
+    kept = STATES[when][0] if saves else STATES[when][1]  # the checkpoint a resume would read
+    assert exit_info.value.code == {"one signal": 130, "two signals": 130, "out of memory": 2}.get(how, 1)
+    assert "\n" not in err.strip() and "Traceback" not in err, err
+    if kept >= 0:
+        assert f"checkpoint at step {kept} in {tmp_path}" in err and f"--resume {tmp_path}" in err, err
+    else:
+        assert "nothing saved yet" in err and "--resume" not in err, err
+        assert ("--overwrite" in err) == (STATES[when][0] > 0), err
+    if how in ("a full disk", "a read-only disk"):
+        assert ("make room" in err) == (how == "a full disk") and ("read-only" in err) == (how != "a full disk"), err

@@ -353,6 +353,27 @@ def test_reward_with_a_graph_trains_nothing():
     assert head.weight.grad is None
 
 
+@pytest.mark.parametrize("kind", ["torch out=", "numpy buffer"])
+def test_reward_with_a_reused_buffer(kind):
+    """A reward that writes every group's scores into one buffer it keeps (torch's out=, a numpy array) gives each
+    group its own scores: group_rewards stacks them after the last group, so a returned buffer itself would give every
+    group the last one's (issue 84: group 0 got [0.1, 0.2, 0.3, 0.4] for its own [0.05, 0.1, 0.15, 0.2])."""
+    buffer = {"torch out=": torch.zeros(4), "numpy buffer": np.zeros(4, dtype=np.float32)}[kind]
+
+    def reused(images, example):
+        if isinstance(buffer, np.ndarray):
+            buffer[:] = images.mean(dim=(1, 2, 3)).numpy()
+            return buffer
+        return torch.mean(images, dim=(1, 2, 3), out=buffer)
+
+    rewards = user_input.parse_rewards("reused", {"reused": reused})
+    groups = [torch.linspace(0.05, 0.2, 4)[:, None, None, None].repeat(1, 3, 8, 8),
+              torch.linspace(0.1, 0.4, 4)[:, None, None, None].repeat(1, 3, 8, 8)]
+    total, each = grpo.group_rewards(groups, [{}, {}], rewards)
+    expected = torch.stack([g.mean(dim=(1, 2, 3)) for g in groups])  # each group's own
+    assert torch.equal(each["reused"], expected) and torch.equal(total, expected)
+
+
 @pytest.mark.parametrize("value, kind", [
     ([0.1, 0.2, 0.3, 0.4], "list"), (np.array([0.1, 0.2, 0.3, 0.4]), "numpy"), (np.array([[1], [0], [1], [0]]), "(G, 1)"),
     (torch.tensor([True, False, True, False]), "bool"), (torch.tensor([1, 2, 3, 4], dtype=torch.int64), "int"),

@@ -29,5 +29,5 @@ left=$(( ${BUDGET:-470} - ($(date +%s) - began) ))  # the tests get what is left
 [ "$left" -lt 60 ] && left=60
 # shellcheck disable=SC2086
 GRPO_TEST_DEVICE=$device timeout "$left" python3 -m pytest -q -p no:cacheprovider --durations=10 -W ignore::FutureWarning \
-  test_grpo.py tests/test_fast_decode.py ${TESTS:-} 2>&1 | tee "$OUT/cuda_tests.txt" | tail -25
+  test_grpo.py tests/test_fast_decode.py tests/test_parallel.py ${TESTS:-} 2>&1 | tee "$OUT/cuda_tests.txt" | tail -25
 echo "gpu_measure: $(( $(date +%s) - began )) s in all; results in $OUT"

@@ -1,7 +1,7 @@
 """Plants each guarded line wrong, one at a time, in a throwaway clone of this repository's HEAD, and runs the tests
 that guard it: each must fail (exit 1). Prints one line per planted bug; exits 1 if any survived. The plants: issue
 67's variants, issue 75's rules for what a user gives (helpers/user_input.py), issue 76's landing of a step,
-issue 79's served reward's faults.
+issue 79's served reward's faults, issue 84's review.
 
     OMP_NUM_THREADS=1 python tools/plant_bugs.py     # about 20 minutes on 2 cores (the resets' and stops' tests run main)
     python tools/plant_bugs.py gate cluster           # only the plants whose name holds one of these words
@@ -162,6 +162,21 @@ PLANTS += [
      '    return PNG + base64.b64encode(buffer.getvalue()).decode("ascii")',
      '    return PNG + base64.b64encode(buffer.getvalue()).decode("ascii") if image.dim() < 0 else str(image.tolist())',
      SERVED),
+    # issue 84: what a review with experiments found
+    ("collectives: a CPU tensor under NCCL", "helpers/parallel.py",
+     "t = torch.tensor(float(flag), device=collective_device())", "t = torch.tensor(float(flag))",
+     ["tests/test_parallel.py"]),
+    ("collectives: torch's 10 minutes whatever a served reward takes", "helpers/run.py",
+     "    return COLLECTIVE_TIMEOUT + longest\n", "    return COLLECTIVE_TIMEOUT\n", ["tests/test_parallel.py"]),
+    ("rewards: the reward's own buffer kept", "helpers/user_input.py", "dtype=torch.float32, copy=True)",
+     "dtype=torch.float32)", user_input("reused_buffer")),
+    ("kl: clamped at 0 in the loss", "grpo.py", "        kl = torch.exp(d) - d - 1  #",
+     "        kl = (torch.exp(d) - d - 1).clamp_min(0)  #", ["test_grpo.py", "-k", "kl_gradient"]),
+    ("stops: a forced stop promises a checkpoint", "helpers/run.py", '        print(f"interrupted: {to_continue(r)}"',
+     '        print(f"interrupted: the last checkpoint is kept in {r.out}; continue it with: {resume_command(r)}"',
+     ["tests/test_stops.py", "-k", "every_stop"]),
+    ("stops: a read-only disk told to make room", "helpers/run.py", "    fix = fixes.get(error.errno, \"fix it, then \")",
+     "    fix = \"make room, then \"", ["tests/test_stops.py", "-k", "every_stop"]),
 ]
 rows = []
 REPO = pathlib.Path(tempfile.mkdtemp()) / "repo"
