@@ -35,6 +35,7 @@ trainer recomputes the same steps with `velocity` (the pipeline's two transforme
 
 import contextlib
 import dataclasses
+import functools
 import math
 import sys
 from typing import NamedTuple
@@ -44,7 +45,7 @@ from diffusers import FlowMatchEulerDiscreteScheduler
 from diffusers.schedulers.scheduling_flow_match_euler_discrete import FlowMatchEulerDiscreteSchedulerOutput
 
 import grpo  # the AR's sampler, the decoder, rewards, the loss and the set-up: shared with the AR's GRPO
-from helpers import run, setup, variants  # the run's plumbing, the set-up and the variants, as grpo.py's
+from helpers import run, setup, trainer, variants  # the run's plumbing, the trainer, the variants, as grpo.py's
 from helpers.parallel import all_agree, rows_per_process, unsharded
 
 
@@ -261,8 +262,12 @@ def setup_training(pipe, cfg, dtype: torch.dtype, world: int):
     """helpers/setup.setup_training with the DiT as the policy (LoRA: `apply_lora`); the AR frozen, as it only samples the
     tokens the DiT paints from. Returns the policy, the KL reference (or None) and the optimizer."""
     pipe.vision_language_encoder.requires_grad_(False)
-    return setup.setup_training(pipe, cfg, dtype, world, grpo.reference_model, pipe.transformer.requires_grad_(True),
-                                apply_lora)
+    policy = pipe.transformer.requires_grad_(True)
+    if cfg.lora_rank:  # adapters in float32 (peft's default), the DiT's own weights frozen
+        policy = apply_lora(policy, cfg.lora_rank, cfg.seed)
+    if cfg.gradient_checkpointing:
+        policy.enable_gradient_checkpointing()
+    return setup.setup_training(pipe, cfg, dtype, world, grpo.reference_model, policy)
 
 
 def window(chain_steps: int, sde_window: int) -> list[int]:
@@ -280,39 +285,39 @@ class DitConfig(grpo.Config):  # grpo.py's flags, and the SDE sampler's
 
 
 def parse_config(argv: list[str]) -> DitConfig:
-    """Command line -> DitConfig: grpo.py's defaults, but one update per batch of chains (--mu 1), no KL on the tiny
-    model, gradient checkpointing on the real DiT."""
-    config = run.with_run_settings(DitConfig)
-    cfg = config(**run.parse_flags(config, ["--train", "dit", *argv]))
-    tiny = cfg.model in grpo.TINY_MODELS
-    dit = dict(mu=1, kl_beta=0.0 if tiny else None, gradient_checkpointing=not tiny)
-    return grpo.with_defaults(dataclasses.replace(cfg, **{k: v for k, v in dit.items() if getattr(cfg, k) is None}))
+    """Command line -> DitConfig: grpo.py's defaults and presets, but one update per batch of chains (--mu 1), no KL on
+    the tiny model, gradient checkpointing on the real DiT (where the command line leaves them out)."""
+    argv = ["--train", "dit", *argv]
+    tiny = run.parse_flags(run.with_run_settings(DitConfig), argv)["model"] in grpo.TINY_MODELS
+    dit = {"mu": 1, "gradient_checkpointing": not tiny} | ({"kl_beta": 0.0} if tiny else {})
+    return trainer.parse_config(grpo, argv, DitConfig, dit)
 
 
 def main(argv: list[str] | None = None) -> dict:
     """grpo.py's main with the DiT as the policy: the same checks, set-up, logging and checkpoints (helpers/run.py)."""
     argv = sys.argv[1:] if argv is None else argv
-    job = run.prepare(parse_config(argv), argv, grpo.REWARDS, grpo, train="dit")  # the Run
+    job = run.prepare(parse_config(argv), argv, trainer.reward_table(grpo), grpo, train="dit")  # the Run
     cfg = job.cfg
     run.start(job)
     with run.timed({}, "load", job), run.loading(cfg.model):
-        pipe = grpo.load_glm_image(cfg.model, job.device, job.dtype, cfg.revision)
+        pipe = trainer.load(grpo, cfg, job.device, job.dtype)
     with run.timed({}, "setup", job):
         policy, ref_model, optimizer = setup_training(pipe, cfg, job.dtype, job.world)
         run.open_run(job, policy, optimizer)
 
     # the pipeline's ODE, as grpo.py evaluates
-    job.evaluate = run.evaluator(job, pipe, policy, (grpo.sample_groups, grpo.decode_images, grpo.group_rewards))
+    sample = functools.partial(trainer.sample_groups, grpo)  # grpo.py's sampler, by the fast decode
+    job.evaluate = run.evaluator(job, pipe, policy, (sample, grpo.decode_images, grpo.group_rewards))
 
     with run.training(job):
         for step, group_ids, examples, seconds in run.steps(job):
             seeds = [grpo.group_seed(cfg.seed, g) for g in group_ids]  # the AR's sample and the decoder's noise
             with run.timed(seconds, "sample", job), job.autocast:  # 1. ONE token grid per prompt, shared by the group
-                tokens = grpo.sample_groups(pipe, prompts=[ex["prompt"] for ex in examples], group_size=1,
-                                            height=cfg.height, width=cfg.width, temperature=cfg.temperature,
-                                            seeds=seeds, top_k=cfg.top_k, top_p=cfg.top_p)
+                tokens = sample(pipe, prompts=[ex["prompt"] for ex in examples], group_size=1, height=cfg.height,
+                                width=cfg.width, temperature=cfg.temperature, seeds=seeds, top_k=cfg.top_k,
+                                top_p=cfg.top_p)
             with run.timed(seconds, "decode", job), run.decoder_on(pipe, job.device, cfg.offload), unsharded(policy):
-                chains = [sample_chain(pipe, ex["prompt"], t.tokens.repeat(cfg.group_size, 1), t.large_hw, cfg.height,
+                chains = [sample_chain(pipe, ex["prompt"], t.tokens.repeat(cfg.group_size, 1), t.prompt.large_hw, cfg.height,
                                        cfg.width, cfg.sde_steps or cfg.num_inference_steps, cfg.guidance_scale, s,
                                        cfg.sde_noise, cfg.sde_window)  # 2. G pictures by the SDE sampler
                           for ex, t, s in zip(examples, tokens, seeds)]

@@ -1,65 +1,51 @@
 """GRPO on GLM-Image, in one file you can read top to bottom.
 
 GLM-Image draws in two stages: an autoregressive model (the AR, a 9B GLM) writes a grid of visual
-tokens, and a diffusion transformer (the DiT, 7B) paints pixels conditioned on them. This file
-trains the AR with GRPO (Group Relative Policy Optimization, Shao et al. 2024): for each prompt x
-(and, to edit, a source image), sample a group of G token sequences o_1..o_G, decode them to images,
-score them (SSIM / -MSE to a target, or any function of the images) and maximise
+tokens, and a diffusion transformer (the DiT, 7B) paints pixels from them. This file trains the AR
+with GRPO (Group Relative Policy Optimization, Shao et al. 2024): for each prompt x, sample a group
+of G token grids o_1..o_G, decode them to images, score them, and maximise
 
     J = 1/G sum_i 1/|o_i| sum_t [ min(r_it A_i, clip(r_it, 1-eps, 1+eps) A_i) - beta KL_it ]
 
-with r_it = pi(o_it | x, o_i<t) / pi_old(o_it | x, o_i<t), A_i = (R_i - mean(R)) / std(R) over the
-group and KL_it the k3 estimator exp(ref - logp) - (ref - logp) - 1 against a frozen reference.
+r_it = pi(o_it | x, o_i<t) / pi_old(o_it | x, o_i<t): the ratio of the policy now to the one that
+sampled; A_i = (R_i - mean(R)) / std(R): sample i's reward against its group's; KL_it: the k3
+estimate of KL(pi || ref), ref a frozen copy of the initial AR.
 
-The symbols, as the code names them:
-  x       a prompt (and, to edit, its source image); in code a Prompt, its AR inputs (group_prompt)
-  o_i     sample i: the N codes the AR writes for x (a Rollout's tokens[i]), preview grid then large
-  G, P    samples per prompt (a group: --group-size), prompts (groups) per step: advantages (P, G)
-  N, K    codes per sample; the codebook's size (the codes the AR may draw; V >= K: its vocabulary)
-  p       the whole softmax(logits / temperature) over the K codes: the trained policy pi
-  q       p cut to top-k / top-p and renormalised: what the sampler draws from (q = p without them)
-  pi_old  p as the trainer's first forward computes it for the sampled codes (train_step)
-  ref     the frozen reference of the KL: the initial weights (with LoRA: the adapter off); a variant,
-          --reference-reset-every, moves it to the policy every N steps (helpers/variants.py)
-  R, A    a sample's reward (group_rewards) and its advantage (group_advantages)
-  r       the ratio pi / pi_old of a sampled code (pi_theta: pi at the current weights, in train_step)
-  micro   a step's MicroBatches: some rows of one group each, one forward pass each (mb: one of them)
-  eps, beta, mu   the clip range, the KL's weight, the updates a batch of samples gets (Config)
-A group is one prompt's G samples; a step samples P groups; the Run (helpers/run.py) is `job`.
+The outline. Each step is a section below; `train`, near the end, runs them in a loop.
+  Config              every setting, one field each (their defaults: the shipped tiny model's)
+  Loading GLM-Image   the pipeline, the trained AR (LoRA or every weight), the frozen reference
+  Step 1. Sample      G token grids per prompt, each token's log-prob     sample_groups (generate)
+  Step 2. Decode      tokens -> pictures, by the frozen DiT               decode_images
+  Step 3. Score       SSIM or -MSE to a target picture                    group_rewards
+  Step 4. Advantages  the rewards z-scored within each group              group_advantages
+  Step 5. Update      5a the trainer's log-probs, 5b the loss (grpo_loss), 5c mu updates (update)
+  The loop            steps 1-5, cfg.steps times                          train
+  Editing             an addition: a source picture in the prompt
+  main                the command line
+Step 1 starts after the config and the loading (a hundred lines): a policy must exist to sample.
 
-The sections: the config and loading GLM-Image, then GRPO's five steps, numbered as the README
-and the notebook number them: 1 sample, 2 decode, 3 score, 4 advantages, 5 update (5a the trainer's
-log-probs, 5b the loss, 5c mu updates on micro-batches); then `train`, the loop that runs them, and
-`main`, which runs the same steps with the run's plumbing around them (helpers/run.py).
-
-Where this departs from the paper (docs/ measures each):
-  - only the large grid (H/32 x W/32, drawn after a preview grid) reaches the DiT, so only its
-    tokens are in the loss;
-  - one definition of the sampled distribution (`code_logprobs`), which sampler and trainer both
-    call; pi / pi_old is exactly 1 at the first update by construction (its pi_old is pi itself),
-    and what the sampler's kernels drift from it the mismatch weights below measure;
-  - the trained policy pi is the whole softmax p, while with top-p (the real preset) the sampler
-    draws from its nucleus q: the ratio, the KL and the loss are p's, and q != p is left
-    uncorrected by default (helpers/variants.py has --policy-dist truncated, which trains q);
-  - TRL's mismatch weights w = pi_old / pi_sampler compare p with p: pi_old, p's log-probs as the
-    trainer's first forward computes them, against the log-probs of p the sampler computed while
-    drawing (other kernels, bf16 on a GPU). In float32 on a CPU they are 1 within 1e-4;
-  - the AR's 3D rotary positions are replayed (`rope_positions`), or the log-probs are wrong.
-
-Copied alone (with requirements.txt's packages) this file runs `train` on a model folder, sampling
-with its own decode loop, `generate`; `main`, `parse_config` and random weights need helpers/ beside
-it: the run's plumbing, helpers/fast_decode.py (the same tokens as `generate`, faster: what `main`
-samples with), FSDP2, and helpers/variants.py (the options that are off in both presets).
-dit_grpo.py: GRPO on the DiT.
+Where this departs from the paper:
+  - only the large grid (H/32 x W/32, written after a small preview grid) reaches the DiT, so only
+    its tokens are in the loss;
+  - the AR's 3D rotary positions are rebuilt for the trainer's forward (`rope_positions`), or the
+    log-probs are several nats wrong;
+  - sampler and trainer call one definition of the policy (`code_logprobs`); pi_old is the
+    trainer's first forward of the step, so r = 1 at the first update by construction;
+  - with top-p (the real model's preset) the sampler draws from its nucleus q, while p, the whole
+    softmax, trains: the ratio, the KL and the loss are p's, and q != p is left uncorrected;
+  - truncated importance weights pi_old / pi_sampler (TRL's, cut at sampler_cap) absorb the
+    sampler's rounding (bf16 kernels on a GPU); on a CPU in float32 they are 1 within 1e-5.
 
   python grpo.py --prompts prompts.txt                          # the tiny GLM-Image, on a CPU
   python grpo.py --prompts examples/shapes.txt --reward shapes  # draw what the caption asks
   python grpo.py --prompts my_prompts.txt --model zai-org/GLM-Image   # the real model (GPU, bf16)
-  torchrun --nproc-per-node 8 grpo.py --prompts my_prompts.txt --model zai-org/GLM-Image   # 8 GPUs
   python -m pytest -q test_grpo.py                              # a test for every function here
+
+The command line runs these steps inside helpers/trainer.py (checks, checkpoints, logging, many
+GPUs, a faster sampler) with the numbers `train` gives (test_grpo.py::test_train). Copied alone,
+with requirements.txt's packages, this file runs `train` from Python.
 """
 
-import contextlib
 import copy
 import dataclasses
 import math
@@ -72,76 +58,48 @@ import torch
 import torch.nn.functional as F
 from PIL import Image
 
-try:  # helpers/, beside this file: main's plumbing, fast decode, FSDP2, more rewards, variants
-    from helpers import diagnostics, fast_decode, run, setup, variants
-    from helpers.parallel import all_agree, merge_metrics, rows_per_process, unsharded
-    from helpers.rewards import MORE_REWARDS
-except ImportError as missing:  # copied alone (or beside another project's helpers): one process
-    if missing.name != "helpers":
-        raise
-    diagnostics = fast_decode = run = setup = variants = None
-    MORE_REWARDS = {}
-    # all_agree, rows_per_process and merge_metrics, which train_step calls, become
-    # one-process stand-ins, defined at the end of this file (plumbing, not lesson)
-
 
 # ---- Config --------------------------------------------------------------------------------------
 
-def arg(default, help: str, choices: tuple = ()):
-    """A config field whose doc becomes its --help (and, if given, the values it may take)."""
-    return dataclasses.field(default=default, metadata={"help": help, "choices": choices})
-
-
-def preset(tiny, real, help: str):
-    """A config field whose default depends on the model: `tiny` for the shipped tiny GLM-Image,
-    `real` for GLM-Image itself. It stays None until `with_defaults` fills it in."""
-    return dataclasses.field(default=None, metadata={
-        "help": f"{help} (default: {tiny} tiny, {real} real)", "choices": (), "tiny": tiny,
-        "real": real})
+def arg(default, help: str):
+    """A config field whose doc becomes its --help."""
+    return dataclasses.field(default=default, metadata={"help": help})
 
 
 @dataclasses.dataclass
-class Config:  # a field per flag (--group-size ...); helpers/ adds the run's and variants' flags
+class Config:  # a field per flag (--group-size ...); the defaults are the tiny model's
     # the algorithm: a group per prompt, its advantages, the clipped loss and the KL
-    group_size: int | None = preset(8, 4, "samples per prompt (G)")
-    prompts_per_step: int | None = preset(2, 1, "prompts (groups) per step")
+    group_size: int = arg(8, "samples per prompt (G)")
+    prompts_per_step: int = arg(2, "prompts (groups) per step")
     reward: str = arg("ssim=1,mse=0", "rewards and weights, e.g. ssim=1,ocr=0.5 (docs/rewards.md)")
     clip_eps: float = arg(0.2, "PPO clip: the ratio is clipped to [1 - eps, 1 + eps]")
-    kl_beta: float | None = preset(0.1, 0.04, "weight of the k3 KL to the frozen reference")
-    mu: int | None = preset(2, 1, "updates per batch of samples; from the second the clip acts")
-    lr: float | None = preset(1e-4, 1e-5, "AdamW learning rate")
-    steps: int = arg(100, "optimizer steps")
-    micro_batch_size: int | None = preset(0, 1, "sequences per forward pass (0: a whole group)")
-    # sampling, as GLM-Image is deployed, and the correction of the sampler's rounding
-    temperature: float = arg(0.9, "sampling temperature (GLM-Image: 0.9)")
-    top_p: float | None = preset(1.0, 0.75, "nucleus sampling: the smallest set of codes holding "
-                                            "this much probability (1: off)")
-    top_k: int = arg(0, "sample from the k most likely codes only (0: off)")
-    sampler_correction: str = arg("token_truncate", "TRL's mismatch weights pi_old / pi_sampler",
-                                  ("token_truncate", "token_mask", "sequence_truncate",
-                                   "sequence_mask", "none"))
-    sampler_cap: float = arg(2.0, "mismatch weights above it: cut to it (truncate) or to 0 (mask)")
-    seed: int = arg(0, "seed of the AR sampling")
-    # the model, the images, the data
-    prompts: str = arg("prompts.txt", "'prompt | target.png' lines, or .jsonl (docs/editing.md)")
-    shuffle: bool | None = preset(False, True, "the prompts in a new order each epoch, drawn from "
-                                               "--seed")
-    model: str = arg("tiny", "hub id, folder, tiny, tiny-edit, or random (published configs)")
-    revision: str = arg("", "the hub model's revision: a commit hash, branch or tag ('': its main)")
-    height: int | None = preset(96, 1024, "image height")
-    width: int | None = preset(96, 1024, "image width")
-    num_inference_steps: int | None = preset(2, 50, "DiT denoising steps")
-    guidance_scale: float | None = preset(1.0, 1.5, "DiT guidance")
-    decode_seed: int = arg(0, "seed of the DiT latent noise (fixed per run)")
-    lora_rank: int | None = preset(0, 16, "LoRA rank (0: train every weight)")
+    kl_beta: float = arg(0.1, "weight of the k3 KL to the frozen reference")
+    mu: int = arg(2, "updates per batch of samples (cleanrl's update_epochs); the clip acts "
+                     "from the second")
+    lr: float = arg(1e-4, "AdamW learning rate")
     weight_decay: float = arg(0.01, "AdamW weight decay")
     max_grad_norm: float = arg(1.0, "gradient-norm clip")
-    before_after: int | None = preset(4, 0, "prompts drawn before and after training, side by side")
-    gradient_checkpointing: bool | None = preset(False, False, "recompute activations in backward")
-    # (a preset: dit_grpo.py turns it on for the real DiT where the command line leaves it out)
-    offload: bool = arg(False, "keep DiT, VAE, T5 on CPU except to decode")
-    # and the run's (--out, --eval-prompts, --resume, --device ...: helpers/run.py) and the
-    # variants' (--diversity, --clip-eps-high, --policy-dist ...: helpers/variants.py)
+    steps: int = arg(100, "optimizer steps")
+    micro_batch_size: int = arg(0, "sequences per forward pass (0: a whole group)")
+    lora_rank: int = arg(0, "LoRA rank (0: train every weight)")
+    gradient_checkpointing: bool = arg(False, "recompute activations in backward")
+    # sampling, as GLM-Image is deployed, and the sampler's rounding
+    temperature: float = arg(0.9, "sampling temperature (GLM-Image: 0.9)")
+    top_p: float = arg(1.0, "nucleus sampling: the fewest codes holding this much probability "
+                            "(1: off)")
+    top_k: int = arg(0, "sample from the k most likely codes only (0: off)")
+    sampler_cap: float = arg(2.0, "truncated importance weights pi_old / pi_sampler: cut to it")
+    seed: int = arg(0, "seed of the AR sampling")
+    # the model, the pictures, the data
+    model: str = arg("tiny", "hub id, folder, tiny, tiny-edit, or random (published configs)")
+    revision: str = arg("", "the hub model's revision: a commit hash, branch or tag ('': its main)")
+    height: int = arg(96, "image height")
+    width: int = arg(96, "image width")
+    num_inference_steps: int = arg(2, "DiT denoising steps")
+    guidance_scale: float = arg(1.0, "DiT guidance")
+    decode_seed: int = arg(0, "seed of the DiT latent noise (fixed per run)")
+    prompts: str = arg("prompts.txt", "'prompt | target.png' lines, or .jsonl (docs/editing.md)")
+    shuffle: bool = arg(False, "the prompts in a new order each epoch, drawn from --seed")
 
 
 TINY = Path(__file__).resolve().parent / "tiny_glm_image"  # pre-trained by tools/train_tiny.py
@@ -149,37 +107,13 @@ TINY = Path(__file__).resolve().parent / "tiny_glm_image"  # pre-trained by tool
 TINY_MODELS = {"tiny": TINY, "tiny-edit": TINY.with_name("tiny_glm_image_edit")}
 
 
-def parse_config(argv: list[str] | None = None) -> Config:
-    """Command line -> Config (helpers/run.py builds the parser): a flag per field."""
-    if run is None:  # grpo.py copied alone
-        raise SystemExit("grpo.py: parse_config needs helpers/ beside grpo.py; copied alone, build "
-                         "the config in code: with_defaults(Config(model='tiny', ...))")
-    config = run.with_run_settings(Config)  # + the run's and the variants' fields
-    return with_defaults(config(**run.parse_flags(config, argv)))  # --config FILE's, then the flags
-
-
-def with_defaults(cfg: Config) -> Config:
-    """`cfg` with each preset field left at None set to its model's default (tiny or real)."""
-    model = "tiny" if cfg.model in TINY_MODELS else "real"
-    presets = {field.name: field.metadata[model] for field in dataclasses.fields(cfg)
-               if "tiny" in field.metadata and getattr(cfg, field.name) is None}
-    cfg = dataclasses.replace(cfg, **presets)
-    if cfg.micro_batch_size == 0:  # a whole group in one forward pass (the tiny model's default)
-        cfg = dataclasses.replace(cfg, micro_batch_size=cfg.group_size)
-    return cfg
-
-
 # ---- Loading GLM-Image ---------------------------------------------------------------------------
 
 def load_glm_image(name: str, device: str = "cpu", dtype: torch.dtype = torch.float32,
                    revision: str = ""):
-    """GlmImagePipeline from a hub id (at `revision`: a commit, branch or tag), a folder or
-    TINY_MODELS; 'random[:L]': GLM-Image built from its published configs, random weights, L layers
-    a part (helpers/offline_model.py)."""
+    """GlmImagePipeline from a hub id (at `revision`: a commit, branch or tag), a folder, or a
+    name of TINY_MODELS, on `device`, with only the AR trainable."""
     from diffusers import GlmImagePipeline
-    if name.split(":")[0] == "random":
-        from helpers.offline_model import random_glm_image
-        return only_ar_trains(random_glm_image(name, device, dtype))
     pipe = GlmImagePipeline.from_pretrained(TINY_MODELS.get(name, name), dtype=dtype,
                                             revision=revision or None)
     return only_ar_trains(pipe.to(device))
@@ -196,19 +130,6 @@ def only_ar_trains(pipe):
     return pipe
 
 
-def active_dropout(model) -> list[str]:
-    """The names of `model`'s modules that drop out now: in train mode with a dropout p > 0."""
-    dropping = []
-    for name, module in model.named_modules():
-        p = module.p if isinstance(module, torch.nn.Dropout) else 0.0
-        attention = getattr(module, "attention_dropout", None)
-        if isinstance(attention, float):  # (a Dropout module there is found as a module)
-            p = max(p, attention)
-        if module.training and p > 0:
-            dropping.append(name or type(module).__name__)
-    return dropping
-
-
 def disable_dropout(model) -> None:
     """Zero every dropout (GLM-Image's are 0): dropout in training only would make pi != pi_old."""
     for module in model.modules():
@@ -218,10 +139,28 @@ def disable_dropout(model) -> None:
             module.attention_dropout = 0.0
 
 
+def trained_model(pipe, lora_rank: int, gradient_checkpointing: bool = False, seed: int = 0):
+    """The AR as it trains: with LoRA (peft, rank `lora_rank`, dropout 0) on its language model's
+    attention and MLP, injected in place (the pipeline samples with it; the A matrices from `seed`),
+    else every weight of it; activations recomputed in backward if asked."""
+    policy = pipe.vision_language_encoder
+    if lora_rank:
+        from peft import LoraConfig, get_peft_model  # only for LoRA
+        projections = r"(self_attn\.(q|k|v|o)_proj|mlp\.(gate_up|down)_proj)"
+        lora = LoraConfig(r=lora_rank, lora_alpha=lora_rank, lora_dropout=0.0,
+                          target_modules=r".*language_model\.layers\.\d+\." + projections)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            policy = get_peft_model(policy, lora)
+    if gradient_checkpointing:
+        policy.activation_checkpointing_enable(
+            activation_checkpointing_kwargs={"use_reentrant": False})
+    return policy
+
+
 def reference_model(policy, kl_beta: float):
     """The frozen KL reference: None when beta is 0 (no KL term); with LoRA the policy itself, whose
-    adapter is switched off to read it (no copy); else a frozen copy of the initial weights. (Frozen
-    within a run unless --reference-reset-every resets it: helpers/variants.py's Reference.)"""
+    adapter is switched off to read it (no copy); else a frozen copy of the initial weights."""
     if kl_beta == 0:
         return None
     if hasattr(policy, "disable_adapter"):
@@ -231,41 +170,27 @@ def reference_model(policy, kl_beta: float):
 
 # ---- Step 1. Sample: a group of token grids per prompt, and their log-probs ----------------------
 
-class Source(NamedTuple):
-    image: Image.Image  # the image being edited, as the DiT's VAE sees it
-    codes: torch.Tensor  # (h_s * w_s,) long, its VQ codes from the AR's vision tower
-    grid_hw: tuple[int, int]  # (h_s, w_s) = its size / 32
-
-
 class Prompt(NamedTuple):  # one prompt's group, ready for the AR (group_prompt)
-    inputs: dict  # input_ids, attention_mask (G, L), image_grid_thw (2G, 3), images_per_sample
+    inputs: dict  # input_ids, attention_mask (G, L), image_grid_thw (2G, 3), images_per_sample (G,)
     preview_hw: tuple[int, int]  # the grid the AR writes FIRST (h', w'); (0, 0) when editing
     large_hw: tuple[int, int]  # the grid it writes last (H/32, W/32): the only one the DiT sees
-    source: Source | None  # the image being edited, or None (text-to-image)
+    source: "Source | None" = None  # a picture to edit (the Editing section), or None
 
 
-class Rollout(NamedTuple):  # a group's samples (sample_groups): its Prompt's fields and the draws
-    # (flat, not a Prompt inside: steps 2-5 and the variants read one object a group)
-    tokens: torch.Tensor  # (G, N) long codes: preview grid then large grid (editing: large only)
+class Rollout(NamedTuple):  # a group's samples (sample_groups)
+    prompt: Prompt
+    tokens: torch.Tensor  # (G, N) long codes: the preview grid, then the large grid
     q_logprobs: torch.Tensor  # (G, N) float32: each code's log-prob under q, what the draw used
     p_logprobs: torch.Tensor  # (G, N) float32: under p, the whole softmax (q = p without top-k/p)
-    inputs: dict
-    preview_hw: tuple[int, int]
-    large_hw: tuple[int, int]
-    source: Source | None
-    support: torch.Tensor | None = None  # (G, N, ceil(K/8)) uint8: the codes each draw kept, 8 to
-    # a byte (helpers/fast_decode.py's support_bits; its code_support unpacks them to (G, N, K) bool)
 
 
 def code_logprobs(logits: torch.Tensor, temperature: float, codebook_size: int, top_k: int = 0,
-                  top_p: float = 1.0, support: torch.Tensor | None = None) -> torch.Tensor:
-    """(..., V) AR logits -> (..., K) float32 log-probs over the codebook: softmax(logits / T) cut
-    to `top_k` / `top_p` (or to given codes: a (..., K) bool `support`, which only a variant,
-    --policy-dist truncated, passes), renormalised, -inf outside.
-    One definition of the policy: the sampler draws from it, the trainer scores it."""
+                  top_p: float = 1.0) -> torch.Tensor:
+    """(..., V) AR logits -> (..., K) float32 log-probs over the K codes of the codebook:
+    softmax(logits / T), cut to `top_k` / `top_p` and renormalised, -inf outside: the policy.
+    Without top-k / top-p it is p, the whole softmax, which trains; with them q, what the sampler
+    draws from. One definition: the sampler draws from it, the trainer scores it."""
     scores = logits[..., :codebook_size].float() / temperature  # ids >= K are never drawn
-    if support is not None:
-        return torch.log_softmax(scores.masked_fill(~support, -math.inf), dim=-1)
     if 0 < top_k < codebook_size:  # as transformers' TopKLogitsWarper
         kth_best = scores.topk(top_k, dim=-1).values[..., -1:]
         scores = scores.masked_fill(scores < kth_best, -math.inf)
@@ -282,8 +207,8 @@ def code_logprobs(logits: torch.Tensor, temperature: float, codebook_size: int, 
 
 def group_inputs(processor, prompt: str, group_size: int, height: int, width: int, device,
                  source: Image.Image | None = None) -> dict:
-    """One prompt (and an image to edit) -> its AR inputs repeated G times (Prompt.inputs; editing:
-    and the source's pixel_values), image_grid_thw a sample's rows together: [large, preview]."""
+    """One prompt (and, to edit, a source picture) -> its AR inputs repeated G times (Prompt.inputs;
+    editing: and the source's pixel_values), image_grid_thw a sample's rows together."""
     content = [{"type": "image", "image": source}] if source is not None else []
     one = processor.apply_chat_template(
         [[{"role": "user", "content": content + [{"type": "text", "text": prompt}]}]],
@@ -297,42 +222,14 @@ def group_inputs(processor, prompt: str, group_size: int, height: int, width: in
     return inputs
 
 
-@torch.no_grad()
-def encode_source(model, inputs: dict, source: Image.Image) -> tuple[dict, Source]:
-    """The source's VQ codes written into input_ids in place of its placeholders, ONCE per group (as
-    GlmImageModel.forward does with pixel_values): sampler and trainer see the same tokens."""
-    core, grid = model.model, inputs["image_grid_thw"][:1]  # (1, 3): the source row of sample 0
-    features = core.get_image_features(inputs["pixel_values"], grid, return_dict=True).pooler_output
-    codes = core.get_image_tokens(features).view(-1)  # (h_s * w_s,)
-    ids = inputs["input_ids"]
-    filled = ids.masked_scatter(ids == model.config.image_token_id, codes.repeat(ids.shape[0]))
-    inputs = {k: v for k, v in inputs.items() if k != "pixel_values"} | {"input_ids": filled}
-    _, h, w = grid[0].tolist()
-    if (32 * h, 32 * w) != (source.height, source.width):  # the DiT needs the source at size / 32
-        raise ValueError(f"the processor made a {h}x{w} token grid of a {source.width}x"
-                         f"{source.height} source; the DiT needs size / 32: resize the sources")
-    return inputs, Source(source, codes, (h, w))
-
-
-def to_pil(image: torch.Tensor) -> Image.Image:
-    """(3, H, W) float in [0, 1] -> PIL (exact for 8-bit images)."""
-    array = (image.float().clamp(0, 1).permute(1, 2, 0).cpu().numpy() * 255).round()
-    return Image.fromarray(array.astype(np.uint8))
-
-
-def group_prompt(pipe, prompt: str, group_size: int, height: int, width: int,
-                 source: torch.Tensor | None = None) -> Prompt:
-    """One prompt (and a (3, H, W) source to edit) -> its group's Prompt. The processor lists a
-    sample's grids as [large, preview] (or [source, large]), but the AR WRITES the preview first: at
-    96x96 [1, 3, 3], [1, 16, 16]: the 16x16 preview, then the 3x3 large grid (N = 256 + 9)."""
+def group_prompt(pipe, prompt: str, group_size: int, height: int, width: int) -> Prompt:
+    """One prompt -> its group's Prompt. The processor lists a sample's grids as [large, preview],
+    but the AR WRITES the preview first: at 96x96 image_grid_thw [1, 3, 3], [1, 16, 16] means the
+    16x16 preview, then the 3x3 large grid (N = 256 + 9 tokens)."""
     model = pipe.vision_language_encoder
-    image = to_pil(source) if source is not None else None
-    inputs = group_inputs(pipe.processor, prompt, group_size, height, width, model.device, image)
-    listed = [tuple(row[1:]) for row in inputs["image_grid_thw"][:2].tolist()]  # sample 0's grids
-    if image is None:  # [large, preview]
-        return Prompt(inputs, preview_hw=listed[1], large_hw=listed[0], source=None)
-    inputs, encoded = encode_source(model, inputs, image)  # [source, large]
-    return Prompt(inputs, preview_hw=(0, 0), large_hw=listed[1], source=encoded)
+    inputs = group_inputs(pipe.processor, prompt, group_size, height, width, model.device)
+    large, preview = [tuple(row[1:]) for row in inputs["image_grid_thw"][:2].tolist()]
+    return Prompt(inputs, preview_hw=preview, large_hw=large)
 
 
 def rope_positions(input_ids: torch.Tensor, image_grid_thw: torch.Tensor, num_tokens: int,
@@ -381,10 +278,9 @@ def generate(model, prompt: "Prompt", temperature: float, seed: int, top_k: int 
              top_p: float = 1.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The AR's decode loop, in the shape of gpt-fast's generate: `prefill` the prompt once, then
     N steps of `decode_one_token` (logits -> code_logprobs -> draw -> feed), a KV cache holding the
-    past.
-    Returns (G, N) codes, their log-probs under q (what the draw used: top-k / top-p) and under p
-    (the whole softmax). Needs `code_logprobs` and `rope_positions` (and a `prompt` with .inputs,
-    .preview_hw and .large_hw: a Prompt, group_prompt's)."""
+    past. Returns (G, N) codes, their log-probs under q (what the draw used: top-k / top-p) and
+    under p (the whole softmax). Needs `code_logprobs` and `rope_positions` (and a `prompt` with
+    .inputs, .preview_hw and .large_hw: a Prompt, group_prompt's)."""
     from transformers import DynamicCache
     ids = prompt.inputs["input_ids"]  # (G, L): one L-token prompt, G times
     G, L = ids.shape
@@ -404,7 +300,7 @@ def generate(model, prompt: "Prompt", temperature: float, seed: int, top_k: int 
         p = code_logprobs(logits, temperature, K)  # the whole softmax (= q without top-k / top-p)
         # torch.multinomial(q.exp(), 1) as a race: the first of exponential(1) / q to finish. The
         # noise is drawn over all V ids and cut to K so that the random numbers are the ones
-        # transformers' generate uses: same seed, same codes (helpers/fast_decode.py draws so too).
+        # transformers' generate uses: same seed, same codes.
         noise = torch.empty(G, V, device=ids.device).exponential_(generator=generator)[:, :K]
         fed = (q.exp() / noise).argmax(dim=-1, keepdim=True)  # (G, 1): the drawn codes
         tokens.append(fed)
@@ -415,34 +311,27 @@ def generate(model, prompt: "Prompt", temperature: float, seed: int, top_k: int 
 
 
 def group_seed(run_seed: int, group_id: int) -> int:
-    """The sampling seed of the group numbered `group_id` (over the whole run: step, process and
-    prompt) in the run seeded `run_seed` (--seed). 1_000_003 is a prime above any run's number of
-    groups, so runs of different seeds never share a group's seed, and a resumed run redraws a
-    group exactly."""
+    """The sampling seed of the group numbered `group_id` (over the whole run: step and prompt) in
+    the run seeded `run_seed`. 1_000_003 is a prime above any run's number of groups, so runs of
+    different seeds never share a group's seed."""
     return run_seed * 1_000_003 + group_id
 
 
 @torch.no_grad()
 def sample_groups(pipe, prompts: list[str], group_size: int, height: int, width: int,
-                  temperature: float, seeds: list[int], sources: list | None = None, top_k: int = 0,
-                  top_p: float = 1.0) -> list[Rollout]:
-    """G samples for each of P prompts (and sources to edit), group p from seeds[p]: `generate` a
-    group at a time, or helpers/fast_decode.py's same tokens, faster (all in one padded decode)."""
+                  temperature: float, seeds: list[int], top_k: int = 0, top_p: float = 1.0,
+                  sources: list | None = None) -> list[Rollout]:
+    """G samples for each of P prompts, group p drawn from seeds[p] by `generate` (to edit, a
+    (3, H, W) source picture per prompt: `edit_prompt`, in the Editing section)."""
     model = pipe.vision_language_encoder.eval()  # no dropout: one distribution
-    encoded = [group_prompt(pipe, text, group_size, height, width, source)  # one Prompt each
-               for text, source in zip(prompts, sources or [None] * len(prompts))]
     rollouts = []
-    if fast_decode is None:  # grpo.py copied alone: the lesson's loop
-        for prompt, seed in zip(encoded, seeds):
-            tokens, q_logprobs, p_logprobs = generate(model, prompt, temperature, seed, top_k,
-                                                      top_p)
-            rollouts.append(Rollout(tokens, q_logprobs, p_logprobs, **prompt._asdict()))
-        return rollouts
-    drawn = fast_decode.sample_groups(model, encoded, temperature, seeds, top_k, top_p, prompts,
-                                      code_logprobs, rope_positions)
-    for prompt, draws in zip(encoded, drawn):
-        rollouts.append(Rollout(draws.tokens, draws.q_logprobs, draws.p_logprobs,
-                                **prompt._asdict(), support=draws.support))
+    for text, seed, source in zip(prompts, seeds, sources or [None] * len(prompts), strict=True):
+        if source is None:
+            prompt = group_prompt(pipe, text, group_size, height, width)
+        else:
+            prompt = edit_prompt(pipe, text, group_size, height, width, source)
+        tokens, q_logprobs, p_logprobs = generate(model, prompt, temperature, seed, top_k, top_p)
+        rollouts.append(Rollout(prompt, tokens, q_logprobs, p_logprobs))
     return rollouts
 
 
@@ -458,9 +347,10 @@ def prior_ids(tokens: torch.Tensor, large_hw: tuple[int, int]) -> torch.Tensor:
 @torch.no_grad()
 def decode_images(pipe, prompt: str, tokens: torch.Tensor, large_hw: tuple[int, int], height: int,
                   width: int, num_inference_steps: int, seed: int, guidance_scale: float = 1.5,
-                  source: Source | None = None) -> torch.Tensor:
-    """(G, N) tokens -> (G, 3, H, W) float32 images in [0, 1] by the pipeline (prior ids, DiT, VAE;
-    editing: and the source), the group from one latent noise: images differ by tokens only."""
+                  source: "Source | None" = None) -> torch.Tensor:
+    """(G, N) tokens -> (G, 3, H, W) float32 pictures in [0, 1] by the pipeline (prior ids, DiT,
+    VAE), the group from one latent noise: they differ by their tokens only. (To edit, the source
+    joins the pipeline's inputs: `edit_inputs`, in the Editing section.)"""
     G, device, dtype = tokens.shape[0], pipe.transformer.device, pipe.transformer.dtype
     prior = prior_ids(tokens, large_hw)  # (G, 4hw) at H/16
     embeds, negative = pipe.encode_prompt(prompt, do_classifier_free_guidance=guidance_scale > 1,
@@ -470,12 +360,7 @@ def decode_images(pipe, prompt: str, tokens: torch.Tensor, large_hw: tuple[int, 
     f, generator = pipe.vae_scale_factor, torch.Generator("cpu").manual_seed(seed)
     shape = (1, pipe.transformer.config.in_channels, height // f, width // f)  # one noise for all G
     latents = torch.randn(shape, generator=generator).to(device, dtype).repeat(G, 1, 1, 1)
-    edit = {}
-    if source is not None:  # one copy per sample: the pipeline's batch is the group
-        hs, ws = source.grid_hw
-        codes = prior_ids(source.codes[None], source.grid_hw)[0].to(device)
-        edit = dict(image=[[source.image]] * G, prior_token_image_ids=[codes] * G,
-                    source_image_grid_thw=[torch.tensor([[1, 2 * hs, 2 * ws]], device=device)] * G)
+    edit = edit_inputs(source, G, device) if source is not None else {}
     images = pipe(prompt_embeds=embeds.repeat(G, 1, 1), negative_prompt_embeds=negative,
                   prior_token_ids=prior, latents=latents, height=height, width=width,
                   num_inference_steps=num_inference_steps, guidance_scale=guidance_scale,
@@ -485,7 +370,7 @@ def decode_images(pipe, prompt: str, tokens: torch.Tensor, large_hw: tuple[int, 
 
 # ---- Step 3. Score: rewards ----------------------------------------------------------------------
 # A reward: any fn(images, example) -> (G,) float, higher is better; images (G, 3, H, W) float32 in
-# [0, 1], example a prompts line ("target": a (3, H, W) tensor or None); fn.needs: fields it needs.
+# [0, 1], example a prompts line ("target": a (3, H, W) tensor in [0, 1], or None).
 
 def mse_reward(images: torch.Tensor, example: dict) -> torch.Tensor:
     """(G, 3, H, W) in [0, 1], example["target"] (3, H, W) -> (G,) -MSE, in [-1, 0]."""
@@ -513,9 +398,18 @@ def ssim_reward(images: torch.Tensor, example: dict) -> torch.Tensor:
     return ssim_map.mean(dim=(1, 2, 3))
 
 
-mse_reward.needs = ("target",)  # checked in every example before a run starts
+mse_reward.needs = ("target",)  # the fields a reward needs in every example (checked at the start)
 ssim_reward.needs = ("target",)
-REWARDS = {"ssim": ssim_reward, "mse": mse_reward, **MORE_REWARDS}  # helpers/rewards.py: ocr, ...
+REWARDS = {"ssim": ssim_reward, "mse": mse_reward}  # helpers/rewards.py has more: shapes, ocr, ...
+
+
+def reward_functions(spec: str, table: dict = REWARDS) -> dict[str, tuple]:
+    """'ssim=1,mse=0' (a name alone weighs 1) -> {name: (fn, weight)} of the rewards in `table`."""
+    rewards = {}
+    for part in spec.split(","):
+        name, _, weight = part.partition("=")
+        rewards[name.strip()] = (table[name.strip()], float(weight or 1))
+    return rewards
 
 
 def group_rewards(images: list[torch.Tensor], examples: list[dict], rewards: dict[str, tuple]
@@ -539,9 +433,9 @@ def group_rewards(images: list[torch.Tensor], examples: list[dict], rewards: dic
 
 def group_advantages(rewards: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """(P, G) or (G,) rewards R -> advantages A_i = (R_i - mean(R)) / std(R) within each group. The
-    std is the population's (/ G; TRL divides by the sample std + 1e-4). A group whose rewards do not spread (equal
-    up to rounding) gets zeros: it has nothing to teach; so does a group with a NaN or inf reward
-    (main leaves its loss out of the step, train_step)."""
+    std is the population's (/ G; TRL divides by the sample std + 1e-4). A group whose rewards do
+    not spread (equal up to rounding) gets zeros: it has nothing to teach; so does a group with a
+    NaN or inf reward (`train` leaves it out of the update)."""
     mean = rewards.mean(dim=-1, keepdim=True)
     std = rewards.std(dim=-1, unbiased=False, keepdim=True)
     spread = std > eps * rewards.abs().amax(dim=-1, keepdim=True)  # False where a reward is NaN
@@ -573,53 +467,63 @@ def logprob_of(distribution: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor
 
 
 def token_logprobs(model, inputs: dict, tokens: torch.Tensor, temperature: float, top_k: int = 0,
-                   top_p: float = 1.0, support: torch.Tensor | None = None) -> torch.Tensor:
-    """(S, N) float32 log-probs of `tokens` from one teacher-forced forward, under code_logprobs
-    (cut to given codes, a (S, N, K) bool `support`, when given). Differentiable."""
+                   top_p: float = 1.0) -> torch.Tensor:
+    """(S, N) float32 log-probs of `tokens` from one teacher-forced forward, under code_logprobs.
+    Differentiable."""
     K = model.config.vq_config.num_embeddings
     logits = token_logits(model, inputs, tokens)  # (S, N, V)
-    return logprob_of(code_logprobs(logits, temperature, K, top_k, top_p, support), tokens)
+    return logprob_of(code_logprobs(logits, temperature, K, top_k, top_p), tokens)
 
 
 # ---- 5b: the loss --------------------------------------------------------------------------------
 
 def grpo_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, ref_logprobs: torch.Tensor | None,
               advantages: torch.Tensor, clip_eps: float | torch.Tensor,
-              kl_beta: float | torch.Tensor, weights: float | torch.Tensor = 1.0
-              ) -> tuple[torch.Tensor, dict]:
-    """The GRPO loss of S sampled sequences of n loss tokens each:
+              kl_beta: float | torch.Tensor, weights: float | torch.Tensor = 1.0,
+              mask: torch.Tensor | None = None, loss_type: str = "grpo",
+              tokens: float | None = None) -> tuple[torch.Tensor, dict]:
+    """The GRPO loss of S sampled sequences of n tokens, from their (S, n) log-probs to a scalar:
 
         loss = -1/S sum_i 1/n sum_t [ w_it min(r_it A_i, clip(r_it, 1 - eps, 1 + eps) A_i)
                                       - beta KL_it ]
 
-    r_it = pi / pi_old = exp(logprobs - old_logprobs), (S, n); A_i = advantages, (S,); KL_it the k3
-    estimator of KL(pi || ref) per token (0 without a reference); w_it TRL's mismatch weights
-    (sampler_correction: 1 for an exact sampler). Returns the loss (differentiable in logprobs)
-    and its metrics. The symbols may vary by sequence or token: A, eps, beta and w may be tensors
-    that broadcast to (S, n) (helpers/variants.py passes them so).
+    r_it = exp(logprobs - old_logprobs); A_i = advantages, (S,); w_it the sampler's truncated
+    importance weights (importance_weights; 1 for an exact sampler); KL_it the k3 estimator of
+    KL(pi || ref), exp(d) - d - 1 with d = ref_logprobs - logprobs (Schulman: >= 0, unbiased when
+    the tokens are drawn from pi itself; here they are the sampler's, pi_old's, and at mu > 1 pi has
+    moved since. In expectation under pi its gradient is KL(ref || pi)'s; 0 without a reference).
+    A, eps, beta and w may also be tensors that broadcast to (S, n): one per sample or token.
+    Returns the loss, differentiable in logprobs, and its metrics. d is capped at 20 so that exp
+    stays finite (tools/bench_kl_cap.py).
 
-    A copier's notes: every sequence here has n tokens (GLM-Image's samples of a prompt all fill the
-    same grids), so the mean over each sequence's tokens and then over sequences (the paper's
-    1/G sum_i 1/|o_i| sum_t) equals the mean over all S*n tokens. For an LLM, whose completions
-    differ in length, the two differ: take the token-level mean over the batch, sum(m * term) /
-    sum(m) with a (S, n) 0/1 padding mask m, as TRL's default loss_type "dapo" does; the
-    per-sequence mean weighs a short answer's tokens more (the length bias Dr. GRPO points out).
-    k3 (Schulman) = exp(d) - d - 1, d = ref - logp: >= 0, unbiased for KL(pi || ref) when the
-    tokens are drawn from pi itself. Here they are drawn by the sampler (pi_old; at mu > 1 pi has
-    moved since) and, under top-p, from its nucleus q: the k3 is then the sampler's average of that
-    expression, blind to the codes the nucleus cut (docs/healthy_training.md). In expectation under
-    pi, its gradient is KL(ref || pi)'s. d is capped at +-20 so that exp stays finite
-    (tools/bench_kl_cap.py)."""
+    A copier's note: here every sequence has n tokens (GLM-Image's samples all fill the same grids),
+    so the aggregations agree. For an LLM, whose answers differ in length, pass the (S, n) 0/1
+    padding `mask` and pick TRL's loss_type: "grpo" (the paper's, above: each answer's token mean,
+    then the mean over answers, which weighs a short answer's tokens more: the length bias Dr. GRPO
+    points out), "dapo" (TRL's default: the token sum over `tokens`, the loss tokens of the whole
+    accumulated batch per process; default: these S answers' own, TRL's "bnpo") or "dr_grpo" (the
+    token sum over S times `tokens`, TRL's max_completion_length; default: the padded length)."""
     A = advantages.reshape(len(advantages), -1).to(logprobs)  # (S, 1): A_i on each of its tokens
     ratio = torch.exp(logprobs - old_logprobs)  # (S, n)
     clipped_ratio = torch.clamp(ratio, 1 - clip_eps, 1 + clip_eps)
     surrogate = torch.min(ratio * A, clipped_ratio * A)  # the pessimistic bound of PPO
     kl = torch.zeros_like(logprobs)
     if ref_logprobs is not None:
-        d = (ref_logprobs - logprobs).clamp(-20.0, 20.0)
-        kl = torch.exp(d) - d - 1  # >= 0 but for rounding (-6e-8 in float32), kept: a clamp would zero its gradient
+        d = (ref_logprobs - logprobs).clamp(max=20.0)  # exp(20) stays finite; below, no cap
+        kl = torch.exp(d) - d - 1  # >= 0 but for rounding (-6e-8 in float32), kept: its gradient
     per_token = weights * surrogate - kl_beta * kl  # (S, n)
-    loss = -per_token.mean(dim=1).mean()  # 1/|o_i| within a sequence, then 1/G over sequences
+    if mask is None:
+        loss = -per_token.mean(dim=1).mean()  # 1/|o_i| within a sequence, then the mean over S
+    elif loss_type == "grpo":
+        loss = -((per_token * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1)).mean()
+    elif loss_type == "dapo":  # TRL's default
+        normaliser = mask.sum().clamp(min=1) if tokens is None else tokens
+        loss = -(per_token * mask).sum() / normaliser
+    elif loss_type == "dr_grpo":
+        length = mask.shape[1] if tokens is None else tokens
+        loss = -(per_token * mask).sum() / (mask.shape[0] * length)
+    else:
+        raise ValueError(f"loss_type {loss_type!r}: use grpo, dapo or dr_grpo")
     with torch.no_grad():  # the clip stops the gradient: r > 1+eps with A > 0, r < 1-eps with A < 0
         clipped = ((ratio > 1 + clip_eps) & (A > 0)) | ((ratio < 1 - clip_eps) & (A < 0))
         metrics = {"policy_loss": -(weights * surrogate).mean(dim=1).mean().item(),
@@ -629,23 +533,15 @@ def grpo_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, ref_logprobs: 
     return loss, metrics
 
 
-def sampler_correction(old_logprobs: torch.Tensor, sampler_logprobs: torch.Tensor,
-                       mode: str = "token_truncate", cap: float = 2.0) -> torch.Tensor:
-    """TRL's mismatch weights (vllm_importance_sampling_mode): (S, T) log-probs of the drawn tokens
-    under ONE distribution, the trained one, as the trainer computes them (pi_old) and as the
-    sampler did (its kernels, bf16) -> (S, T) weights pi_old / pi_sampler, per token or, in the
-    sequence modes, one per sequence (the product of its tokens' ratios) on each of its tokens;
-    above `cap` cut to it (truncate) or to 0 (mask); "none": 1. An exact sampler gets 1 (float32:
-    1 +- 1e-4). Not differentiable: a weight, not a term of the policy."""
-    log_ratio = old_logprobs - sampler_logprobs  # (S, T)
-    if mode.startswith("sequence"):
-        log_ratio = log_ratio.sum(dim=1, keepdim=True).expand_as(old_logprobs)
-    ratio = torch.exp(log_ratio.clamp(max=20.0)).detach()  # a sequence's sum can be large
-    if mode.endswith("truncate"):
-        return ratio.clamp(max=cap)
-    if mode.endswith("mask"):
-        return ratio.masked_fill(ratio > cap, 0.0)
-    return torch.ones_like(ratio)
+def importance_weights(old_logprobs: torch.Tensor, sampler_logprobs: torch.Tensor,
+                       cap: float = 2.0) -> torch.Tensor:
+    """Truncated importance weights (TIS; TRL's importance-sampling correction, token_truncate):
+    (S, T) log-probs of the drawn tokens under the trained distribution as the trainer computes
+    them (pi_old) and as the sampler did (its kernels, bf16 on a GPU) -> (S, T) weights
+    pi_old / pi_sampler, cut to `cap`. An exact sampler gets 1 (float32: 1 +- 1e-5). Not
+    differentiable: a weight, not a term of the policy."""
+    ratio = torch.exp((old_logprobs - sampler_logprobs).clamp(max=20.0)).detach()
+    return ratio.clamp(max=cap)
 
 
 # ---- 5c: mu updates, a micro-batch at a time -----------------------------------------------------
@@ -653,279 +549,232 @@ def sampler_correction(old_logprobs: torch.Tensor, sampler_logprobs: torch.Tenso
 class MicroBatch(NamedTuple):  # some of one group's samples: what one forward pass trains on
     inputs: dict  # its prompt's AR inputs (the group's)
     tokens: torch.Tensor  # (mb, N) the sampled codes
-    sampler_logprobs: torch.Tensor  # (mb, N): their log-probs under the trained distribution (p),
-    # as the sampler computed them (the mismatch weights compare pi_old with these)
+    sampler_logprobs: torch.Tensor  # (mb, N): their log-probs under p as the sampler computed them
     advantages: torch.Tensor  # (mb,)
     n_preview: int  # the preview grid's tokens, first in `tokens` (0 when editing): not in the loss
-    rollout: Rollout  # where they come from: rollout.tokens[rows] is `tokens`
-    rows: slice
-    support: torch.Tensor | None = None  # (mb, N, K) bool: the trained distribution's codes at each
-    # token; None: all K, the whole softmax p (helpers/variants.py: --policy-dist truncated sets it)
-    in_loss: bool = True  # False: its group's reward was not finite. It still runs its forward and
-    # backward (under torchrun every process must join each collective), with its loss times 0
 
 
-def micro_batches(rollouts: list[Rollout], advantages: torch.Tensor, size: int,
-                  in_loss: torch.Tensor | None = None) -> list[MicroBatch]:
-    """P rollouts, their (P, G) advantages and (P,) bool `in_loss` (default: all) -> MicroBatches of
-    `size` rows, a group's in order."""
-    if in_loss is None:
-        in_loss = torch.ones(len(rollouts), dtype=torch.bool)
+def micro_batches(rollouts: list[Rollout], advantages: torch.Tensor, size: int) -> list[MicroBatch]:
+    """P rollouts and their (P, G) advantages -> MicroBatches of `size` rows, a group's in order."""
     batches = []
-    for rollout, A, trained in zip(rollouts, advantages, in_loss, strict=True):  # A: its (G,)
+    for rollout, A in zip(rollouts, advantages, strict=True):  # A: the group's (G,)
         for start in range(0, len(A), size):
             rows = slice(start, start + size)
             batches.append(MicroBatch(
-                inputs=rollout.inputs, tokens=rollout.tokens[rows],
+                inputs=rollout.prompt.inputs, tokens=rollout.tokens[rows],
                 sampler_logprobs=rollout.p_logprobs[rows], advantages=A[rows],
-                n_preview=math.prod(rollout.preview_hw), rollout=rollout, rows=rows,
-                in_loss=bool(trained)))
+                n_preview=math.prod(rollout.prompt.preview_hw)))
     return batches
 
 
 @torch.no_grad()
 def reference_logprobs(ref_model, mb: MicroBatch, temperature: float) -> torch.Tensor | None:
-    """(mb, N) log-probs of a micro-batch's tokens under the frozen reference, on the trained
-    distribution (mb.support's codes, all by default); None without a reference (beta 0). With
-    LoRA the reference is the policy with its adapter switched off."""
+    """(mb, N) log-probs of a micro-batch's tokens under the frozen reference; None without one
+    (beta 0). With LoRA the reference is the policy with its adapter switched off."""
     if ref_model is None:
         return None
-    adapter_off = getattr(ref_model, "disable_adapter", contextlib.nullcontext)
-    with adapter_off():
-        return token_logprobs(ref_model, mb.inputs, mb.tokens, temperature, support=mb.support)
-
-
-class LossSettings(NamedTuple):  # the loss' symbols, as main sets them from the config
-    clip_eps: float | torch.Tensor  # eps (helpers/variants.py may pass it per sample or token)
-    kl_beta: float | torch.Tensor  # beta (idem)
-    correction: str = "token_truncate"  # sampler_correction's mode
-    cap: float = 2.0  # and its cap
+    if hasattr(ref_model, "disable_adapter"):
+        with ref_model.disable_adapter():
+            return token_logprobs(ref_model, mb.inputs, mb.tokens, temperature)
+    return token_logprobs(ref_model, mb.inputs, mb.tokens, temperature)
 
 
 def micro_batch_loss(distribution: torch.Tensor, mb: MicroBatch, old_logprobs: torch.Tensor,
-                     ref_logprobs: torch.Tensor | None, settings: LossSettings
-                     ) -> tuple[torch.Tensor, dict]:
-    """A micro-batch's GRPO loss: (mb, N, K) log-probs of the trained policy pi_theta (code_logprobs
-    of its logits, differentiable), (mb, N) pi_old's and the reference's of the drawn tokens ->
-    grpo_loss on the large grid, the tokens the DiT sees, with TRL's mismatch weights; metrics."""
+                     ref_logprobs: torch.Tensor | None, clip_eps: float | torch.Tensor,
+                     kl_beta: float | torch.Tensor, sampler_cap: float = 2.0,
+                     weights: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
+    """A micro-batch's GRPO loss: (mb, N, K) log-probs of pi_theta (code_logprobs of its logits,
+    differentiable), (mb, N) pi_old's and the reference's of the drawn tokens -> grpo_loss on the
+    large grid, the tokens the DiT sees, with the truncated importance weights (or `weights`,
+    (mb, N)); and its metrics."""
     logprobs = logprob_of(distribution, mb.tokens)  # (mb, N) log pi_theta of the drawn codes
-    weights = sampler_correction(old_logprobs, mb.sampler_logprobs, settings.correction,
-                                 settings.cap)  # (mb, N): a sequence mode's weight is the whole draw's,
-    # the preview's codes included: they condition the large grid (test_train_step_correction)
+    if weights is None:
+        weights = importance_weights(old_logprobs, mb.sampler_logprobs, sampler_cap)  # (mb, N)
     large = slice(mb.n_preview, None)  # the preview conditions the large grid but is never drawn
     if ref_logprobs is not None:
         ref_logprobs = ref_logprobs[:, large]
     loss, metrics = grpo_loss(logprobs[:, large], old_logprobs[:, large], ref_logprobs,
-                              mb.advantages, settings.clip_eps, settings.kl_beta, weights[:, large])
+                              mb.advantages, clip_eps, kl_beta, weights[:, large])
     return loss, {"loss": loss.item(), **metrics}
 
 
-def train_mode(policy) -> None:
-    """The policy in the mode train_step trains it in, or a one-line refusal: transformers only
-    checkpoints activations in train mode, and without dropout train and eval mode are one policy;
-    with a dropout on, each forward would draw another policy, so pi_old would not be the sampler's
-    and the ratio would leave 1 at lr 0."""
-    policy.train(policy.is_activation_checkpointing)
-    dropping = active_dropout(policy)
-    if dropping:
-        raise ValueError(f"train_step: {dropping[0]} drops out in train mode, so pi != pi_old; "
-                         "set its p to 0 (disable_dropout) or put the model in eval mode")
-
-
-def train_step(policy, optimizer, batches: list[MicroBatch], ref_model, loss_fn,
-               settings: LossSettings, *, temperature: float, mu: int, max_grad_norm: float,
-               readings=None, scheduler=None) -> dict:
-    """`mu` updates of the policy on one step's micro-batches -> metrics.
-    `loss_fn(distribution, mb, old_logprobs, ref_logprobs, settings)`: micro_batch_loss, or a
-    variant's wrapper of it (helpers/variants.py). `readings(logits, mb, old_logprobs,
-    ref_logprobs)`: the one seam, docs/healthy_training.md's measurements beside the loss
-    (helpers/diagnostics.py), or None. `scheduler`: a learning-rate schedule stepped after each
-    update applied (transformers' get_scheduler; metrics' "lr": the first update's rate), or None.
-    A micro-batch out of the loss (mb.in_loss False: its group's reward was not finite) runs with
-    its loss times 0; the step is skipped only when no process has one in the loss. The metrics'
-    "sequences": those in the loss here (helpers/ averages the processes' metrics by them)."""
-    train_mode(policy)
-    if all_agree(not any(mb.in_loss for mb in batches)):  # every group left (non-finite rewards)
-        return {"skipped": mu}
+def update(policy, optimizer, batches: list[MicroBatch], ref_model, cfg: Config) -> dict:
+    """Step 5 on one screen: cfg.mu updates of the policy on one step's micro-batches (cleanrl's
+    update_epochs), each one optimizer step on the gradient accumulated over all micro-batches ->
+    the last update's metrics (the ratio's extremes over every update)."""
+    policy.train(cfg.gradient_checkpointing)  # transformers checkpoints in train mode only
     K = policy.config.vq_config.num_embeddings
-    shares = loss_shares(batches)  # the loss is a mean over sequences: each micro-batch's weight
-    ref_logprobs = [reference_logprobs(ref_model, mb, temperature) for mb in batches]  # no gradient
-    rate = optimizer.param_groups[0]["lr"]  # the first update's learning rate (logged)
-    old_logprobs = [None] * len(batches)  # pi_old's, filled by the first update
-    updates, skipped = [], 0  # each update's micro-batches: (metrics, share)
-    for _ in range(mu):  # mu updates on the same samples (cleanrl's update epochs); unlike its
-        # minibatches, the micro-batches below accumulate ONE gradient: one optimizer step an update
+    ref_logprobs = [reference_logprobs(ref_model, mb, cfg.temperature) for mb in batches]
+    old_logprobs = [None] * len(batches)  # pi_old: the first update's own log-probs, detached
+    n_rows = sum(len(mb.tokens) for mb in batches)  # the loss is a mean over the step's sequences
+    ratio_min, ratio_max, skipped = math.inf, -math.inf, 0
+    for epoch in range(cfg.mu):  # update_epochs over the same samples
         optimizer.zero_grad(set_to_none=True)
-        update = []
-        for k, mb in enumerate(batches):  # gradient accumulation, a micro-batch at a time
-            logits = token_logits(policy, mb.inputs, mb.tokens)  # (rows, N, V), with grad
-            distribution = code_logprobs(logits, temperature, K, support=mb.support)  # pi_theta
-            if old_logprobs[k] is None:  # the first update: no weight has moved since sampling
-                # (the optimizer steps after the last micro-batch): pi_theta IS pi_old, r = 1
+        parts = []  # each micro-batch's (metrics, share of the mean)
+        for k, mb in enumerate(batches):  # gradient accumulation: a forward and backward each
+            logits = token_logits(policy, mb.inputs, mb.tokens)  # (mb, N, V), with grad
+            distribution = code_logprobs(logits, cfg.temperature, K)  # log pi_theta over the codes
+            if epoch == 0:  # no weight has moved since sampling (the optimizer steps after the
+                # last micro-batch): pi_theta IS pi_old, and r = 1
                 old_logprobs[k] = logprob_of(distribution, mb.tokens).detach()
-            loss, metrics = loss_fn(distribution, mb, old_logprobs[k], ref_logprobs[k], settings)
-            (loss * shares[k]).backward()  # even out of the loss: every process joins FSDP's sync
-            if mb.in_loss:
-                if readings is not None:
-                    metrics |= readings(logits.detach(), mb, old_logprobs[k], ref_logprobs[k])
-                update.append((metrics, shares[k]))
-        updates.append(update)
-        grad_norm, stepped = optimizer_step(optimizer, update, max_grad_norm)  # one step an update
-        skipped += not stepped
-        if stepped and scheduler is not None:  # the next update's rate (a skipped update moves none)
-            scheduler.step()
-    sequences = sum(len(mb.tokens) for mb in batches if mb.in_loss)  # in the loss, this process
-    return merge_metrics(updates) | {"grad_norm": grad_norm,  # the last update's, before its clip
-                                     "skipped": skipped, "sequences": sequences, "lr": rate}
-
-
-def loss_shares(batches: list[MicroBatch]) -> list[float]:
-    """Each micro-batch's weight in the step's loss, a mean over the sequences in the loss: its rows
-    over the rows in the loss (0 out of the loss). Under torchrun FSDP averages the processes'
-    gradients, so the rows counted are the mean over the processes of each one's (rows_per_process),
-    which makes the gradient the mean over every sequence of every process."""
-    sequences = sum(len(mb.tokens) for mb in batches if mb.in_loss)
-    n_rows = rows_per_process(sequences)
-    return [len(mb.tokens) / n_rows if mb.in_loss else 0.0 for mb in batches]
-
-
-def optimizer_step(optimizer, parts: list[tuple[dict, float]], max_grad_norm: float
-                   ) -> tuple[float, bool]:
-    """Clip the accumulated gradient and step -> its norm before the clip, and whether it stepped:
-    a non-finite loss (in `parts`: each micro-batch's metrics and share) or gradient in any process
-    skips the step, and never reaches the weights."""
-    params = [p for group in optimizer.param_groups for p in group["params"]]
-    grad_norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm).item()
-    finite = math.isfinite(grad_norm) and all(math.isfinite(m["loss"]) for m, _ in parts)
-    if all_agree(finite):  # every process steps, or none
-        optimizer.step()
-        # bf16 autocast keeps the copies of the weights it cast until its region ends, and
-        # train_step runs in one: without this the next update would read the weights before
-        # this step (pi = pi_old, r = 1, no clip)
-        torch.clear_autocast_cache()
-        return grad_norm, True
-    optimizer.zero_grad(set_to_none=True)
-    return grad_norm, False
+            loss, metrics = micro_batch_loss(distribution, mb, old_logprobs[k], ref_logprobs[k],
+                                             cfg.clip_eps, cfg.kl_beta, cfg.sampler_cap)
+            share = len(mb.tokens) / n_rows  # its sequences' share of the step's mean
+            (loss * share).backward()  # the sum over micro-batches is the whole step's gradient
+            parts.append((metrics, share))
+            ratio_min = min(ratio_min, metrics["ratio_min"])
+            ratio_max = max(ratio_max, metrics["ratio_max"])
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm).item()
+        if math.isfinite(grad_norm) and all(math.isfinite(m["loss"]) for m, _ in parts):
+            optimizer.step()
+        else:  # a NaN or inf never reaches the weights
+            optimizer.zero_grad(set_to_none=True)
+            skipped += 1
+    metrics = {key: sum(m[key] * share for m, share in parts) for key in parts[0][0]}
+    return metrics | {"ratio_min": ratio_min, "ratio_max": ratio_max, "grad_norm": grad_norm,
+                      "skipped": skipped, "lr": optimizer.param_groups[0]["lr"]}
 
 
 # ---- The loop: steps 1-5, a step at a time -------------------------------------------------------
 
-def train(pipe, policy, ref_model, optimizer, examples: list[dict], rewards: dict, cfg: Config,
-          scheduler=None) -> list[dict]:
-    """GRPO's loop, as a student reads it: cfg.steps steps, each on the next cfg.prompts_per_step
-    `examples` (prompts file lines, "target" a loaded (3, H, W) image in [0, 1]), scored by `rewards`
-    ({name: (fn, weight)}) -> each step's metrics. `main` runs this loop with helpers/run.py's plumbing
-    around each step (checks, timing, checkpoints, logging, evaluation, many processes, the variants'
-    seams): test_grpo.py::test_train shows that both give the same numbers at the tiny presets."""
-    settings = LossSettings(cfg.clip_eps, cfg.kl_beta, cfg.sampler_correction, cfg.sampler_cap)
+def example_index(group: int, n_examples: int, seed: int, shuffle: bool) -> int:
+    """The example the group numbered `group` trains on: epoch group // n goes through the n
+    examples in the file's order, or with `shuffle` in a permutation drawn from (seed, epoch)."""
+    epoch, position = divmod(group, n_examples)
+    if not shuffle:
+        return position
+    generator = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
+    return torch.randperm(n_examples, generator=generator)[position].item()
+
+
+def read_examples(path: str, height: int, width: int) -> list[dict]:
+    """A prompts file of 'prompt | target.png' lines (a prompt alone: no target; target paths
+    relative to the file) -> [{"prompt", "target": (3, H, W) float32 in [0, 1] or None}], each
+    target resized (bicubic) to H x W. (The command line reads more: JSON Lines, sources to edit,
+    any image a viewer shows: helpers/user_input.py.)"""
+    examples = []
+    for line in Path(path).read_text(encoding="utf-8").splitlines():
+        if not line.strip() or line.strip().startswith("#"):
+            continue
+        prompt, bar, target = (part.strip() for part in line.rpartition("|"))
+        if not bar:
+            prompt, target = target, ""
+        image = None
+        if target:
+            image = Image.open(Path(path).parent / target).convert("RGB")
+            pixels = np.asarray(image, np.float32) / 255  # (h, w, 3) in [0, 1]
+            if pixels.shape[:2] != (height, width):  # per channel in float, as the command line
+                channels = [Image.fromarray(pixels[..., c], "F").resize((width, height),
+                                                                         Image.BICUBIC)
+                            for c in range(3)]
+                pixels = np.clip(np.stack([np.asarray(c) for c in channels], axis=-1), 0, 1)
+            image = torch.from_numpy(np.ascontiguousarray(pixels)).permute(2, 0, 1).contiguous()
+        examples.append({"prompt": prompt, "target": image})
+    return examples
+
+
+def train(cfg: Config, pipe, examples: list[dict]) -> list[dict]:
+    """GRPO's loop: cfg.steps steps, each on the next cfg.prompts_per_step `examples`
+    (read_examples' dicts: "prompt", "target"), rewarded by cfg.reward -> each step's metrics. The
+    pipeline's AR trains in place. `main` runs these steps inside helpers/trainer.py, with the same
+    numbers in one process (test_grpo.py::test_train)."""
+    policy = trained_model(pipe, cfg.lora_rank, cfg.gradient_checkpointing, cfg.seed)
+    ref_model = reference_model(policy, cfg.kl_beta)  # before any update: the initial weights
+    optimizer = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=cfg.lr,
+                                  weight_decay=cfg.weight_decay)
+    rewards = reward_functions(cfg.reward)
     history = []
     for step in range(cfg.steps):
-        groups = [step * cfg.prompts_per_step + j for j in range(cfg.prompts_per_step)]  # over the run
-        batch = [examples[g % len(examples)] for g in groups]  # the file's order, round and round
+        P = cfg.prompts_per_step
+        groups = [step * P + j for j in range(P)]  # numbered over the run
+        batch = [examples[example_index(g, len(examples), cfg.seed, cfg.shuffle)] for g in groups]
         rollouts = sample_groups(  # 1. sample a group of G token grids per prompt
             pipe, [ex["prompt"] for ex in batch], cfg.group_size, cfg.height, cfg.width,
-            cfg.temperature, [group_seed(cfg.seed, g) for g in groups],
-            [ex.get("source") for ex in batch], cfg.top_k, cfg.top_p)
+            cfg.temperature, [group_seed(cfg.seed, g) for g in groups], cfg.top_k, cfg.top_p,
+            [ex.get("source") for ex in batch])
         images = [decode_images(  # 2. decode them to pictures, a group from one noise
-            pipe, ex["prompt"], rollout.tokens, rollout.large_hw, cfg.height, cfg.width,
-            cfg.num_inference_steps, cfg.decode_seed, cfg.guidance_scale, rollout.source)
+            pipe, ex["prompt"], rollout.tokens, rollout.prompt.large_hw, cfg.height, cfg.width,
+            cfg.num_inference_steps, cfg.decode_seed, cfg.guidance_scale, rollout.prompt.source)
             for ex, rollout in zip(batch, rollouts)]
         reward, _ = group_rewards(images, batch, rewards)  # 3. score: (P, G)
         advantages = group_advantages(reward)  # 4. z-scores within each group
-        batches = micro_batches(rollouts, advantages, cfg.micro_batch_size)
-        metrics = train_step(policy, optimizer, batches, ref_model, micro_batch_loss, settings,  # 5.
-                             temperature=cfg.temperature, mu=cfg.mu,
-                             max_grad_norm=cfg.max_grad_norm, scheduler=scheduler)
-        history.append({"step": step + 1, "reward_mean": reward.mean().item(), **metrics})
+        finite = reward.isfinite().all(dim=-1)  # a group with a NaN or inf reward leaves the step
+        kept = [rollout for rollout, keep in zip(rollouts, finite) if keep]
+        if not kept:
+            history.append({"step": step + 1, "skipped": cfg.mu})
+            continue
+        batches = micro_batches(kept, advantages[finite], cfg.micro_batch_size or cfg.group_size)
+        metrics = update(policy, optimizer, batches, ref_model, cfg)  # 5. the clipped update
+        history.append({"step": step + 1, "reward_mean": reward[finite].mean().item(), **metrics})
     return history
 
 
-# ---- main: the loop with the run's plumbing around it --------------------------------------------
+# ---- Editing: a source picture in the prompt (an addition; text-to-image reads without it) -------
+
+class Source(NamedTuple):
+    image: Image.Image  # the picture being edited, as the DiT's VAE sees it
+    codes: torch.Tensor  # (h_s * w_s,) long, its VQ codes from the AR's vision tower
+    grid_hw: tuple[int, int]  # (h_s, w_s) = its size / 32
+
+
+def to_pil(image: torch.Tensor) -> Image.Image:
+    """(3, H, W) float in [0, 1] -> PIL (exact for 8-bit images)."""
+    array = (image.float().clamp(0, 1).permute(1, 2, 0).cpu().numpy() * 255).round()
+    return Image.fromarray(array.astype(np.uint8))
+
+
+def edit_prompt(pipe, prompt: str, group_size: int, height: int, width: int,
+                source: torch.Tensor) -> Prompt:
+    """One instruction and the (3, H, W) picture it edits -> its group's Prompt: the source is in
+    the AR's prompt (as VQ codes: encode_source) and the AR writes the large grid only."""
+    model, image = pipe.vision_language_encoder, to_pil(source)
+    inputs = group_inputs(pipe.processor, prompt, group_size, height, width, model.device, image)
+    large = tuple(inputs["image_grid_thw"][1].tolist()[1:])  # a sample's rows: [source, large]
+    inputs, encoded = encode_source(model, inputs, image)
+    return Prompt(inputs, preview_hw=(0, 0), large_hw=large, source=encoded)
+
+
+@torch.no_grad()
+def encode_source(model, inputs: dict, source: Image.Image) -> tuple[dict, Source]:
+    """The source's VQ codes written into input_ids in place of its placeholders, ONCE per group (as
+    GlmImageModel.forward does with pixel_values): sampler and trainer see the same tokens."""
+    core, grid = model.model, inputs["image_grid_thw"][:1]  # (1, 3): the source row of sample 0
+    features = core.get_image_features(inputs["pixel_values"], grid, return_dict=True).pooler_output
+    codes = core.get_image_tokens(features).view(-1)  # (h_s * w_s,)
+    ids = inputs["input_ids"]
+    filled = ids.masked_scatter(ids == model.config.image_token_id, codes.repeat(ids.shape[0]))
+    inputs = {k: v for k, v in inputs.items() if k != "pixel_values"} | {"input_ids": filled}
+    _, h, w = grid[0].tolist()
+    if (32 * h, 32 * w) != (source.height, source.width):  # the DiT needs the source at size / 32
+        raise ValueError(f"the processor made a {h}x{w} token grid of a {source.width}x"
+                         f"{source.height} source; the DiT needs size / 32: resize the sources")
+    return inputs, Source(source, codes, (h, w))
+
+
+def edit_inputs(source: Source, group_size: int, device) -> dict:
+    """The pipeline's inputs for the source of an edit, one copy per sample (its batch is the
+    group): the picture, its prior ids (the codes upsampled 2x, as prior_ids) and their grid."""
+    hs, ws = source.grid_hw
+    codes = prior_ids(source.codes[None], source.grid_hw)[0].to(device)
+    grid = torch.tensor([[1, 2 * hs, 2 * ws]], device=device)
+    return dict(image=[[source.image]] * group_size, prior_token_image_ids=[codes] * group_size,
+                source_image_grid_thw=[grid] * group_size)
+
+
+# ---- main: the command line --------------------------------------------------------------------
 
 def main(argv: list[str] | None = None) -> dict:
-    """The command line's run: `train`'s steps 1-5, with the run's plumbing around them (helpers/
-    run.py: the checks, processes, timing, checkpoints, logging, evaluation) and the two seams of the
-    options beside the lesson (helpers/variants.py)."""
-    lesson = sys.modules[__name__]  # this file: helpers/ takes what it needs of it as an argument
-    job = run.prepare(parse_config(argv), argv, REWARDS, lesson)  # all input checked, none written
-    cfg = job.cfg
-    run.start(job)  # torchrun: one process per GPU (else rank 0 of 1), the device and dtype
-    with run.timed({}, "load", job), run.loading(cfg.model):
-        pipe = load_glm_image(cfg.model, job.device, job.dtype, cfg.revision)
-    with run.timed({}, "setup", job):
-        policy, ref_model, optimizer = setup.setup_training(  # the AR: LoRA, FSDP2, AdamW
-            pipe, cfg, job.dtype, job.world, reference_model)
-        run.open_run(job, policy, optimizer, ref_model)  # --resume's checkpoint; the run directory
-    # the before / after grids and --eval-prompts: steps 1-3 on fixed seeds (helpers/run.py)
-    job.evaluate = run.evaluator(job, pipe, policy, (sample_groups, decode_images, group_rewards))
-    settings = LossSettings(clip_eps=cfg.clip_eps, kl_beta=cfg.kl_beta,
-                            correction=cfg.sampler_correction, cap=cfg.sampler_cap)
-    # docs/healthy_training.md's measurements, beside the loss
-    readings = diagnostics.reader(cfg, policy.config.vq_config.num_embeddings, lesson)
-    with run.training(job):  # Ctrl-C: a checkpoint, exit 130; a full disk: one line, exit 1
-        # each step: P examples (prompts, targets, sources), numbered over the run by group_ids
-        for step, group_ids, examples, seconds in run.steps(job):
-            with run.timed(seconds, "sample", job), job.autocast, unsharded(policy):
-                rollouts = sample_groups(  # 1. sample a group of token grids per prompt
-                    pipe, prompts=[ex["prompt"] for ex in examples], group_size=cfg.group_size,
-                    height=cfg.height, width=cfg.width, temperature=cfg.temperature,
-                    seeds=[group_seed(cfg.seed, g) for g in group_ids],
-                    sources=[ex.get("source") for ex in examples], top_k=cfg.top_k,
-                    top_p=cfg.top_p)
-            with run.timed(seconds, "decode", job), run.decoder_on(pipe, job.device, cfg.offload):
-                images = [decode_images(  # 2. decode the tokens to pictures
-                    pipe, prompt=ex["prompt"], tokens=rollout.tokens, large_hw=rollout.large_hw,
-                    height=cfg.height, width=cfg.width, num_inference_steps=cfg.num_inference_steps,
-                    seed=cfg.decode_seed, guidance_scale=cfg.guidance_scale, source=rollout.source)
-                    for ex, rollout in zip(examples, rollouts)]
-            with run.timed(seconds, "reward", job):
-                reward, each = group_rewards(images, examples, job.rewards)  # 3. score: (P, G)
-                # (P,) bool, False for a group with a NaN / inf reward (warned): A 0, loss out
-                in_loss = run.finite_groups(job, step, reward, each, examples)
-                advantages = variants.advantages(  # 4. z-scores within each group (and the seam)
-                    group_advantages(reward), rollouts, reward, each, in_loss, cfg, lesson, images)
-            with run.landing():  # from here the step lands whole or not at all: a stop waits
-                with run.timed(seconds, "train", job), job.autocast:  # 5. the clipped update
-                    # the seam of step 5: the variants' micro-batches and loss (else as given)
-                    micro, loss_fn = variants.update(
-                        micro_batches(rollouts, advantages, cfg.micro_batch_size, in_loss),
-                        micro_batch_loss, policy, cfg, lesson, reward, each, job.variants)
-                    metrics = train_step(policy, optimizer, micro, ref_model, loss_fn, settings,
-                                         temperature=cfg.temperature, mu=cfg.mu,
-                                         max_grad_norm=cfg.max_grad_norm, readings=readings,
-                                         scheduler=job.scheduler)
-                run.log_step(job, step, group_ids, reward, each, advantages, in_loss, rollouts,
-                             metrics, seconds)
-                run.after_step(job, step, examples, images, reward, each)  # reference, checkpoint
-            run.evaluation(job, step)  # --eval-prompts, when due
-    return run.finish(job)  # the last checkpoint, final/, curves.png, the after grid, the summary
-
-
-# ---- Copied alone --------------------------------------------------------------------------------
-# Without helpers/ there is one process: each collective is an identity, and the metrics are the
-# last update's share-weighted means, ratio_min / ratio_max over every update (train runs; main needs
-# helpers/).
-
-if run is None:
-    def all_agree(flag: bool) -> bool:
-        return flag
-
-    def rows_per_process(n: int) -> float:
-        return n
-
-    def merge_metrics(updates: list[list[tuple[dict, float]]]) -> dict:
-        last = updates[-1]
-        merged = {key: sum(m[key] * share for m, share in last) for key in last[0][0]}
-        every = [m for update in updates for m, _ in update]
-        merged["ratio_min"] = min(m["ratio_min"] for m in every)
-        merged["ratio_max"] = max(m["ratio_max"] for m in every)
-        return merged
+    """`python grpo.py --prompts ...`: `train`'s steps inside the lab's trainer, helpers/trainer.py
+    (the checks, torchrun, checkpoints, logging, evaluation, the options beside the lesson)."""
+    try:
+        from helpers import trainer
+    except ImportError:  # grpo.py copied alone (or beside another project's helpers)
+        raise SystemExit("grpo.py: the command line needs helpers/ beside grpo.py; copied alone, "
+                         "run train(Config(...), load_glm_image(...), read_examples(...)) from "
+                         "Python") from None
+    return trainer.main(sys.modules[__name__], argv)
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except KeyboardInterrupt:  # Ctrl-C while loading or checking (training handles its own)
-        print("grpo.py: interrupted", file=sys.stderr)
-        raise SystemExit(130) from None
-    run.leave()  # torchrun: a finished process exits before a gloo thread can abort it
+    main()

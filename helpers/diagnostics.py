@@ -2,15 +2,15 @@
 `train_step` calls the function `reader` returns on the logits it trained on (detached). Nothing here
 changes what is trained: the loss and its own metrics (ratio, clip, KL) are grpo.py's.
 
-It builds on grpo.py's functions (`code_logprobs`, `logprob_of`, `grpo_loss`, `sampler_correction`), which arrive
-as an argument, `lesson` (grpo.py itself): imports run one way, grpo.py -> helpers/, never back.
+It builds on grpo.py's functions (`code_logprobs`, `logprob_of`, `grpo_loss`), which arrive as an argument, `lesson`
+(grpo.py itself): imports run one way, grpo.py -> helpers/, never back.
 """
 
 import functools
 
 import torch
 
-from .variants import clip_range, entropy, loss_tokens, nucleus_mass
+from .variants import clip_range, distribution, entropy, loss_tokens, nucleus_mass, sampler_correction
 
 
 def reader(cfg, codebook_size: int, lesson):
@@ -37,10 +37,12 @@ def readings(logits: torch.Tensor, mb, old_logprobs: torch.Tensor, ref_logprobs:
     `lesson`: grpo.py, whose functions compute them."""
     K, rollout = codebook_size, mb.rollout
     q_sampler = rollout.q_logprobs[mb.rows]
-    trained = lesson.code_logprobs(logits, temperature, K, support=mb.support)  # pi_theta
+    trained = distribution(lesson, logits, temperature, K, mb.support)  # pi_theta
     logprobs = lesson.logprob_of(trained, mb.tokens)
     cols = loss_tokens(mb, train_tokens)
-    replayed = lesson.code_logprobs(logits, temperature, K, top_k, top_p, kept_codes(mb, K))  # q, the sampler's cut
+    kept = kept_codes(mb, K)
+    replayed = (lesson.code_logprobs(logits, temperature, K, top_k, top_p) if kept is None
+                else distribution(lesson, logits, temperature, K, kept))  # q, the sampler's cut
     own = lesson.logprob_of(lesson.code_logprobs(logits, temperature, K, top_k, top_p), mb.tokens)  # the trainer's cut
     q_trainer = lesson.logprob_of(replayed, mb.tokens)
     both = q_trainer.isfinite() & q_sampler.isfinite()
@@ -65,21 +67,22 @@ def kept_codes(mb, codebook_size: int) -> torch.Tensor | None:
     from .fast_decode import code_support
     if mb.support is not None:
         return mb.support
-    if mb.rollout.support is None:
+    kept = getattr(mb.rollout, "support", None)  # (the lesson's grpo.Rollout records none)
+    if kept is None:
         return None
-    return code_support(mb.rollout.support[mb.rows], codebook_size)
+    return code_support(kept[mb.rows], codebook_size)
 
 
 def mismatch(old: torch.Tensor, sampled: torch.Tensor, mode: str, cap: float, lesson) -> dict:
     """TRL's mismatch metrics of (S, T) log-probs of one distribution by the trainer (`old`) and by the sampler, under
-    grpo's `sampler_correction` (`mode`, `cap`): the log-prob gap, its weights after the cap and the ratios before it
+    helpers/variants.py's `sampler_correction` (`mode`, `cap`): the log-prob gap, its weights after the cap and the ratios before it
     (per token, or per sequence in the sequence modes), the k3 KL of the sampler from pi_old, the share of ratios above
     the cap. Tokens outside a truncation (-inf on either side) count as a gap of 0. `lesson`: grpo.py."""
     sampled = torch.where(old.isfinite() & sampled.isfinite(), sampled, old)  # outside a truncation: no gap
     log_ratio = old - sampled  # (S, T)
-    weights = lesson.sampler_correction(old, sampled, mode, cap)
+    weights = sampler_correction(old, sampled, mode, cap)
     level = "sequence" if mode.startswith("sequence") else "token"
-    ratio = lesson.sampler_correction(old, sampled, f"{level}_truncate", float("inf"))  # before the cap
+    ratio = sampler_correction(old, sampled, f"{level}_truncate", float("inf"))  # before the cap
     return {"sampling/sampling_logp_difference/mean": log_ratio.abs().mean().item(),
             "sampling/sampling_logp_difference/max": log_ratio.abs().max().item(),
             "sampling/importance_sampling_ratio/min": weights.min().item(),  # after the cap

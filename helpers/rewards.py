@@ -241,15 +241,20 @@ def hub_cached(repo_id: str, filename: str, revision: str = "") -> bool:
 
 def unreachable_hub(host: str = "") -> str | None:
     """The hub's host (or `host`) when this machine cannot reach it (a 3 s try), else None: asked once, at once,
-    rather than after huggingface_hub's minute of retries."""
+    rather than after huggingface_hub's minute of retries. Where the environment names a proxy for it (https_proxy,
+    as huggingface_hub and pip use it; a cluster without a direct way out), the proxy is what is tried, and named."""
     from huggingface_hub import constants
+    from urllib.parse import urlsplit
+    from .served_reward import proxy_for
     if not host and constants.HF_HUB_OFFLINE:  # the hub switched off: not asked at all
         return "the hub (HF_HUB_OFFLINE is set)"
     host = host or constants.ENDPOINT.split("://")[-1].split("/")[0]
+    proxy = proxy_for(f"https://{host}/")
+    address = (urlsplit(proxy).hostname, urlsplit(proxy).port or 80) if proxy else (host, 443)
     try:
-        socket.create_connection((host, 443), timeout=3).close()
+        socket.create_connection(address, timeout=3).close()
     except OSError:
-        return host
+        return f"{host} (via proxy {proxy})" if proxy else host
     return None
 
 
@@ -458,10 +463,10 @@ def with_checkpoint(name: str, fn, where: str):
 
 # ---- plug-ins ------------------------------------------------------------------------------------
 
-def import_reward(path: str, flag: str = "--reward"):
+def import_reward(path: str, flag: str = "--reward", base: Path | None = None):
     """'package.module:function' or 'path/to/file.py:function' -> the function. A module is found as `python -m`
-    finds one (installed, or in the current directory); a .py file is loaded from its path (relative to the current
-    directory, ~ expanded), once however often it is named, and its own imports find the files beside it, as under
+    finds one (installed, or in the current directory, or `base`); a .py file is loaded from its path (relative to the
+    current directory, ~ expanded), once however often it is named, and its own imports find the files beside it, as under
     `python path/to/file.py`. Raises ValueError, one line, for what cannot be imported (a missing module or file, or
     whatever the module raised while importing: a SyntaxError, a missing package, an argparse exit, whose last printed
     line the message quotes), a missing name, or a name that is not callable."""
@@ -478,8 +483,9 @@ def import_reward(path: str, flag: str = "--reward"):
             if file is not None:
                 module = import_file(file)
             else:
-                if str(Path.cwd()) not in sys.path:
-                    sys.path.append(str(Path.cwd()))
+                here = str(base or Path.cwd())  # a resumed run's: its own start directory
+                if here not in sys.path:
+                    sys.path.append(here)
                 module = importlib.import_module(where)
     except SystemExit as error:  # argparse's parse_args() at the module's top level, say
         said = printed.getvalue().strip().splitlines()

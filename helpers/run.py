@@ -32,21 +32,23 @@ from .parallel import (INTERRUPT, bars_shown, final_weights, gather_list, gather
                        trainable_state, unsharded)
 from .rewards import folder_path, hub_cached, unreachable_hub
 from .served_reward import RETRY_WAITS, is_url
-from .user_input import (RULES, RewardError, check_numbers, check_rewards, field_kind, load_examples, parse_rewards,
-                     read_config_file, read_prompts)
+from .user_input import (RULES, RewardError, changed_inputs, check_numbers, check_rewards, field_kind, input_digests,
+                         load_examples, parse_rewards, read_config_file, read_prompts, split_reward)
 from .variants import State as VariantState, VariantSettings
 from . import variants
 from .run_io import (RUN_FILES, Reporter, append_metrics, atomic_folder, atomic_write, check_out_dir, check_reporter,
-                     checkpoint_steps, failed_start, image_grid, open_run_dir, plot_curves, prune_checkpoints,
-                     read_checkpoint, read_metrics, read_resume, restore_rng, resume_point, rng_kept, rng_state,
-                     save_checkpoint, save_image, save_trained, seed_everything, side_by_side, what_trained)
+                     checkpoint_steps, failed_start, hold_run_dir, image_grid, open_run_dir, plot_curves,
+                     prune_checkpoints, read_checkpoint, read_inputs, read_metrics, read_resume, release_run_dir,
+                     restore_rng, resume_point, rng_kept, rng_state, save_checkpoint, save_image, save_trained,
+                     seed_everything, side_by_side, what_trained)
 
 SCRIPTS = {"ar": "grpo.py", "dit": "dit_grpo.py"}  # the entry point of each --train
 PROG = {"name": "grpo.py"}  # the script the messages name: set by prepare
 TINY_NAMES = ("tiny", "tiny-edit")  # grpo.TINY_MODELS' names: shipped folders, the tiny defaults, float32
 RESUMABLE = ("steps", "device", "report_to", "save_every", "save_total_limit", "save_merged", "image_every",
              "eval_every", "overwrite", "push_to_hub", "hub_model_id", "hub_private", "wandb_project", "wandb_entity",
-             "run_name")  # what --resume may change: when to stop, where, bookkeeping; not the objective
+             "run_name", "reward_timeout", "reward_wait")  # what --resume may change: when to stop, where, how long
+# to wait, bookkeeping; not the objective (--reward and --eval-reward only where a served reward moved: served_moves)
 
 
 @dataclasses.dataclass
@@ -79,6 +81,7 @@ class Run:
     done: int = 0  # steps whose update is applied and logged
     saved: int = -1  # the step of the last checkpoint written (or resumed from)
     rng: dict | None = None  # the RNG states as the last landed step left them: what a checkpoint saves
+    inputs: dict | None = None  # inputs.json: the directory the run started in and {file: sha256} of all it reads
 
 
 # ---- The command line and its checks, before anything is written ---------------------------------
@@ -91,6 +94,8 @@ def _setting(default, help: str, choices: tuple = ()):
 @dataclasses.dataclass
 class RunSettings:  # the run's flags, after the algorithm's (grpo.Config): where it writes, what it evaluates
     out: str = _setting("runs/grpo", "output directory")
+    before_after: int = _setting(4, "prompts drawn before and after training, side by side")
+    offload: bool = _setting(False, "keep DiT, VAE, T5 on CPU except to decode")
     image_every: int = _setting(10, "save an image grid every N steps (0: never)")
     eval_prompts: str = _setting("", "held-out prompts (as --prompts; .jsonl may add a \"category\")")
     eval_every: int = _setting(25, "evaluate every N steps (0: only before the first and after the end)")
@@ -99,7 +104,10 @@ class RunSettings:  # the run's flags, after the algorithm's (grpo.Config): wher
                                             "--num-inference-steps; Flow-GRPO trains at 10, evaluates at 40)")
     eval_reward: str = _setting("", "rewards only measured on the eval prompts, e.g. shapes_exact")
     reward_timeout: float = _setting(600.0, "seconds a served reward (--reward http://HOST:PORT/NAME) may take to "
-                                            "answer a group before it is tried again (docs/rewards.md)")
+                                            "answer a group, from connecting to its answer's last byte, before it is "
+                                            "tried again (docs/rewards.md)")
+    reward_wait: float = _setting(0.0, "seconds the start-up check waits for a served reward whose server is still "
+                                       "starting, trying every 2 s (0: one try)")
     save_every: int = _setting(50, "save a checkpoint (<out>/checkpoints/step-N/) every N steps (0: only at the end)")
     save_total_limit: int = _setting(0, "keep only the latest K checkpoints (0: keep all)")
     save_merged: bool = _setting(False, "also write <out>/final/pipeline/: the whole pipeline, LoRA merged, that "
@@ -143,12 +151,22 @@ def with_run_settings(config: type) -> type:
     return _WITH_RUN[config]
 
 
+PRESETS = {  # the real model's settings, where grpo.Config's defaults (and the run's) are the tiny model's: (tiny, real)
+    "group_size": (8, 4), "prompts_per_step": (2, 1), "kl_beta": (0.1, 0.04), "mu": (2, 1), "lr": (1e-4, 1e-5),
+    "micro_batch_size": (0, 1), "top_p": (1.0, 0.75), "shuffle": (False, True), "height": (96, 1024),
+    "width": (96, 1024), "num_inference_steps": (2, 50), "guidance_scale": (1.0, 1.5), "lora_rank": (0, 16),
+    "before_after": (4, 0),
+}
+
+
 class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """--help with each flag's default, except where the default is None: a field whose default depends on the model
-    (grpo.preset) says its defaults in its own help."""
+    """--help with each flag's default, except where the default is None or the help says its own (a preset's: its
+    tiny and real defaults)."""
 
     def _get_help_string(self, action):
-        return action.help if action.default is None else super()._get_help_string(action)
+        if action.default is None or "(default: " in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
 
 
 def config_parser(config, default=None) -> argparse.ArgumentParser:
@@ -162,10 +180,13 @@ def config_parser(config, default=None) -> argparse.ArgumentParser:
         flag, kind = "--" + f.name.replace("_", "-"), field_kind(f)
         value = f.default if default is None else default
         rule = f" [{RULES[f.name].text()}]" if f.name in RULES else ""  # a number's range, as validate checks it
+        text = f.metadata["help"]
+        if f.name in PRESETS:  # its default depends on the model
+            text += " (default: {} tiny, {} real)".format(*PRESETS[f.name])
         if kind is bool:
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=value, help=f.metadata["help"])
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=value, help=text)
         else:
-            parser.add_argument(flag, type=kind, default=value, help=f.metadata["help"] + rule)
+            parser.add_argument(flag, type=kind, default=value, help=text + rule)
     return parser
 
 
@@ -279,12 +300,15 @@ def check_model(model: str, revision: str = "") -> None:
                          f"it where there is a network (hf download {model}), or use --model tiny or a local folder")
 
 
-def load_evals(cfg, rewards: dict, table: dict) -> tuple[list[dict], dict] | None:
+def load_evals(cfg, rewards: dict, table: dict, base: Path | None = None, served: dict | None = None
+               ) -> tuple[list[dict], dict] | None:
     """The --eval-prompts examples and what is measured on them: the rewards of --reward (weighted as in training) and
-    those of --eval-reward (weight 0: measured, never optimised). None without --eval-prompts. Raises ValueError."""
+    those of --eval-reward (weight 0: measured, never optimised; relative paths from `base`, as parse_rewards). None
+    without --eval-prompts. Raises ValueError."""
     if not cfg.eval_prompts:
         return None
-    measured = parse_rewards(cfg.eval_reward, table, "--eval-reward", cfg.reward_timeout) if cfg.eval_reward else {}
+    measured = (parse_rewards(cfg.eval_reward, table, "--eval-reward", cfg.reward_timeout, base, cfg.reward_wait,
+                              served) if cfg.eval_reward else {})
     eval_rewards = {**rewards, **{name: (fn, 0.0) for name, (fn, _) in measured.items() if name not in rewards}}
     examples = load_examples(read_prompts(cfg.eval_prompts, "--eval-prompts"), eval_rewards, cfg.height, cfg.width)
     check_rewards(measured, examples[0], cfg.height, cfg.width)
@@ -306,14 +330,25 @@ def prepare(cfg, argv: list[str] | None, table: dict, lesson, train: str = "ar")
         if trains != train and trains in SCRIPTS:  # one entry point per trained model (each its own Config)
             what = f"{out} trains the {trains.upper()}" if cfg.resume else f"--train {trains}"
             raise ValueError(f"{what} is {SCRIPTS[trains]}'s to run: python {SCRIPTS[trains]} with the same flags")
+        inputs, base = None, None  # a resumed run: the files it read and its start directory (inputs.json)
         if cfg.resume:
+            inputs = read_inputs(out)
+            base = Path(inputs["cwd"]) if inputs else None
             given = given_flags(type(cfg), argv, saved)
-            refused = sorted(given - {"resume", *RESUMABLE})  # the objective's flags: the run goes on as it was
+            moved = {key: served_moves(saved.get(key, ""), getattr(cfg, key)) for key in ("reward", "eval_reward")
+                     if key in given}  # a served reward at a new address: the same reward, its name kept
+            refused = sorted(given - {"resume", *RESUMABLE, *(key for key, moves in moved.items() if moves)})
             if refused:
                 raise ValueError(f"--resume continues {out} with its saved settings, so it cannot take "
                                  f"{', '.join('--' + f.replace('_', '-') for f in refused)}: drop them (or start a new "
                                  "run with another --out)")
             keep = {f: getattr(cfg, f) for f in RESUMABLE if f in given}
+            served = {**(inputs or {}).get("served", {}), **{k: v for moves in moved.values() for k, v in moves.items()}}
+            for name, address in served.items():
+                if int(os.environ.get("RANK", 0)) == 0 and any(name in m for m in moved.values()):
+                    print(f"note: reward '{name}' is served at {address} now (its metrics keep its name)",
+                          file=sys.stderr)
+            inputs = {**(inputs or {"cwd": str(Path.cwd()), "files": {}}), "served": served} if served else inputs
             try:
                 cfg = dataclasses.replace(type(cfg)(**saved), **{"overwrite": False, **keep}, resume=cfg.resume,
                                           out=str(out))
@@ -342,13 +377,20 @@ def prepare(cfg, argv: list[str] | None, table: dict, lesson, train: str = "ar")
                 raise ValueError(f"--resume {cfg.resume} goes back to step {start}, and {out} has later checkpoints "
                                  f"({', '.join(later)}){final} that the run would replace: keep a copy of what you "
                                  f"need, then add --overwrite to delete them (or resume the latest: --resume {out})")
+        cfg = dataclasses.replace(cfg, **absolute_inputs(cfg, base or Path.cwd()))  # what config.json keeps
+        changed = changed_inputs(inputs["files"]) if inputs else None
+        if changed:
+            raise ValueError(f"--resume {out}: {changed} since the run started, and a resumed run reads the inputs it "
+                             "started with: put it back as it was, or start a new run (another --out)")
         validate(cfg)
         check_model(cfg.model, cfg.revision)
         if int(os.environ.get("RANK", 0)) == 0:  # rank 0 alone pushes
             check_push(cfg)
         check_reporter(cfg.report_to)
         check_out_dir(out)
-        rewards = parse_rewards(cfg.reward, table, timeout=cfg.reward_timeout)
+        served = (inputs or {}).get("served", {})  # {a served reward's name: where it is served now}
+        rewards = parse_rewards(cfg.reward, table, timeout=cfg.reward_timeout, base=base, wait=cfg.reward_wait,
+                                served=served)
         examples = load_examples(read_prompts(cfg.prompts), rewards, cfg.height, cfg.width)
         check_rewards(rewards, examples[0], cfg.height, cfg.width)
         if getattr(cfg, "gardo_diversity", "none") == "dino":  # its DINOv2 loads now, not at step 1
@@ -356,7 +398,9 @@ def prepare(cfg, argv: list[str] | None, table: dict, lesson, train: str = "ar")
         if cfg.train == "dit" and any(e["source"] is not None for e in examples):
             raise ValueError(f"--train dit is text-to-image only for now, and {cfg.prompts} has source images; train "
                              "the AR on edits (--train ar)")
-        evals = load_evals(cfg, rewards, table)
+        evals = load_evals(cfg, rewards, table, base, served)
+        if int(os.environ.get("RANK", 0)) == 0 and out.is_dir():  # the directory is this run's alone (its rank 0
+            hold_run_dir(out)  # holds it; open_run holds a directory this run makes, before it writes there)
         if (not cfg.resume and not cfg.overwrite and any((out / name).exists() for name in RUN_FILES)
                 and not failed_start(out)):  # (a run that stopped before its first checkpoint and step: started again)
             raise ValueError(f"--out {out} holds another run; pass --resume {out} to continue it, --overwrite to "
@@ -367,7 +411,41 @@ def prepare(cfg, argv: list[str] | None, table: dict, lesson, train: str = "ar")
         print(f"{out} has done all {start} steps of --steps {cfg.steps}: nothing to do (pass a larger --steps to "
               "train on)")
         raise SystemExit(0)  # (a run that stopped while writing final/ has no step to do, then its end again)
-    return Run(cfg, out, start, state, examples, rewards, evals, lesson)
+    inputs = inputs or {"cwd": str(Path.cwd()), "files": input_digests(cfg)}
+    return Run(cfg, out, start, state, examples, rewards, evals, lesson, inputs=inputs)
+
+
+def served_moves(saved: str, given: str) -> dict[str, str]:
+    """{a served reward's URL as the run named it: its URL now} when the --reward spec `given` is the `saved` one with
+    only served rewards' host and port changed (the same rewards, weights, order and paths: a server that moved); {}
+    when anything else differs (or nothing)."""
+    import urllib.parse
+    before, after = saved.split(",") if saved else [], given.split(",") if given else []
+    if len(before) != len(after):
+        return {}
+    moves = {}
+    for old_part, new_part in zip(before, after):
+        old, new = split_reward(old_part), split_reward(new_part)
+        if old == new:
+            continue
+        a, b = urllib.parse.urlsplit(old[0]), urllib.parse.urlsplit(new[0])
+        if not (is_url(old[0]) and is_url(new[0]) and (a.scheme, a.path, a.query) == (b.scheme, b.path, b.query)
+                and old[1:] == new[1:]):
+            return {}
+        moves[old[0]] = new[0]
+    return moves
+
+
+def absolute_inputs(cfg, base: Path) -> dict:
+    """The input paths of `cfg` made absolute from `base` (the directory the run started in), as config.json keeps
+    them: prompts, eval_prompts, and model when it names a folder (not tiny, a hub id or random). A resume from
+    another directory then reads the same files; --out stays as given (the run's lines name it so)."""
+    paths = {key: str((base / Path(getattr(cfg, key)).expanduser()).absolute())
+             for key in ("prompts", "eval_prompts") if getattr(cfg, key, "")}
+    model = Path(cfg.model).expanduser()
+    if cfg.model not in TINY_NAMES and cfg.model.split(":")[0] != "random" and (base / model).is_dir():
+        paths["model"] = str((base / model).absolute())
+    return paths
 
 
 def leave() -> None:
@@ -575,7 +653,12 @@ def open_run(r: Run, policy, optimizer, ref_model=None) -> None:
             load_schedule(r.scheduler, state["scheduler"], r.cfg.mu)
         r.variants.load_state_dict(state.get("variants", {}))
         r.evaluated = {h["step"] for h in read_metrics(r.out) if h.get("eval") and h["step"] <= r.start}  # kept
-    r.history = open_run_dir(r.out, r.cfg, r.start) if r.rank == 0 else []  # the training metrics before `start`
+    if r.rank == 0:
+        try:  # a run started at the same moment into the same new --out: the first to get here holds it
+            hold_run_dir(r.out)
+        except ValueError as error:
+            fail(str(error))
+    r.history = open_run_dir(r.out, r.cfg, r.start, r.inputs) if r.rank == 0 else []  # the metrics before `start`
     r.skipped, r.done, r.saved = sum(h["skipped"] for h in r.history), r.start, r.start if r.checkpoint else -1
     if not r.checkpoint:
         seed_everything(r.cfg.seed)
@@ -771,17 +854,8 @@ def example_index(r: Run, group: int) -> int:
     """The example group `group` trains on: the (g mod n)-th of epoch g // n (n examples), in the file's order, or with
     --shuffle in that epoch's permutation of the examples, drawn from --seed: every example once an epoch, the same
     order again after --resume."""
-    epoch, position = divmod(group, len(r.examples))
-    if not r.cfg.shuffle:  # None: a run saved before --shuffle existed, in file order
-        return position
-    return epoch_order(len(r.examples), r.cfg.seed, epoch)[position]
-
-
-@functools.lru_cache(maxsize=4)
-def epoch_order(n: int, seed: int, epoch: int) -> list[int]:
-    """A permutation of range(n), fixed by the run's seed and the epoch."""
-    generator = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
-    return torch.randperm(n, generator=generator).tolist()
+    return r.lesson.example_index(group, len(r.examples), r.cfg.seed, bool(r.cfg.shuffle))  # (None: a run saved
+    # before --shuffle existed, in file order)
 
 
 def finite_groups(r: Run, step: int, reward: torch.Tensor, each: dict, batch: list[dict]) -> torch.Tensor:
@@ -816,7 +890,7 @@ def log_step(r: Run, step: int, groups: list[int], reward: torch.Tensor, each: d
     group's rollout (grpo.Rollout: its large grids are logged) or a tensor (dit_grpo.py's final latents). The bar shows
     the step's reward, its mean over the last 20 steps (steps differ by prompt) and, when there is a KL term, the
     KL."""
-    samples = [s.tokens[:, -math.prod(s.large_hw):] if hasattr(s, "large_hw") else s for s in samples]
+    samples = [s.tokens[:, -math.prod(s.prompt.large_hw):] if hasattr(s, "prompt") else s for s in samples]
     indices = [example_index(r, g) for g in groups]  # the examples of the step's groups
     record = step_record(step, indices, reward, each, advantages, kept, samples, reduce_metrics(metrics), seconds)
     record["lr"] = metrics.get("lr", r.optimizer.param_groups[0]["lr"])  # the step's first update's
@@ -1036,13 +1110,13 @@ def evaluate(pipe, examples: list[dict], seeds: list[int], rewards: dict, n_samp
     for c in range(0, len(examples), chunk):
         some = examples[c:c + chunk]
         rollouts += sample_groups(pipe, [ex["prompt"] for ex in some], n_samples, cfg.height, cfg.width,
-                                  cfg.temperature, seeds[c:c + chunk], [ex.get("source") for ex in some], cfg.top_k,
-                                  cfg.top_p)
+                                  cfg.temperature, seeds[c:c + chunk], top_k=cfg.top_k, top_p=cfg.top_p,
+                                  sources=[ex.get("source") for ex in some])
     dit_steps = cfg.eval_inference_steps or cfg.num_inference_steps  # the evaluation's own, if given
     shown = tqdm(zip(examples, rollouts), total=len(examples), **inner_bar("evaluation"))  # a slow one shows
-    images = [decode_images(pipe, ex["prompt"], r.tokens, r.large_hw, cfg.height, cfg.width, dit_steps, cfg.decode_seed,
-                            cfg.guidance_scale, r.source) for ex, r in shown]
-    layouts = torch.tensor([float(len(r.tokens[:, -r.large_hw[0] * r.large_hw[1]:].unique(dim=0)))
+    images = [decode_images(pipe, ex["prompt"], r.tokens, r.prompt.large_hw, cfg.height, cfg.width, dit_steps,
+                            cfg.decode_seed, cfg.guidance_scale, r.prompt.source) for ex, r in shown]
+    layouts = torch.tensor([float(len(r.tokens[:, -math.prod(r.prompt.large_hw):].unique(dim=0)))
                             for r in rollouts])  # the large grids: what the DiT sees
     if not examples:  # a process with no share of the examples
         none = torch.zeros(0, n_samples)
@@ -1188,6 +1262,7 @@ def finish(r: Run) -> dict:
             atomic_write(r.out / "final" / "run.json", lambda f: f.write(record))
         if r.cfg.push_to_hub:
             push(r)
+    release_run_dir(r.out)  # (a process that goes on, as a notebook's: the directory is free again)
     return summary
 
 

@@ -13,6 +13,7 @@ import os
 import random
 import re
 import shutil
+import sys
 import tempfile
 import uuid
 from pathlib import Path
@@ -22,7 +23,7 @@ import torch
 from PIL import Image, ImageDraw
 
 
-RUN_FILES = ("config.json", "metrics.jsonl", "samples.jsonl", "checkpoint.pt", "checkpoints", "images", "final",
+RUN_FILES = ("config.json", "inputs.json", "metrics.jsonl", "samples.jsonl", "checkpoint.pt", "checkpoints", "images", "final",
              "final.tmp", "final.old", "curves.png", "tensorboard", "wandb", "wandb_run_id.txt", "error.txt")  # a run's files in --out (checkpoint.pt: a run's one checkpoint
 # before checkpoints/ existed; final.tmp / .old: what a killed write of final/ leaves)
 STATE = "trainer_state.pt"  # in each checkpoints/step-N/, beside the loadable model: what --resume reads
@@ -46,6 +47,54 @@ def check_out_dir(out: Path) -> None:
     except OSError as error:
         raise ValueError(f"--out {out} is not writable ({error.strerror or error}); choose a directory you can "
                          "write to") from None
+
+
+HELD: dict[tuple[int, int], int] = {}  # the run directories this process holds: (device, inode) -> a descriptor
+
+
+def hold_run_dir(out: Path) -> None:
+    """Make `out` this run's alone while the process lives: an exclusive flock on the directory itself (created if it
+    does not exist; no lock file is written), which the operating system releases when the process ends, however it
+    ends (a killed run leaves nothing to clean). The process may hold it again (a resume after a run in one Python
+    session). Raises ValueError while another live process holds it: a second run into the same --out, --resume and
+    --overwrite included. Where flock is missing (Windows) nothing is held."""
+    try:
+        import fcntl
+    except ImportError:
+        return
+    out.mkdir(parents=True, exist_ok=True)
+    status = out.stat()
+    key = (status.st_dev, status.st_ino)
+    if key in HELD:
+        return
+    fd = os.open(out, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        holder = lock_holder(status.st_ino)
+        raise ValueError(f"--out {out} is in use by a live run{f' (process {holder})' if holder else ''}: wait for it "
+                         "to end, or give another --out") from None
+    HELD[key] = fd
+
+
+def release_run_dir(out: Path) -> None:
+    """Let go of `out` (hold_run_dir), at the end of a run that finished in a process that goes on."""
+    with contextlib.suppress(OSError):
+        status = out.stat()
+        fd = HELD.pop((status.st_dev, status.st_ino), None)
+        if fd is not None:
+            os.close(fd)
+
+
+def lock_holder(inode: int) -> int | None:
+    """The process holding a flock on the file of `inode`, from Linux's /proc/locks; None where that cannot be read."""
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        for line in Path("/proc/locks").read_text().splitlines():
+            fields = line.split()
+            if fields[1] == "FLOCK" and int(fields[5].split(":")[-1]) == inode:
+                return int(fields[4])
+    return None
 
 
 def failed_start(out: Path) -> bool:
@@ -133,7 +182,22 @@ def read_metrics(out: Path, name: str = "metrics.jsonl") -> list[dict]:
     return records
 
 
-def open_run_dir(out: Path, cfg, start: int) -> list[dict]:
+def read_inputs(out: Path) -> dict | None:
+    """A run's inputs.json: {"cwd": the directory it started in, "files": {absolute path: sha256} of what it reads};
+    None for a run saved before it existed. Raises ValueError when it is damaged."""
+    path = out / "inputs.json"
+    if not path.is_file():
+        return None
+    try:
+        inputs = json.loads(path.read_text(encoding="utf-8"))
+        assert isinstance(inputs.get("cwd"), str) and isinstance(inputs.get("files"), dict)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, AssertionError, AttributeError):
+        raise ValueError(f"{path} is truncated or not a run's inputs.json; delete it to resume without checking the "
+                         "inputs, or start a new run") from None
+    return inputs
+
+
+def open_run_dir(out: Path, cfg, start: int, inputs: dict | None = None) -> list[dict]:
     """Make `out` ready for a run starting at step `start`; returns the training metrics of the steps before it.
 
     A new run first clears what an earlier run left (the caller allows that only with --overwrite);
@@ -157,6 +221,8 @@ def open_run_dir(out: Path, cfg, start: int) -> list[dict]:
     samples = [row for row in read_metrics(out, "samples.jsonl") if row["step"] <= start] if cfg.resume else []
     saved = {**dataclasses.asdict(cfg), "overwrite": False}  # what a later --resume continues: never to delete
     atomic_write(out / "config.json", lambda f: f.write(json.dumps(saved, indent=2).encode()))
+    if inputs is not None:  # the files the run reads: a resume reads the same ones (run.prepare checks)
+        atomic_write(out / "inputs.json", lambda f: f.write(json.dumps(inputs, indent=2).encode()))
     atomic_write(out / "metrics.jsonl", lambda f: f.write("".join(json.dumps(h) + "\n" for h in kept).encode()))
     atomic_write(out / "samples.jsonl", lambda f: f.write("".join(json.dumps(s) + "\n" for s in samples).encode()))
     return [h for h in kept if not h.get("eval")]
@@ -517,7 +583,8 @@ class Reporter:
     later events of an earlier try purged) and Weights & Biases (online unless WANDB_MODE says otherwise, e.g.
     offline: <out>/wandb, `wandb sync` uploads it; --wandb-project, --wandb-entity, --run-name; the run's id kept in
     <out>/wandb_run_id.txt, so a resume continues the same wandb run). "none" does nothing; metrics.jsonl and the PNG
-    grids are written either way. `start`: the steps done before (a resume)."""
+    grids are written either way. `start`: the steps done before (a resume). A wandb that cannot start online (no
+    network, the service down) logs offline instead, said in one line: the run never stops for its tracker."""
 
     def __init__(self, spec: str, out: Path, config: dict, start: int = 0):
         self.kinds, self.writers = reporters(spec), {}
@@ -532,9 +599,17 @@ class Reporter:
             id_file = out / WANDB_ID
             run_id = id_file.read_text().strip() if id_file.exists() else uuid.uuid4().hex[:8]  # wandb's form
             atomic_write(id_file, lambda f: f.write(run_id.encode()))
-            self.writers["wandb"] = wandb.init(  # mode: WANDB_MODE, else `wandb offline`'s setting, else online
-                dir=str(out), config=config, id=run_id, resume="allow", name=config.get("run_name") or out.name,
-                project=config.get("wandb_project") or "grpo-glm-image", entity=config.get("wandb_entity") or None)
+            settings = dict(dir=str(out), config=config, id=run_id, resume="allow", name=config.get("run_name") or
+                            out.name, project=config.get("wandb_project") or "grpo-glm-image",
+                            entity=config.get("wandb_entity") or None)
+            try:  # mode: WANDB_MODE, else `wandb offline`'s setting, else online
+                self.writers["wandb"] = wandb.init(**settings)
+            except Exception as error:  # no network, a proxy in the way, the service down: the run goes on, offline
+                reason = f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ''}"
+                print(f"warning: wandb could not start online ({reason[:200]}); logging offline to {out / 'wandb'} "
+                      f"instead: wandb sync {out / 'wandb'}/offline-run-* uploads it later", file=sys.stderr)
+                wandb.teardown()  # the failed online start still holds the run's id in wandb's service
+                self.writers["wandb"] = wandb.init(**settings, mode="offline")
             # the run's own step as the x axis: wandb drops lines below its last step, and a resume redoes steps
             self.writers["wandb"].define_metric("step")
             self.writers["wandb"].define_metric("*", step_metric="step")

@@ -20,22 +20,36 @@ The protocol (docs/rewards.md has it with a server in a page of code):
   wait for the others, and --reward-timeout must cover that wait.
 
 The faults and their rules (docs/robustness.md):
-  - Before the first answer (the start-up check, on three gray images): one try. A server that does not answer, or
+  - A try is one POST answered in full within --reward-timeout seconds, from connecting to the answer's last byte: a
+    deadline (a server that trickles its answer a byte a second cannot stretch it).
+  - Before the first answer (the start-up check, on three gray images): one try, or, with --reward-wait S, a try every
+    2 s for up to S seconds while its server starts (refused, or 502 / 503 / 504). A server that does not answer, or
     answers what is not scores, stops the run before anything is written (exit 2).
-  - After it: a try that gets no answer (refused, dropped, reset, nothing received for --reward-timeout s) or a
-    502 / 503 / 504 (a proxy or a server still loading) is tried again, after 1, 2, 4, 8, 16 and 32 s (RETRY_WAITS:
-    a restarted server has about a minute to come back). Anything else (another status, an answer that is not G
-    finite numbers), or a seventh try that fails, is a ServedRewardError: the run stops with one line, its landed
-    steps saved and the command to continue (helpers/run.py's reward_failed). No group is ever trained on a score it
-    did not get.
+  - After it: a try that gets no answer (refused, dropped, reset, no whole answer in time) or a 502 / 503 / 504 (a
+    proxy or a server still loading) is tried again, after 1, 2, 4, 8, 16 and 32 s (RETRY_WAITS: a restarted server
+    has about a minute to come back), each said in one line. Anything else (another status, a redirect, an answer
+    that is not G finite numbers), or a seventh try that fails, is a ServedRewardError: the run stops with one line,
+    its landed steps saved and the command to continue (helpers/run.py's reward_failed). No group is ever trained on
+    a score it did not get.
+  - A redirect (3xx) is an error naming where it points, never followed: urllib would follow a POST's 302 as a GET
+    without the images, and a target answering a GET with G numbers would be trained on.
+  - Proxies: a loopback URL (localhost, 127.0.0.0/8, ::1) never goes through one; any other follows the environment
+    (http_proxy, https_proxy, no_proxy), and every message about it names the proxy it went through.
 """
 import base64
+import contextlib
+import html.parser
 import http.client
 import io
+import ipaddress
 import json
 import math
+import socket
+import sys
+import threading
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 
 import numpy as np
@@ -132,12 +146,50 @@ def read_answer(body: bytes, n: int) -> list[float]:
 
 # ---- The client: one request a group, tried again when the server did not answer -----------------------------------
 
+# ---- The network as clusters set it: proxies, redirects, deadlines ----------------------------------------------
+
+def loopback(host: str | None) -> bool:
+    """Whether `host` is this machine itself: localhost, 127.0.0.0/8 or ::1."""
+    if not host:
+        return False
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def proxy_for(url: str) -> str | None:
+    """The proxy a request to `url` goes through, or None. The rule: a loopback host never goes through one (a proxy
+    elsewhere cannot reach this machine's own servers; clusters set http_proxy for the outside world), nor a host that
+    no_proxy names; any other takes the environment's http_proxy / https_proxy (as urllib, curl and requests read
+    them)."""
+    parts = urllib.parse.urlsplit(url)
+    if loopback(parts.hostname) or urllib.request.proxy_bypass_environment(parts.hostname or ""):
+        return None
+    return urllib.request.getproxies_environment().get(parts.scheme)
+
+
+class NoRedirects(urllib.request.HTTPRedirectHandler):
+    """A redirect is an answer that is not the scores (a POST followed as a GET would lose its body): urllib raises it
+    as an HTTPError with its 3xx status."""
+
+    def redirect_request(self, req, fp, code, msg, headers, newurl):
+        return None
+
+
 class ServedReward:
     """The reward served at `url`, as a reward function: fn(images, example) -> (G,) float32 scores. `timeout`: the
-    seconds a try waits for an answer (--reward-timeout). The module docstring gives the rules of its faults."""
+    seconds a try may take, the whole request from connecting to the last byte of the answer (--reward-timeout: a
+    deadline, not a wait between two bytes); `wait`: the seconds its first answer may take to come, trying every 2 s
+    while its server starts (--reward-wait); `address`: where it is served now, when it moved since the run started
+    (the url stays its name, the metrics' reward/<url>). The module docstring gives the rules of its faults. Every
+    try again is one line on stderr."""
 
-    def __init__(self, url: str, timeout: float = 600.0):
-        self.url, self.timeout = url, timeout
+    def __init__(self, url: str, timeout: float = 600.0, wait: float = 0.0, address: str | None = None):
+        self.url, self.timeout, self.wait, self.address = url, timeout, wait, address or url
+        self.proxy = proxy_for(self.address)
         self.answered = False  # until its first answer, a fault stops at once: a server that never answered is absent
 
     def __call__(self, images: torch.Tensor, example: dict) -> torch.Tensor:
@@ -146,34 +198,122 @@ class ServedReward:
         self.answered = True
         return torch.tensor(scores, dtype=torch.float32)
 
+    def where(self) -> str:
+        """How the messages name where it was asked: its address when it moved, and the proxy when one was used."""
+        moved = f" at {self.address}" if self.address != self.url else ""
+        return f"{moved} via proxy {self.proxy}" if self.proxy else moved
+
     def post(self, body: bytes) -> bytes:
+        began = time.monotonic()
         waits = RETRY_WAITS if self.answered else ()
-        request = urllib.request.Request(self.url, body, {"Content-Type": "application/json"}, method="POST")
-        for tries, wait in enumerate((0, *waits), start=1):
-            time.sleep(wait)
+        tries, problem = 0, ""
+        while True:
+            tries += 1
             try:
-                with urllib.request.urlopen(request, timeout=self.timeout) as response:
-                    if response.status != 200:  # urllib raises for >= 400; a 2xx other than 200 is no answer either
-                        raise ServedRewardError(f"answered HTTP {response.status} {response.reason}; answer 200 with "
-                                                "the scores")
-                    return response.read()
+                return self.try_once(body)
             except urllib.error.HTTPError as error:  # it answered, with an error status
-                problem = f"answered HTTP {error.code} {error.reason}{said(error)}"
+                problem = answered(error, self.address)
                 if error.code not in RETRIED_STATUSES:
-                    raise ServedRewardError(problem) from None
+                    raise ServedRewardError(problem + self.where()) from None
             except NO_ANSWER as error:
                 problem = f"did not answer ({reason(error, self.timeout)})"
+            starting = not self.answered and time.monotonic() - began + 2 <= self.wait  # its server may be loading
+            if tries > len(waits) and not starting:
+                break
+            pause = 2 if starting else waits[tries - 1]
+            total = "" if starting else f" of {len(waits) + 1}"
+            print(f"served reward {self.url}{self.where()}: {problem}; trying again in {pause} s (try {tries + 1}"
+                  f"{total})", file=sys.stderr, flush=True)
+            time.sleep(pause)
+        spent = time.monotonic() - began
         if not self.answered:
-            raise ServedRewardError(f"{problem}; start its server (docs/rewards.md: python tools/reward_server.py) "
-                                    "or fix the URL")
-        raise ServedRewardError(f"{problem}, {tries} tries over {round(sum(waits), 3):g} s; is its server running?")
+            waited = f" (waited {spent:.0f} s: --reward-wait)" if self.wait else ""
+            raise ServedRewardError(f"{problem}{self.where()}{waited}; start its server (docs/rewards.md: python "
+                                    "tools/reward_server.py; --reward-wait S waits for one that starts) or fix the "
+                                    "URL")
+        raise ServedRewardError(f"{problem}{self.where()}, {tries} tries over {spent:.1f} s; is its server running?")
+
+    def try_once(self, body: bytes) -> bytes:
+        """One POST, answered in full within `timeout` seconds: its body, or the error (HTTPError for a status that is
+        not 200, TimeoutError past the deadline). The request runs in a thread the deadline abandons: a server that
+        sends one byte a second keeps no try alive longer (urllib's timeout bounds each wait between two bytes
+        only)."""
+        handlers = [urllib.request.ProxyHandler({urllib.parse.urlsplit(self.address).scheme: self.proxy}
+                                                if self.proxy else {}), NoRedirects()]
+        opener = urllib.request.build_opener(*handlers)
+        request = urllib.request.Request(self.address, body, {"Content-Type": "application/json"}, method="POST")
+        outcome, connection = {}, {}
+
+        def ask():
+            try:
+                with opener.open(request, timeout=self.timeout) as response:
+                    connection["response"] = response
+                    if response.status != 200:  # urllib raises for >= 400; another 2xx is no answer either
+                        outcome["error"] = ServedRewardError(f"answered HTTP {response.status} {response.reason}; "
+                                                             "answer 200 with the scores")
+                        return
+                    outcome["body"] = response.read()
+            except BaseException as error:  # noqa: BLE001 (handed to the caller)
+                outcome["error"] = error
+
+        worker = threading.Thread(target=ask, daemon=True)
+        worker.start()
+        worker.join(self.timeout)
+        if worker.is_alive():  # past the deadline: the answer, if it ever comes, is dropped with the connection
+            # (shut down under the reading thread: closing the response would wait for its read to end)
+            sock = getattr(getattr(getattr(connection.get("response"), "fp", None), "raw", None), "_sock", None)
+            if sock is not None:
+                with contextlib.suppress(OSError):
+                    sock.shutdown(socket.SHUT_RDWR)
+            raise TimeoutError(f"no whole answer within --reward-timeout {self.timeout:g} s")
+        if "error" in outcome:
+            raise outcome["error"]
+        return outcome["body"]
+
+
+def answered(error: urllib.error.HTTPError, url: str) -> str:
+    """An error status in words: a redirect names where it points (its Location) and the fix."""
+    if 300 <= error.code < 400:
+        target = error.headers.get("Location", "") if error.headers else ""
+        to = f" to {urllib.parse.urljoin(url, target)}" if target else ""
+        return (f"answered HTTP {error.code} {error.reason}, a redirect{to}; give --reward the URL that answers the "
+                "POST itself (a redirect is not followed: a POST followed as a GET loses its images)")
+    return f"answered HTTP {error.code} {error.reason}{said(error)}"
+
+
+class PageText(html.parser.HTMLParser):
+    """The words of an HTML page: its <title>, and its text outside <script> and <style>."""
+
+    def __init__(self):
+        super().__init__()
+        self.title, self.text, self.inside = "", [], []
+
+    def handle_starttag(self, tag, attrs):
+        self.inside.append(tag)
+
+    def handle_endtag(self, tag):
+        if tag in self.inside:
+            del self.inside[len(self.inside) - 1 - self.inside[::-1].index(tag):]
+
+    def handle_data(self, data):
+        if "title" in self.inside:
+            self.title += data
+        elif not {"script", "style", "head"} & set(self.inside) and data.strip():
+            self.text.append(" ".join(data.split()))
 
 
 def said(error: urllib.error.HTTPError) -> str:
-    """What an error answer's body says: its {"error": ...} or its first line."""
+    """What an error answer's body says: its {"error": ...}, an HTML page's title and first words (a framework's
+    error page), or its first line."""
     try:
         text = error.read().decode(errors="replace").strip()
-        text = json.loads(text).get("error", text) if text.startswith("{") else text
+        if text.startswith("{"):
+            text = json.loads(text).get("error", text)
+        elif text[:1] == "<":
+            page = PageText()
+            page.feed(text)
+            title, words = " ".join(page.title.split()), [t for t in page.text if t != page.title.strip()]
+            text = "; ".join(part for part in (title, " ".join(words)[:160]) if part) or text
     except (OSError, ValueError, AttributeError):
         return ""
     return f": {str(text).splitlines()[0][:200]}" if text else ""
@@ -182,5 +322,5 @@ def said(error: urllib.error.HTTPError) -> str:
 def reason(error: Exception, timeout: float) -> str:
     error = getattr(error, "reason", error)  # URLError wraps the socket's error
     if isinstance(error, TimeoutError) or "timed out" in str(error):
-        return f"no answer within --reward-timeout {timeout:g} s"
+        return f"no whole answer within --reward-timeout {timeout:g} s"
     return f"{type(error).__name__}: {error}" if str(error) else type(error).__name__

@@ -19,7 +19,9 @@ and the fix; helpers/run.py turns it into one line on stderr and exit 2.
   numbers        (RULES, check_numbers)  every numeric flag and config key has a rule here, which the check and
                  --help both read: finite, and in the range of what it means.
   config files   (read_config_file)  YAML or JSON read as the prompts files are (a BOM, any line ends), each value of
-                 its flag's type.
+                 its flag's type, each key once (a key given twice is refused: which one wins is the parser's
+                 accident); a path in it is relative to the file's own folder, as a path on the command line is
+                 relative to the working directory (config_paths); a syntax error keeps what was found and where.
 """
 
 import copy
@@ -274,6 +276,52 @@ def load_examples(examples: list[dict], rewards: dict, height: int, width: int) 
     return loaded
 
 
+# ---- The files a run reads: a resumed run reads the same ones --------------------------------------
+
+def input_files(cfg) -> list[Path]:
+    """Every file a run reads, absolute: the prompts file with its targets and sources, the --eval-prompts file with
+    its, each reward file of --reward and --eval-reward (path/to/file.py:function). Call it on a config whose paths are
+    absolute (relative ones are the working directory's)."""
+    files = []
+    for path, flag in ((cfg.prompts, "--prompts"), (getattr(cfg, "eval_prompts", ""), "--eval-prompts")):
+        if path:
+            files.append(Path(path).absolute())
+            files += [Path(e[role]).absolute() for e in read_prompts(path, flag) for role in ("target", "source")
+                      if e[role] is not None]
+    for spec in (cfg.reward, getattr(cfg, "eval_reward", "")):
+        for part in spec.split(",") if spec else ():
+            name = split_reward(part)[0]
+            if ".py:" in name and not is_url(name):
+                files.append(Path(name.rpartition(":")[0].strip()).expanduser().absolute())
+    return list(dict.fromkeys(files))
+
+
+def file_digest(path: Path) -> str:
+    """The sha256 of a file's bytes (hex)."""
+    import hashlib
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def input_digests(cfg) -> dict[str, str]:
+    """{absolute path: sha256} of every file the run reads (input_files): what a resume checks it reads again."""
+    return {str(path): file_digest(path) for path in input_files(cfg)}
+
+
+def changed_inputs(saved: dict[str, str]) -> str | None:
+    """The first file of a run's saved digests that is gone or changed since, in words ('prompts.txt changed'); None
+    when every one is as the run read it."""
+    for path, digest in saved.items():
+        if not Path(path).is_file():
+            return f"{path} no longer exists"
+        if file_digest(Path(path)) != digest:
+            return f"{path} changed"
+    return None
+
+
 # ---- Rewards: the spec, and the functions' rule -------------------------------------------------
 
 class RewardError(ValueError):
@@ -284,12 +332,16 @@ class RewardError(ValueError):
         self.reward, self.details, self.where = name, details, where  # where: the example's file:line
 
 
-def parse_rewards(spec: str, table: dict, flag: str = "--reward", timeout: float = 600.0) -> dict[str, tuple]:
+def parse_rewards(spec: str, table: dict, flag: str = "--reward", timeout: float = 600.0,
+                  base: Path | None = None, wait: float = 0.0, served: dict | None = None) -> dict[str, tuple]:
     """'ssim=1,ocr=0.5,pickscore@yuvalkirstain/PickScore_v1=1,mypkg.rewards:clip=1' -> {name: (fn, weight)} (a name
     alone weighs 1): names of `table` (grpo.REWARDS; a learned one may name its checkpoint after @), import paths
     module:function (found like `python -m` finds modules: installed, or in the current directory) or
     path/to/file.py:function, or the URL of a served reward, http://HOST:PORT/NAME (helpers/served_reward.py;
-    `timeout`: the seconds a try waits for its answer), each `guarded`.
+    `timeout`: the seconds a try may take; `wait`: those its first answer may take to come), each `guarded`. `base`: the directory its relative paths (a reward file, a
+    module beside it, a checkpoint folder) are relative to, when it is not the current one (a resume from elsewhere:
+    the run's own start directory); the names stay as written, the metrics' names. `served`: {a served reward's URL:
+    where it is served now}, for a server that moved since the run started.
     Every reward listed is computed and logged; weight 0 only keeps it out of the sum. Raises ValueError naming the
     problem."""
     rewards = {}
@@ -297,8 +349,9 @@ def parse_rewards(spec: str, table: dict, flag: str = "--reward", timeout: float
         name, where, weight = split_reward(part, flag)
         if name in rewards:
             raise ValueError(f"reward '{name}' is listed twice in {flag} '{spec}'; list it once")
-        fn = (ServedReward(name, timeout) if is_url(name) else import_reward(name, flag) if ":" in name
-              else table.get(name))
+        found, where = split_reward(reward_paths(part, base), flag)[:2] if base else (name, where)
+        fn = (ServedReward(name, timeout, wait, (served or {}).get(name)) if is_url(name)
+              else import_reward(found, flag, base) if ":" in name else table.get(name))
         if fn is None:
             raise ValueError(f"unknown reward '{name}' in {flag} '{spec}'; use {', '.join(table)}, module:function "
                              "or path/to/file.py:function")
@@ -493,6 +546,7 @@ RULES = {  # every int and float field of grpo.Config, dit_grpo.DitConfig, the v
     "save_total_limit": Rule(0, why="0: keep every checkpoint"),
     "warmup_steps": Rule(0),
     "reward_timeout": Rule(0, open="low"),
+    "reward_wait": Rule(0),
 }
 
 
@@ -528,13 +582,11 @@ def read_config_file(path: str, config) -> dict:
         raise ValueError(f"--config {path}: {'a directory; give a file in it' if file.is_dir() else 'no such file'}")
     text = read_text(file, "--config", "give a YAML or JSON file")
     try:
-        if file.suffix == ".json":
-            values = json.loads(text)
-        else:
-            import yaml  # PyYAML: a dependency of transformers
-            values = yaml.safe_load(text)
-    except Exception as error:  # a syntax error: its first line says where
-        raise ValueError(f"--config {path} does not parse ({first_line(error)})") from None
+        values = parse_json(text) if file.suffix == ".json" else parse_yaml(text)
+    except DuplicateKey as error:
+        raise ValueError(f"--config {path}: {error}") from None
+    except Exception as error:  # a syntax error: what was found, and where
+        raise ValueError(f"--config {path} does not parse: {syntax_error(error)}") from None
     if values is None:
         return {}
     if not isinstance(values, dict):
@@ -550,8 +602,10 @@ def read_config_file(path: str, config) -> dict:
         if key in ONLY_ON_THE_COMMAND_LINE:  # what to do with --out's folder: a run's config.json holds them too
             continue
         kind = field_kind(fields[key])
-        if value is None and fields[key].default is None:  # a preset left to the model, or an option off
+        if value is None and fields[key].default is None:  # an option off
             typed[key] = None
+        elif value is None:  # null: the field's default (the model's, where it has a preset), as if not given
+            continue
         elif isinstance(value, str) and kind is not bool:  # parsed as the flag's text would be
             try:
                 typed[key] = kind(value)
@@ -562,4 +616,93 @@ def read_config_file(path: str, config) -> dict:
             typed[key] = kind(value)
         else:
             raise ValueError(f"--config {path}: {key}: {value!r} is not {KIND_NAMES[kind]}")
-    return typed
+    return config_paths(typed, file.resolve().parent)
+
+
+class DuplicateKey(ValueError):
+    """A key given twice in a config file: which one wins is the parser's accident (PyYAML and json keep the last)."""
+
+
+def parse_yaml(text: str):
+    """YAML (PyYAML's safe loader: a dependency of transformers) with every mapping's keys once each. Raises
+    DuplicateKey naming the key and both lines, and PyYAML's errors for the rest."""
+    import yaml
+
+    class UniqueKeys(yaml.SafeLoader):
+        pass
+
+    def mapping(loader, node, deep=False):
+        lines = {}
+        for key_node, _ in node.value:
+            key = loader.construct_object(key_node, deep=True)
+            line = key_node.start_mark.line + 1
+            if key in lines:
+                raise DuplicateKey(f"{key} is given twice (line {lines[key]} and line {line}); give it once")
+            lines[key] = line
+        return yaml.SafeLoader.construct_mapping(loader, node, deep)
+
+    UniqueKeys.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, mapping)
+    return yaml.load(text, Loader=UniqueKeys)  # noqa: S506 (a SafeLoader)
+
+
+def parse_json(text: str):
+    """JSON with every object's keys once each. Raises DuplicateKey naming the key, json's errors for the rest."""
+    def unique(pairs: list) -> dict:
+        keys = [key for key, _ in pairs]
+        twice = next((key for key in keys if keys.count(key) > 1), None)
+        if twice is not None:
+            raise DuplicateKey(f"{twice} is given twice; give it once")
+        return dict(pairs)
+    return json.loads(text, object_pairs_hook=unique)
+
+
+def syntax_error(error: Exception) -> str:
+    """A YAML or JSON syntax error in one line that keeps its cause and its place: what was found (and while doing
+    what), at which line and column, and for a tab the fix (YAML indents with spaces)."""
+    mark = getattr(error, "problem_mark", None)
+    if mark is not None:  # PyYAML: context ("while scanning ..."), problem ("found character '\t' ..."), the mark
+        problem = getattr(error, "problem", None) or first_line(error)
+        context = f" ({error.context})" if getattr(error, "context", None) else ""
+        tab = "; YAML indents with spaces, not tabs" if "'\\t'" in problem else ""
+        return f"{problem} at line {mark.line + 1}, column {mark.column + 1}{context}{tab}"
+    if isinstance(error, json.JSONDecodeError):
+        return f"{error.msg} at line {error.lineno}, column {error.colno}"
+    return first_line(error)
+
+
+PATH_FIELDS = ("prompts", "eval_prompts", "out")  # a config file's paths, relative to its folder
+
+
+def config_paths(values: dict, folder: Path) -> dict:
+    """A config file's paths, absolute: relative to the file's own folder, as on the command line they are relative to
+    the working directory (so a config file means the same from any directory). prompts, eval_prompts and out; model
+    when it names a folder there (a hub id, tiny or random stays); in reward and eval_reward, a reward file
+    (path/to/file.py:function) and a checkpoint folder (name@folder). ~ is the home folder."""
+    values = dict(values)
+    for key in PATH_FIELDS:
+        if values.get(key):
+            values[key] = str((folder / Path(values[key]).expanduser()).absolute())
+    model = values.get("model")
+    if model and ((folder / model).is_dir() or model.startswith((".", "/", "~"))):
+        values["model"] = str((folder / Path(model).expanduser()).absolute())
+    for key in ("reward", "eval_reward"):
+        if values.get(key):
+            values[key] = ",".join(reward_paths(part, folder) for part in values[key].split(","))
+    return values
+
+
+def reward_paths(part: str, folder: Path) -> str:
+    """One --reward entry with its relative paths made absolute from `folder` (a file's, a checkpoint folder's); an
+    entry without one is returned as it is."""
+    entry, equals, weight = part.rpartition("=") if "=" in part else (part, "", "")
+    name = entry.strip()
+    if is_url(name):
+        return part
+    if ".py:" in name:
+        file, _, attr = name.rpartition(":")
+        return f"{(folder / Path(file.strip()).expanduser()).absolute()}:{attr}{equals}{weight}"
+    base, at, where = name.partition("@")
+    where = where.strip()
+    if at and where and ((folder / where).is_dir() or where.startswith((".", "/", "~"))):
+        return f"{base}@{(folder / Path(where).expanduser()).absolute()}{equals}{weight}"
+    return part

@@ -75,6 +75,11 @@ class VariantSettings:  # grpo.py's flags for the options beside the lesson: all
     truncation_weight: str = _setting("none", "--policy-dist full with top-k / top-p: each loss "
                                               "token's term times its nucleus' mass p / q",
                                       ("mass", "none"))
+    sampler_correction: str = _setting("token_truncate", "TRL's mismatch weights pi_old / pi_sampler: per token or "
+                                                         "per sequence, above --sampler-cap cut to it (truncate) or "
+                                                         "to 0 (mask), or none (grpo.py: token_truncate)",
+                                       ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask",
+                                        "none"))
 
 
 DEFAULTS = VariantSettings()
@@ -176,7 +181,7 @@ def normalize_then_sum(each: dict, weights: dict) -> torch.Tensor:
 
 def large_grids(rollouts: list) -> list[torch.Tensor]:
     """Each rollout's (G, h*w) large grids: the tokens the DiT sees."""
-    return [rollout.tokens[:, -math.prod(rollout.large_hw):] for rollout in rollouts]
+    return [rollout.tokens[:, -math.prod(rollout.prompt.large_hw):] for rollout in rollouts]
 
 
 def repeats(grids: list[torch.Tensor]) -> torch.Tensor:
@@ -261,7 +266,7 @@ def rescaled(advantages: torch.Tensor, rewards: torch.Tensor, scale: str) -> tor
 
 def grid_logprob(rollout) -> torch.Tensor:
     """(G,) the log-probability of each sample's large grid, as the sampler drew it (under q)."""
-    return rollout.q_logprobs[:, -math.prod(rollout.large_hw):].sum(dim=-1)
+    return rollout.q_logprobs[:, -math.prod(rollout.prompt.large_hw):].sum(dim=-1)
 
 
 def credit_to_unlikely(reward: torch.Tensor, loglik: torch.Tensor, unlikeliness: float
@@ -294,7 +299,8 @@ def update(batches: list, loss_fn, policy, cfg, lesson, reward: torch.Tensor | N
         K = policy.config.vq_config.num_embeddings
         batches = [on_truncation(mb, K, truncating) for mb in batches]
     loss_options = (cfg.train_tokens != "large", cfg.clip_eps_high is not None,
-                    cfg.kl_on != "all", cfg.truncation_weight == "mass", cfg.entropy_bonus > 0)
+                    cfg.kl_on != "all", cfg.truncation_weight == "mass", cfg.entropy_bonus > 0,
+                    cfg.sampler_correction != "token_truncate")
     if not any(loss_options):
         return batches, loss_fn
     threshold = None
@@ -394,14 +400,44 @@ def on_truncation(mb, codebook_size: int, truncating: bool = True):
     top-p (`truncating` False) q is p, and the micro-batch stays as it is."""
     from helpers import fast_decode
     rollout = mb.rollout
-    if rollout.support is None and truncating:
+    kept = getattr(rollout, "support", None)  # (the lesson's grpo.Rollout records none)
+    if kept is None and truncating:
         raise ValueError("--policy-dist truncated trains on the codes each draw kept, which "
-                         "helpers/fast_decode.py records (grpo.sample_groups with helpers/ beside "
-                         "it); these rollouts have none")
-    if rollout.support is None:
+                         "helpers/fast_decode.py records (helpers/trainer.py's sample_groups); "
+                         "these rollouts have none")
+    if kept is None:
         return mb
-    support = fast_decode.code_support(rollout.support[mb.rows], codebook_size)  # (mb, N, K) bool
+    support = fast_decode.code_support(kept[mb.rows], codebook_size)  # (mb, N, K) bool
     return mb._replace(support=support, sampler_logprobs=rollout.q_logprobs[mb.rows])
+
+
+def distribution(lesson, logits: torch.Tensor, temperature: float, codebook_size: int,
+                 support: torch.Tensor | None = None) -> torch.Tensor:
+    """The trained distribution: grpo.code_logprobs (the whole softmax p), or, given a (..., K) bool `support`
+    (--policy-dist truncated: the codes each draw kept), the softmax cut to those codes and renormalised, -inf
+    outside."""
+    if support is None:
+        return lesson.code_logprobs(logits, temperature, codebook_size)
+    scores = logits[..., :codebook_size].float() / temperature
+    return torch.log_softmax(scores.masked_fill(~support, -math.inf), dim=-1)
+
+
+def sampler_correction(old_logprobs: torch.Tensor, sampler_logprobs: torch.Tensor,
+                       mode: str = "token_truncate", cap: float = 2.0) -> torch.Tensor:
+    """TRL's mismatch weights in each of its modes (vllm_importance_sampling_mode): (S, T) log-probs of the drawn
+    tokens under ONE distribution, the trained one, as the trainer computes them (pi_old) and as the sampler did ->
+    (S, T) weights pi_old / pi_sampler, per token or, in the sequence modes, one per sequence (the product of its
+    tokens' ratios) on each of its tokens; above `cap` cut to it (truncate) or to 0 (mask); "none": 1.
+    token_truncate is grpo.importance_weights. Not differentiable: a weight, not a term of the policy."""
+    log_ratio = old_logprobs - sampler_logprobs  # (S, T)
+    if mode.startswith("sequence"):
+        log_ratio = log_ratio.sum(dim=1, keepdim=True).expand_as(old_logprobs)
+    ratio = torch.exp(log_ratio.clamp(max=20.0)).detach()  # a sequence's sum can be large
+    if mode.endswith("truncate"):
+        return ratio.clamp(max=cap)
+    if mode.endswith("mask"):
+        return ratio.masked_fill(ratio > cap, 0.0)
+    return torch.ones_like(ratio)
 
 
 @torch.no_grad()
@@ -416,7 +452,7 @@ def mean_entropy(policy, batches: list, temperature: float, train_tokens: str, l
         logits = lesson.token_logits(policy, mb.inputs, mb.tokens)
         if not mb.in_loss:
             continue
-        H = entropy(lesson.code_logprobs(logits, temperature, K, support=mb.support))
+        H = entropy(distribution(lesson, logits, temperature, K, mb.support))
         H = H[:, loss_tokens(mb, train_tokens)]
         total, count = total + H.sum().item(), count + H.numel()
     both = gather_rows(torch.tensor([[total, count]], dtype=torch.float64)).sum(dim=0)
@@ -436,10 +472,12 @@ def loss_tokens(mb, train_tokens: str) -> slice:
     return slice(mb.n_preview, None)
 
 
-def variant_loss(distribution: torch.Tensor, mb, old_logprobs: torch.Tensor,
-                 ref_logprobs: torch.Tensor | None, settings, *, lesson_loss, cfg, threshold: float | None,
+def variant_loss(trained: torch.Tensor, mb, old_logprobs: torch.Tensor,
+                 ref_logprobs: torch.Tensor | None, *, lesson_loss, cfg, threshold: float | None,
                  kl_weights: dict | None = None) -> tuple[torch.Tensor, dict]:
-    """grpo.micro_batch_loss (`lesson_loss`) with the options on, through grpo_loss' symbols:
+    """grpo.micro_batch_loss (`lesson_loss`: with its settings bound, clip_eps, kl_beta, sampler_cap) with the
+    options on, through grpo_loss' symbols (`trained`: the (mb, N, K) log-probs of pi_theta):
+      --sampler-correction: TRL's other mismatch weights (sampler_correction) in place of the lesson's;
       --train-tokens all: the preview's tokens in the loss too;
       --clip-eps-high H: eps per sample, H where A > 0 (the upper clip acts only there), else eps;
       --kl-on above_mean: beta per sample, 0 where A < 0 (the mistakes go free of the KL);
@@ -449,9 +487,9 @@ def variant_loss(distribution: torch.Tensor, mb, old_logprobs: torch.Tensor,
     then --entropy-bonus B: - B mean(H_t [H_t > threshold]) over the loss tokens, H_t the trained
     distribution's entropy, `threshold` the step's mean (mean_entropy)."""
     cols = loss_tokens(mb, cfg.train_tokens)
-    eps = clip_range(mb.advantages, settings.clip_eps, cfg.clip_eps_high)
+    eps = clip_range(mb.advantages, cfg.clip_eps, cfg.clip_eps_high)
     A = mb.advantages[:, None]  # (mb, 1): a sample's advantage, on each of its tokens
-    beta = torch.full_like(A, settings.kl_beta)  # (mb, 1)
+    beta = torch.full_like(A, cfg.kl_beta)  # (mb, 1)
     if cfg.kl_on == "above_mean":
         beta = beta * (A >= 0)
     if cfg.kl_on == "uncertain":
@@ -462,10 +500,13 @@ def variant_loss(distribution: torch.Tensor, mb, old_logprobs: torch.Tensor,
     # the lesson's loss starts after the preview: with --train-tokens all, from the first token
     first_loss_token = 0 if cfg.train_tokens == "all" else mb.n_preview
     as_lesson = mb._replace(advantages=A, n_preview=first_loss_token)
-    loss, metrics = lesson_loss(distribution, as_lesson, old_logprobs, ref_logprobs,
-                                settings._replace(clip_eps=eps, kl_beta=beta))
+    weights = None  # the lesson's: token_truncate at --sampler-cap
+    if cfg.sampler_correction != "token_truncate":
+        weights = sampler_correction(old_logprobs, mb.sampler_logprobs, cfg.sampler_correction, cfg.sampler_cap)
+    loss, metrics = lesson_loss(trained, as_lesson, old_logprobs, ref_logprobs, clip_eps=eps, kl_beta=beta,
+                                sampler_cap=cfg.sampler_cap, weights=weights)
     if cfg.entropy_bonus > 0:
-        H = entropy(distribution)[:, cols]  # (mb, n)
+        H = entropy(trained)[:, cols]  # (mb, n)
         loss = loss - cfg.entropy_bonus * (H * (H.detach() > threshold)).mean()
         metrics["loss"] = loss.item()
     return loss, metrics

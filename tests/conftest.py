@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")  # one thread a process: the workers (pytest.ini) and their children
@@ -20,7 +21,7 @@ ROOT = Path(__file__).resolve().parent.parent  # the repository: grpo.py, tools/
 sys.path.insert(0, str(ROOT))  # grpo.py, helpers/ and tools/, however pytest was started
 
 import grpo  # noqa: E402
-from helpers import fast_decode, run  # noqa: E402
+from helpers import fast_decode, run, trainer  # noqa: E402
 from helpers.offline_model import sharpen, tiny_glm_image  # noqa: E402
 
 DEVICE = os.environ.get("GRPO_TEST_DEVICE", "cpu")  # where the models run: cpu (CI), or cuda on a machine with a GPU
@@ -51,15 +52,16 @@ def codebook(model) -> int:
 
 
 def sample_group(pipe, prompt, group_size, height, width, temperature, seed, source=None, top_k=0, top_p=1.0):
-    """One prompt's Rollout: grpo.sample_groups with one group."""
-    return grpo.sample_groups(pipe, [prompt], group_size, height, width, temperature, [seed],
-                              None if source is None else [source], top_k, top_p)[0]
+    """One prompt's group as the trainer samples it (helpers/trainer.py: the fast decode, the kept codes' bits): the
+    tokens of grpo.sample_groups (tests/test_fast_decode.py)."""
+    return trainer.sample_groups(grpo, pipe, [prompt], group_size, height, width, temperature, [seed], top_k, top_p,
+                                 None if source is None else [source])[0]
 
 
 def lora_policy(pipe, rank=4, seed=0):
     """The tiny AR with LoRA adapters of `rank` whose B weights are random (peft starts them at 0: a no-op)."""
-    from helpers import setup
-    policy = setup.apply_lora(pipe.vision_language_encoder, rank)
+    policy = trainer.trained_model(grpo, pipe, types.SimpleNamespace(lora_rank=rank, gradient_checkpointing=False,
+                                                                       seed=0))
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():  # LoRA starts as a no-op (B = 0); give it weights so the tests can see it
         for name, p in policy.named_parameters():
@@ -82,8 +84,8 @@ def sampled_rows(logits, top_p, generator, advantages=(1.0, -1.0)):
     tokens = torch.multinomial(q.exp().flatten(0, 1), 1, generator=generator).view(S, N)
     p_logprobs = grpo.logprob_of(grpo.code_logprobs(logits, T, K), tokens)
     support = fast_decode.support_bits(q.isfinite()) if top_p < 1 else None
-    rollout = grpo.Rollout(tokens, grpo.logprob_of(q, tokens), p_logprobs, {}, (0, 0), (1, N), None, support)
-    return grpo.micro_batches([rollout], torch.tensor([advantages]), S)[0]
+    rollout = trainer.Sampled(grpo.Prompt({}, (0, 0), (1, N)), tokens, grpo.logprob_of(q, tokens), p_logprobs, support)
+    return trainer.micro_batches([rollout], torch.tensor([advantages]), S)[0]
 
 
 def smooth_source(height=64, width=64, seed=0) -> torch.Tensor:

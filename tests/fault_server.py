@@ -6,6 +6,10 @@ pixel) at any path, and answers its n-th request (counted from 1) as the n-th en
   ok      {"scores": [...]}             slow   the same, after 3 s          drop   closes the connection unanswered
   503     HTTP 503, then nothing        500    HTTP 500 {"error": ...}      short  one score fewer than images
   nan     a NaN among the scores        text   an HTML page, status 200     exit   the process dies unanswered
+  trickle its headers, then the scores a byte a second                     302    a redirect to /elsewhere
+  html500 HTTP 500 with a framework's HTML error page
+A GET of /elsewhere answers {"scores": [...]} of 0.5s (what a redirect followed as a GET would train on); any other GET
+answers {"rewards": ["/brightness"]} (tools/reward_server.py's readiness answer).
 
 PORT 0 takes a free one. The first line printed is "serving PORT". Nothing but the standard library, numpy and Pillow.
 """
@@ -60,8 +64,34 @@ def main() -> None:
                 return self.send(int(cue), json.dumps({"error": f"cue {cue}"}).encode())
             if cue == "text":
                 return self.send(200, b"<html>not scores</html>", "text/html")
+            if cue == "302":
+                self.send_response(302)
+                self.send_header("Location", "/elsewhere")
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+                return
+            if cue == "html500":
+                page = (b"<!doctype html>\n<html><head><title>500 Internal Server Error</title></head><body>"
+                        b"<h1>Internal Server Error</h1><p>The server encountered an internal error.</p></body></html>")
+                return self.send(500, page, "text/html")
+            if cue == "trickle":
+                body = json.dumps({"scores": scores}).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                for byte in body:
+                    self.wfile.write(bytes([byte]))
+                    self.wfile.flush()
+                    time.sleep(1)
+                return
             scores = scores[:-1] if cue == "short" else [float("nan"), *scores[1:]] if cue == "nan" else scores
             self.send(200, json.dumps({"scores": scores}).encode())
+
+        def do_GET(self):
+            if self.path == "/elsewhere":
+                return self.send(200, json.dumps({"scores": [0.5] * 64}).encode())
+            self.send(200, json.dumps({"rewards": ["/brightness"]}).encode())
 
         def log_message(self, format, *args):
             pass

@@ -43,15 +43,15 @@ def trl_importance_weights(old_per_token_logps, sampling_per_token_logps, mode, 
 
 
 def test_trl_mismatch_weights():
-    """grpo.sampler_correction is TRL's vllm_importance_sampling_mode weights, in each of TRL's four modes (TRL's
+    """variants.sampler_correction (token_truncate: grpo.importance_weights) is TRL's vllm_importance_sampling_mode weights, in each of TRL's four modes (TRL's
     default is sequence_mask at 3.0, this project's token_truncate at 2.0; the modes and the cap mean the same)."""
     old, sampled, _ = random_logprobs(3, 7)
     sampled = old + 0.4 * (sampled + 1.5)  # gaps of both signs, some sequences' sums past the cap
     for mode in ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask"):
         for cap in (2.0, 3.0):
             want = trl_importance_weights(old, sampled, mode, cap)
-            assert torch.allclose(grpo.sampler_correction(old, sampled, mode, cap), want, rtol=1e-6), (mode, cap)
-    masked = grpo.sampler_correction(old, sampled, "sequence_mask", 2.0)
+            assert torch.allclose(variants.sampler_correction(old, sampled, mode, cap), want, rtol=1e-6), (mode, cap)
+    masked = variants.sampler_correction(old, sampled, "sequence_mask", 2.0)
     assert masked.eq(0).any() and masked.ne(0).any()  # the example exercises the mask
 
 
@@ -88,7 +88,7 @@ def test_trl_loss():
     logp, old, ref = random_logprobs(4, 6, seed=1)
     logp = old + 0.3 * (logp + 1.5) / 3  # ratios around 1, some past the clip
     A = torch.tensor([1.2, -0.4, 0.7, -1.5])
-    w = grpo.sampler_correction(old, old - 0.1)
+    w = variants.sampler_correction(old, old - 0.1)
     loss, metrics = grpo.grpo_loss(logp, old, ref, A, 0.2, 0.04, w)
     per_token, kl = trl_per_token_loss(logp, old, ref, A, 0.2, 0.2, 0.04, w)
     mask = torch.ones_like(logp)

@@ -10,6 +10,7 @@ import torch
 
 import dit_grpo
 import grpo
+from helpers import trainer
 from conftest import DEVICE, PARITY, ROOT, sample_group, run_record as records  # a run's metrics.jsonl lines without the timings
 
 SIZE = 96  # the tiny model's world: 3x3 large tokens
@@ -23,7 +24,7 @@ def pipe():
 def world_tokens(pipe, caption="two red circles", seed=0):
     """One AR sample for `caption`: (1, N) tokens and the large grid's size."""
     r = sample_group(pipe, caption, 1, SIZE, SIZE, 0.9, seed=seed)
-    return r.tokens, r.large_hw
+    return r.tokens, r.prompt.large_hw
 
 
 def test_sde_step():
@@ -227,7 +228,7 @@ def test_parse_config():
     assert (given.kl_beta, given.gradient_checkpointing, given.sde_window, given.sde_noise) == (0.1, False, 2, 0.7)
     assert given.micro_batch_size == 1 and tiny.micro_batch_size == tiny.group_size == 8
     assert not {f.name for f in dataclasses.fields(grpo.Config)} & {"sde_noise", "sde_steps", "sde_window"}
-    assert grpo.parse_config([]).gradient_checkpointing is False and grpo.parse_config([]).mu == 2
+    assert trainer.parse_config(grpo, []).gradient_checkpointing is False and trainer.parse_config(grpo, []).mu == 2
 
 
 def run(tmp_path, out, *extra):

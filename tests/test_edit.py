@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import grpo
-from helpers import user_input, rewards
+from helpers import rewards, trainer, user_input
 from helpers import run
 from helpers import world
 from conftest import ROOT, TINY, picture, run_record, sample_group
@@ -126,14 +126,14 @@ def test_train_tiny_edit_quick(tmp_path):
     pipe = grpo.load_glm_image(str(out))
     source = picture({(0, 0): ("red", "circle")})
     rollout = sample_group(pipe, "remove the red circle", 2, 96, 96, 0.9, 0, source)
-    assert rollout.tokens.shape == (2, 9) and rollout.source.codes.tolist() == [1] + [0] * 8
+    assert rollout.tokens.shape == (2, 9) and rollout.prompt.source.codes.tolist() == [1] + [0] * 8
 
 
 def test_tiny_edit_model():
     """The shipped editing model: `--model tiny-edit` loads it with the tiny defaults; its DiT, VAE, T5 are
     tiny_glm_image/'s; its AR differs from the drawing one. Its report says it edits some held-out pairs right and
     gets others wrong (room for GRPO)."""
-    cfg = grpo.parse_config(["--model", "tiny-edit"])
+    cfg = trainer.parse_config(grpo, ["--model", "tiny-edit"])
     assert (cfg.height, cfg.num_inference_steps, cfg.kl_beta, cfg.mu) == (96, 2, 0.1, 2)
     folder = grpo.TINY_MODELS["tiny-edit"]
     for part in ("transformer", "vae", "text_encoder"):

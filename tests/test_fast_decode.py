@@ -13,18 +13,20 @@ import pytest
 import torch
 
 import grpo
-from helpers import fast_decode
+from helpers import fast_decode, trainer
 from conftest import DEVICE, PARITY, T, run_record, sample_group, smooth_source, tiny_run
 from tools.generate_reference import generate_group  # grpo.py's sampler before its decode loop
 
 
 def lesson(pipe, prompts, group_size, height, width, seeds, sources=None, top_p=1.0):
-    """grpo.sample_groups as grpo.py copied alone runs it: grpo.generate a group at a time."""
-    engine, grpo.fast_decode = grpo.fast_decode, None
-    try:
-        return grpo.sample_groups(pipe, prompts, group_size, height, width, T, seeds, sources, top_p=top_p)
-    finally:
-        grpo.fast_decode = engine
+    """grpo.sample_groups, the lesson's: grpo.generate a group at a time."""
+    return grpo.sample_groups(pipe, prompts, group_size, height, width, T, seeds, top_p=top_p, sources=sources)
+
+
+def fast(pipe, prompts, group_size, height, width, seeds, sources=None, top_p=1.0):
+    """helpers/trainer.py's sample_groups: every group in one decode of the engine."""
+    return trainer.sample_groups(grpo, pipe, prompts, group_size, height, width, T, seeds, top_p=top_p,
+                                 sources=sources)
 
 
 @pytest.mark.parametrize("top_p", [1.0, 0.75], ids=["full", "top-p"])
@@ -34,17 +36,17 @@ def test_same_tokens_as_the_lesson(random_pipe, top_p):
     Rollout otherwise; its recorded supports hold every drawn token. On the random model: no token is forced."""
     prompts = ["a red circle", "two blue squares above a green triangle on the left", "make it red"]
     sources, seeds = [None, None, smooth_source(64, 64)], [21, 22, 23]
-    fast = grpo.sample_groups(random_pipe, prompts, 8, 64, 64, T, seeds, sources, top_p=top_p)
+    drawn = fast(random_pipe, prompts, 8, 64, 64, seeds, sources, top_p)
     slow = lesson(random_pipe, prompts, 8, 64, 64, seeds, sources, top_p)
-    assert len({r.inputs["input_ids"].shape[1] for r in fast}) == 3  # three prompt lengths: padding at work
+    assert len({r.prompt.inputs["input_ids"].shape[1] for r in drawn}) == 3  # three prompt lengths: padding at work
     assert all(r.q_logprobs.exp().mean() < 0.2 for r in slow)  # no token is forced: the check has teeth
     K = random_pipe.vision_language_encoder.config.vq_config.num_embeddings
-    for f, s in zip(fast, slow):
+    for f, s in zip(drawn, slow):
         assert torch.equal(f.tokens, s.tokens)
         assert (f.q_logprobs - s.q_logprobs).abs().max() <= 1e-6
         assert (f.p_logprobs - s.p_logprobs).abs().max() <= 1e-6
-        assert (f.preview_hw, f.large_hw, f.source is None) == (s.preview_hw, s.large_hw, s.source is None)
-        assert torch.equal(f.inputs["input_ids"], s.inputs["input_ids"]) and s.support is None
+        assert (f.prompt.preview_hw, f.prompt.large_hw, f.prompt.source is None) == (s.prompt.preview_hw, s.prompt.large_hw, s.prompt.source is None)
+        assert torch.equal(f.prompt.inputs["input_ids"], s.prompt.inputs["input_ids"])
         if top_p < 1:
             assert fast_decode.code_support(f.support, K).gather(-1, f.tokens[..., None]).all()
             assert (f.p_logprobs < f.q_logprobs - 1e-3).any()  # the nucleus cut codes: q and p differ
@@ -59,7 +61,7 @@ def test_decode_static_cache(pipe, monkeypatch):
     r = sample_group(pipe, "a red circle", 4, 96, 64, T, seed=5, top_p=0.9)
     tokens, logprobs, _, _ = generate_group(pipe, "a red circle", 4, 96, 64, T, 5, top_p=0.9)
     assert torch.equal(r.tokens, tokens) and (r.q_logprobs - logprobs).abs().max() <= 1e-5
-    both = grpo.sample_groups(pipe, ["a red circle", "two blue squares above a green triangle"], 2, 96, 96, T, [1, 2])
+    both = fast(pipe, ["a red circle", "two blue squares above a green triangle"], 2, 96, 96, [1, 2])
     for prompt, seed, r in zip(["a red circle", "two blue squares above a green triangle"], [1, 2], both):
         tokens, logprobs, _, _ = generate_group(pipe, prompt, 2, 96, 96, T, seed)
         assert torch.equal(r.tokens, tokens) and (r.q_logprobs - logprobs).abs().max() <= 1e-5
@@ -74,13 +76,13 @@ def test_decode_eager_attention(random_pipe):
     ar.set_attn_implementation("eager")
     assert ar.config.text_config._attn_implementation == "eager"
     prompts = ["a red circle", "two blue squares above a green triangle on the left"]
-    for r in grpo.sample_groups(pipe, prompts, 2, 64, 64, T, [1, 2]):
+    for r in fast(pipe, prompts, 2, 64, 64, [1, 2]):
         with torch.no_grad():
-            trainer = grpo.token_logprobs(ar, r.inputs, r.tokens, T)
-        assert (trainer - r.q_logprobs).abs().max() <= PARITY
+            scored = grpo.token_logprobs(ar, r.prompt.inputs, r.tokens, T)
+        assert (scored - r.q_logprobs).abs().max() <= PARITY
     ar.config.text_config._attn_implementation = "flash_attention_2"
     with pytest.raises(ValueError, match="sdpa or eager attention"):
-        grpo.sample_groups(pipe, prompts, 2, 64, 64, T, [1, 2])
+        fast(pipe, prompts, 2, 64, 64, [1, 2])
 
 
 def test_repeat_step(pipe, monkeypatch):
@@ -184,11 +186,11 @@ def test_sample_groups_one_decode(random_pipe):
     pipe = random_pipe
     prompts = ["a red circle", "two blue squares above a green triangle on the left", "make it red"]
     sources = [None, None, smooth_source(64, 64)]
-    together = grpo.sample_groups(pipe, prompts, 3, 64, 64, T, [11, 12, 13], sources)
-    assert len({r.inputs["input_ids"].shape[1] for r in together}) == 3  # three prompt lengths
+    together = fast(pipe, prompts, 3, 64, 64, [11, 12, 13], sources)
+    assert len({r.prompt.inputs["input_ids"].shape[1] for r in together}) == 3  # three prompt lengths
     assert all(r.q_logprobs.exp().mean() < 0.2 for r in together)  # no token is forced: the check has teeth
     for prompt, source, seed, r in zip(prompts, sources, [11, 12, 13], together):
         alone = sample_group(pipe, prompt, 3, 64, 64, T, seed, source)
         assert torch.equal(r.tokens, alone.tokens) and (r.q_logprobs - alone.q_logprobs).abs().max() <= 1e-5
-        assert torch.equal(r.inputs["input_ids"], alone.inputs["input_ids"]) and r.large_hw == alone.large_hw
-        assert r.preview_hw == alone.preview_hw and (r.source is None) == (source is None)
+        assert torch.equal(r.prompt.inputs["input_ids"], alone.prompt.inputs["input_ids"]) and r.prompt.large_hw == alone.prompt.large_hw
+        assert r.prompt.preview_hw == alone.prompt.preview_hw and (r.prompt.source is None) == (source is None)

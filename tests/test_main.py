@@ -12,7 +12,7 @@ import torch
 from PIL import Image
 
 import grpo
-from helpers import fast_decode
+from helpers import fast_decode, trainer
 from tests.conftest import (DEVICE, ROOT, T, TINY, TINY_CPU, as_line, assert_same_metrics, assert_same_weights,
                             eval_lines, fresh_pipe, one_process, run_record, sample_group, smooth_source, tiny_run,
                             torchrun, write_evals, write_example)
@@ -44,7 +44,7 @@ def test_main_defaults(tmp_path):
     """The tiny defaults run the whole loss (beta 0.1, mu 2; the diversity bonus is off): the reference is built and the KL
     grows from 0 once the policy moves, the second update's ratios leave 1, and the clip acts (here at lr 1e-3, so
     that it shows within 3 steps; the demo's 100 steps show it at the default lr)."""
-    cfg = grpo.parse_config(["--model", "tiny"])
+    cfg = trainer.parse_config(grpo, ["--model", "tiny"])
     assert (cfg.kl_beta, cfg.mu, cfg.diversity) == (0.1, 2, 0.0)  # the variants' flags: off
     defaults = TINY[:TINY.index("--mu")]  # TINY without the tests' pinned algorithm
     prompts = write_example(tmp_path, ["a red circle", "two blue squares"])
@@ -281,7 +281,8 @@ def test_readme_commands():
     outs = []
     for script, command in commands:
         argv = shlex.split(command)
-        cfg = (dit_grpo if script == "dit_grpo" else grpo).parse_config(argv)  # a bad flag would exit 2 here
+        cfg = dit_grpo.parse_config(argv) if script == "dit_grpo" else trainer.parse_config(grpo, argv)  # a bad
+        # flag would exit 2 here
         if cfg.model == "tiny" and not cfg.resume and (ROOT / cfg.prompts).is_file():
             outs.append(cfg.out)
     assert len(outs) >= 3 and len(set(outs)) == len(outs), outs
@@ -323,7 +324,7 @@ def test_torchrun_equals_one_process(tmp_path, extra):
         r = sample_group(fresh_pipe(), "a cat", 2, 64, 64, T, seed=0)
         with torch.no_grad():
             one, two = (grpo.token_logprobs(GlmImageForConditionalGeneration.from_pretrained(tmp_path / d / "final")
-                                            .to(DEVICE), r.inputs, r.tokens, T) for d in ("one", "two"))
+                                            .to(DEVICE), r.prompt.inputs, r.tokens, T) for d in ("one", "two"))
         assert (one - two).abs().max() <= 1e-5
 
 
@@ -331,7 +332,7 @@ COLLECTIVES = """
 import copy, functools, json, math, sys, torch, torch.distributed as dist
 sys.path.insert(0, {here!r})
 import grpo
-from helpers import parallel, setup
+from helpers import parallel, trainer
 counts = {{"all_gather": 0, "reduce_scatter": 0}}
 for op, name in [(op, op.split("_")[0] + "_" + op.split("_")[1]) for op in ("all_gather_into_tensor",
                  "all_gather_single", "reduce_scatter_tensor", "reduce_scatter_single") if hasattr(dist, op)]:
@@ -344,23 +345,23 @@ rank, world, _ = parallel.start_processes("cpu")
 for lora in (False, True):
     counts.update(all_gather=0, reduce_scatter=0)
     pipe = grpo.load_glm_image("tiny")
-    policy = setup.apply_lora(pipe.vision_language_encoder, 4) if lora else pipe.vision_language_encoder
+    policy = grpo.trained_model(pipe, 4 if lora else 0)
     reference = copy.deepcopy(policy)  # unsharded, on every process: the one-process gradient over both groups
-    both = [grpo.sample_groups(pipe, ["a cat"], 4, 64, 64, 0.9, [s])[0] for s in range(2)]
+    both = [trainer.sample_groups(grpo, pipe, ["a cat"], 4, 64, 64, 0.9, [s])[0] for s in range(2)]
     advantages = torch.tensor([[1.0, -1.0, 0.5, -0.5], [0.3, 0.3, -0.9, 0.3]])
     parallel.shard(policy, torch.float32)
     opt = torch.optim.SGD([p for p in policy.parameters() if p.requires_grad], lr=0.0)
     with parallel.unsharded(policy):
-        r = grpo.sample_groups(pipe, ["a cat"], 4, 64, 64, 0.9, [rank])[0]
+        r = trainer.sample_groups(grpo, pipe, ["a cat"], 4, 64, 64, 0.9, [rank])[0]
     sampling = dict(counts)
     counts.update(all_gather=0, reduce_scatter=0)
-    settings = grpo.LossSettings(clip_eps=0.2, kl_beta=0.0)
-    grpo.train_step(policy, opt, grpo.micro_batches([r], advantages[rank:rank + 1], 1), None, grpo.micro_batch_loss,
-                    settings, temperature=0.9, mu=1, max_grad_norm=math.inf)
+    loss = functools.partial(grpo.micro_batch_loss, clip_eps=0.2, kl_beta=0.0)
+    trainer.train_step(grpo, policy, opt, trainer.micro_batches([r], advantages[rank:rank + 1], 1), None, loss,
+                       temperature=0.9, mu=1, max_grad_norm=math.inf)
     training = dict(counts)
-    grpo.train_step(reference, torch.optim.SGD([p for p in reference.parameters() if p.requires_grad], lr=0.0),
-                    grpo.micro_batches(both, advantages, 1), None, grpo.micro_batch_loss, settings, temperature=0.9,
-                    mu=1, max_grad_norm=math.inf)
+    trainer.train_step(grpo, reference, torch.optim.SGD([p for p in reference.parameters() if p.requires_grad],
+                                                        lr=0.0), trainer.micro_batches(both, advantages, 1), None,
+                       loss, temperature=0.9, mu=1, max_grad_norm=math.inf)
     want = {{n: p.grad for n, p in reference.named_parameters() if p.grad is not None}}
     got = {{n: p.grad.full_tensor() for n, p in policy.named_parameters() if p.grad is not None}}
     norm = torch.sqrt(sum((g ** 2).sum() for g in want.values()))
@@ -469,8 +470,8 @@ def test_main_shuffle(tmp_path):
     """--shuffle visits every prompt once an epoch in an order drawn from --seed (another epoch, another order); the
     tiny presets keep the file's order, the real model's shuffles, --no-shuffle overrides. (The same order after
     --resume: tests/test_stops.py, whose run shuffles.)"""
-    assert grpo.parse_config([]).shuffle is False and grpo.parse_config(["--model", "zai-org/GLM-Image"]).shuffle
-    assert not grpo.parse_config(["--model", "zai-org/GLM-Image", "--no-shuffle"]).shuffle
+    assert trainer.parse_config(grpo, []).shuffle is False and trainer.parse_config(grpo, ["--model", "zai-org/GLM-Image"]).shuffle
+    assert not trainer.parse_config(grpo, ["--model", "zai-org/GLM-Image", "--no-shuffle"]).shuffle
     prompts = write_example(tmp_path, ["a red circle | t.png", "a blue square | t.png", "two green triangles | t.png",
                                        "a yellow circle | t.png", "a red square | t.png"])
     grpo.main([*TINY, "--prompts", str(prompts), "--image-every", "0", "--shuffle", "--out", str(tmp_path / "run"),

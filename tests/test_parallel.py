@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from helpers import parallel, run
+from helpers import parallel, run, trainer
 
 
 @pytest.fixture
@@ -68,7 +68,7 @@ def test_collective_timeout(tmp_path, monkeypatch):
     evaluation) scores; start_processes gives that to the process group, which fails a process only after it."""
     import grpo
     served = "http://127.0.0.1:9/judge"
-    config = grpo.parse_config(["--reward", f"ssim=1,{served}=0", "--reward-timeout", "30", "--prompts-per-step",
+    config = trainer.parse_config(grpo, ["--reward", f"ssim=1,{served}=0", "--reward-timeout", "30", "--prompts-per-step",
                                 "3"])
     r = run.Run(config, tmp_path, 0, None, [], {"ssim": None, served: None}, None, grpo)
     assert run.collective_timeout(r) == 600 + 3 * (7 * 30 + 63)

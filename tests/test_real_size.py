@@ -3,12 +3,13 @@
 bookkeeping at the real model's sizes (N = 1280 tokens, K = 16384 codes). About 2 minutes on 2 cores."""
 
 import copy
+import functools
 
 import pytest
 import torch
 
 import grpo
-from helpers import diagnostics, variants
+from helpers import diagnostics, trainer, variants
 from tests.conftest import CORRECTIONS, PARITY, T, sample_group, sampled_rows
 from tests.conftest import sharp_pipe  # noqa: F401  the sharpened tiny model (a fixture)
 
@@ -23,13 +24,13 @@ def real_size_rollout(request, sharp_pipe):
 def test_real_resolution_layout(real_size_rollout):
     """256-ish preview tokens then the (H/32) x (W/32) large grid: N = 1280 at 1024x1024, as the real model writes."""
     height, width, r = real_size_rollout
-    assert r.large_hw == (height // 32, width // 32)
-    n = r.preview_hw[0] * r.preview_hw[1] + r.large_hw[0] * r.large_hw[1]
+    assert r.prompt.large_hw == (height // 32, width // 32)
+    n = r.prompt.preview_hw[0] * r.prompt.preview_hw[1] + r.prompt.large_hw[0] * r.prompt.large_hw[1]
     assert r.tokens.shape == (2, n) and (n == 1280 if (height, width) == (1024, 1024) else n > 1000)
-    positions = grpo.rope_positions(r.inputs["input_ids"][0], r.inputs["image_grid_thw"][:2], n, 128, 129)
-    P = r.inputs["input_ids"].shape[1]
-    large = positions[:, 0, P + r.preview_hw[0] * r.preview_hw[1]:]  # the large grid as inputs (all but its last)
-    assert large[1].max() - large[1].min() == r.large_hw[0] - 1 and large[2].max() - large[2].min() == r.large_hw[1] - 1
+    positions = grpo.rope_positions(r.prompt.inputs["input_ids"][0], r.prompt.inputs["image_grid_thw"][:2], n, 128, 129)
+    P = r.prompt.inputs["input_ids"].shape[1]
+    large = positions[:, 0, P + r.prompt.preview_hw[0] * r.prompt.preview_hw[1]:]  # the large grid as inputs (all but its last)
+    assert large[1].max() - large[1].min() == r.prompt.large_hw[0] - 1 and large[2].max() - large[2].min() == r.prompt.large_hw[1] - 1
 
 
 def test_real_resolution_parity(real_size_rollout, sharp_pipe):
@@ -40,15 +41,15 @@ def test_real_resolution_parity(real_size_rollout, sharp_pipe):
     height, width, r = real_size_rollout
     ar = sharp_pipe.vision_language_encoder
     with torch.no_grad():
-        lp = grpo.token_logprobs(ar, r.inputs, r.tokens, T)
+        lp = grpo.token_logprobs(ar, r.prompt.inputs, r.tokens, T)
     assert (lp - r.q_logprobs).abs().max() <= 2 * PARITY
     policy = copy.deepcopy(ar)
     opt = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=1e-3)
     before = policy.lm_head.weight.detach().clone()
-    readings = diagnostics.reader(grpo.parse_config([]), ar.config.vq_config.num_embeddings, grpo)
-    m = grpo.train_step(policy, opt, grpo.micro_batches([r], torch.tensor([[1.0, -1.0]]), 1), None,
-                        grpo.micro_batch_loss, grpo.LossSettings(clip_eps=0.2, kl_beta=0.0), temperature=T, mu=1,
-                        max_grad_norm=1.0, readings=readings)
+    readings = diagnostics.reader(trainer.parse_config(grpo, []), ar.config.vq_config.num_embeddings, grpo)
+    loss = functools.partial(grpo.micro_batch_loss, clip_eps=0.2, kl_beta=0.0)
+    m = trainer.train_step(grpo, policy, opt, trainer.micro_batches([r], torch.tensor([[1.0, -1.0]]), 1), None, loss,
+                           temperature=T, mu=1, max_grad_norm=1.0, readings=readings)
     assert m["ratio_min"] == m["ratio_max"] == 1.0 and m["sampler_gap"] <= 2 * PARITY and m["skipped"] == 0
     assert not torch.equal(before, policy.lm_head.weight)
 
@@ -56,7 +57,7 @@ def test_real_resolution_parity(real_size_rollout, sharp_pipe):
 def test_real_resolution_decode(real_size_rollout, sharp_pipe):
     """The DiT decodes the (H/32) x (W/32) grid, upsampled 2x, into (G, 3, H, W) images in [0, 1]."""
     height, width, r = real_size_rollout
-    images = grpo.decode_images(sharp_pipe, "a cat", r.tokens, r.large_hw, height, width, 1, seed=0)
+    images = grpo.decode_images(sharp_pipe, "a cat", r.tokens, r.prompt.large_hw, height, width, 1, seed=0)
     assert images.shape == (2, 3, height, width) and images.min() >= 0 and images.max() <= 1
     assert (images[0] - images[1]).abs().max() > 1e-3  # two different token grids, two images
 
@@ -74,16 +75,17 @@ def test_corrections_real_size():
     for top_p in (1.0, 0.75):
         mb = sampled_rows(logits, top_p, g, advantages=(1.0,))
         for dist, weight in [("full", "none"), ("full", "mass"), ("truncated", "none")]:
-            cfg = grpo.parse_config(["--top-p", str(top_p), "--policy-dist", dist, "--truncation-weight", weight,
-                                     "--train-tokens", "all", "--kl-beta", "0"])
-            trained = variants.on_truncation(mb, K, top_p < 1) if dist == "truncated" else mb
+            trained = None
             for mode in CORRECTIONS:
+                cfg = trainer.parse_config(grpo, ["--top-p", str(top_p), "--policy-dist", dist, "--truncation-weight",
+                                                  weight, "--train-tokens", "all", "--kl-beta", "0",
+                                                  "--sampler-correction", mode])
+                trained = variants.on_truncation(mb, K, top_p < 1) if dist == "truncated" else mb
                 x = logits.clone().requires_grad_()
-                distribution = grpo.code_logprobs(x, T, K, support=trained.support)
+                distribution = variants.distribution(grpo, x, T, K, trained.support)
                 old = grpo.logprob_of(distribution, trained.tokens).detach()
-                settings = grpo.LossSettings(clip_eps=0.2, kl_beta=0.0, correction=mode)
-                loss, _ = variants.variant_loss(distribution, trained, old, None, settings,
-                                                lesson_loss=grpo.micro_batch_loss, cfg=cfg, threshold=None)
+                loss, _ = variants.variant_loss(distribution, trained, old, None, lesson_loss=grpo.micro_batch_loss,
+                                                cfg=cfg, threshold=None)
                 loss.backward()
                 norms[top_p, dist, weight, mode] = x.grad.norm().item()
             m = diagnostics.mismatch(old, trained.sampler_logprobs, "token_truncate", 2.0, grpo)

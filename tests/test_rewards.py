@@ -12,7 +12,7 @@ import torch
 from PIL import Image
 
 import grpo
-from helpers import rewards
+from helpers import rewards, trainer
 from helpers import user_input
 from conftest import DEVICE, TINY, expect_exit, write_example
 
@@ -95,7 +95,7 @@ def test_clip_reward(clip_folder):
     from transformers import CLIPModel, CLIPProcessor
     images, example = pictures(), {"prompt": "a red circle"}
     rewards.load_scorer.cache_clear()
-    fn = user_input.parse_rewards(f"clip@{clip_folder}=1", grpo.REWARDS)["clip"][0]
+    fn = user_input.parse_rewards(f"clip@{clip_folder}=1", trainer.reward_table(grpo))["clip"][0]
     got = fn(images, example)
     model, processor = CLIPModel.from_pretrained(clip_folder).eval(), CLIPProcessor.from_pretrained(clip_folder)
     with torch.no_grad():
@@ -108,7 +108,7 @@ def test_clip_reward(clip_folder):
         model.get_text_features(**processor(text=[example["prompt"]], return_tensors="pt")).pooler_output), atol=1e-5)
     other = rewards.clip_reward(images, {"prompt": "three blue squares"}, str(clip_folder))
     assert not torch.allclose(other, got)  # the prompt matters
-    pick = user_input.parse_rewards(f"pickscore@{clip_folder}", grpo.REWARDS)["pickscore"][0]
+    pick = user_input.parse_rewards(f"pickscore@{clip_folder}", trainer.reward_table(grpo))["pickscore"][0]
     assert torch.allclose(pick(images, example), got)
     assert rewards.load_scorer.cache_info().misses == 2  # clip and pickscore once each, however often called
 
@@ -144,15 +144,15 @@ def test_aesthetic_reward(aesthetic_folder):
 def test_parse_rewards_checkpoint(clip_folder):
     """name@checkpoint binds a learned reward to a hub id or folder and keeps what it needs; a name without @ keeps the
     documented default; only learned rewards take @; a reward listed twice, or an empty checkpoint, is refused."""
-    parsed = user_input.parse_rewards(f"clip@{clip_folder}=1,shapes=0.5", grpo.REWARDS)
+    parsed = user_input.parse_rewards(f"clip@{clip_folder}=1,shapes=0.5", trainer.reward_table(grpo))
     assert list(parsed) == ["clip", "shapes"] and parsed["clip"][1] == 1.0 and parsed["shapes"][1] == 0.5
     assert parsed["clip"][0].__wrapped__.keywords == {"checkpoint": str(clip_folder)} and parsed["clip"][0].needs == ("prompt",)
-    assert user_input.parse_rewards("pickscore", grpo.REWARDS)["pickscore"][0].__wrapped__ is rewards.pickscore_reward
+    assert user_input.parse_rewards("pickscore", trainer.reward_table(grpo))["pickscore"][0].__wrapped__ is rewards.pickscore_reward
     assert rewards.LEARNED["pickscore"][0] == "yuvalkirstain/PickScore_v1"
     for bad, needle in [("ssim@x=1", "only the learned rewards"), ("clip@=1", "give a hub id or folder"),
                         (f"clip@{clip_folder},clip=1", "listed twice")]:
         with pytest.raises(ValueError, match=needle):
-            user_input.parse_rewards(bad, grpo.REWARDS)
+            user_input.parse_rewards(bad, trainer.reward_table(grpo))
 
 
 def test_learned_reward_bad_checkpoint(tmp_path, clip_folder, dino_folder, capsys):
@@ -263,14 +263,14 @@ def test_lpips_reward(tmp_path, capsys):
     network, stops the run before anything is written, in one line."""
     pytest.importorskip("lpips", reason="the lpips reward's optional package: bash tools/install_ocr.sh")
     import torchvision
-    assert "lpips" in grpo.REWARDS
+    assert "lpips" in trainer.reward_table(grpo)
     torch.manual_seed(0)
     state = torchvision.models.alexnet(weights=None).state_dict()
     torch.save(state, tmp_path / rewards.LPIPS_BACKBONE)
     net = rewards.lpips_model(str(tmp_path)).net  # AlexNet's feature layers 0, 3, 6, 8, 10 hold the folder's weights
     assert all(torch.equal(getattr(net, f"slice{k}")._modules[str(i)].weight, state[f"features.{i}.weight"])
                for k, i in [(1, 0), (2, 3), (3, 6), (4, 8), (5, 10)])
-    [(fn, weight)] = user_input.parse_rewards(f"lpips@{tmp_path}=0.4", grpo.REWARDS).values()
+    [(fn, weight)] = user_input.parse_rewards(f"lpips@{tmp_path}=0.4", trainer.reward_table(grpo)).values()
     target = torch.rand(3, 64, 64, generator=torch.Generator().manual_seed(1))
     images = torch.stack([target, torch.rand(3, 64, 64, generator=torch.Generator().manual_seed(2)), target * 0.5])
     scores = fn(images, {"target": target})
@@ -304,10 +304,10 @@ def test_ocr_languages(monkeypatch):
             return ["你好"]
 
     monkeypatch.setattr(rewards, "ocr_reader", lambda languages=("en",): asked.append(languages) or Reader())
-    table = user_input.parse_rewards("ocr@ch_sim+en=1,ssim=0", grpo.REWARDS)
+    table = user_input.parse_rewards("ocr@ch_sim+en=1,ssim=0", trainer.reward_table(grpo))
     score = table["ocr"][0](torch.zeros(2, 3, 8, 8), {"text": "你好"})
     assert asked == [("ch_sim", "en")] * 2 and score.tolist() == [1.0, 1.0] and table["ocr"][0].needs == ("text",)
-    user_input.parse_rewards("ocr=1", grpo.REWARDS)["ocr"][0](torch.zeros(1, 3, 8, 8), {"text": "x"})
+    user_input.parse_rewards("ocr=1", trainer.reward_table(grpo))["ocr"][0](torch.zeros(1, 3, 8, 8), {"text": "x"})
     assert asked[-1] == ("en",)
     with pytest.raises(ValueError, match="ocr its languages"):
-        user_input.parse_rewards("mse@en=1", grpo.REWARDS)
+        user_input.parse_rewards("mse@en=1", trainer.reward_table(grpo))

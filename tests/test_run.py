@@ -10,6 +10,7 @@ tests below are named after the behaviour of a run they guard.
 import dataclasses
 import json
 import math
+import os
 import re
 import subprocess
 import sys
@@ -22,7 +23,7 @@ import torch
 from PIL import Image
 
 import grpo
-from helpers import fast_decode
+from helpers import fast_decode, trainer
 from helpers import user_input
 from helpers import parallel
 from helpers import run
@@ -39,7 +40,7 @@ STEPS = (grpo.sample_groups, grpo.decode_images, grpo.group_rewards)  # what grp
 def test_validate():
     """Sizes not multiple of 32, G < 2, micro-batches that do not divide G, bad ranges and values outside a field's
     choices are refused, each with a message naming the flag and its value."""
-    good = grpo.parse_config(["--model", "tiny"])
+    good = trainer.parse_config(grpo, ["--model", "tiny"])
     run.validate(good)
     for change, needle in [(dict(height=48), "--height 48 is out of range; it must be a positive multiple of 32"),
                            (dict(width=0), "--width 0 is out"), (dict(group_size=1), "--group-size 1 is out of range; it "
@@ -137,7 +138,7 @@ def test_evaluate(random_pipe, tmp_path):
     images, rewards and layout counts; an example's distinct large grids are counted (K where every sample differs, 1
     for one layout); no examples (a process with no share): empty results of the right shapes."""
     pipe = random_pipe
-    cfg = grpo.parse_config([*TINY, "--num-inference-steps", "1"])
+    cfg = trainer.parse_config(grpo, [*TINY, "--num-inference-steps", "1"])
     examples = user_input.load_examples(user_input.read_prompts(write_evals(tmp_path)), {"ssim": (grpo.ssim_reward, 1.0)}, 64, 64)
     examples = [{**e, "target": e["target"].to(DEVICE)} for e in examples]  # as main moves them
     rewards = {"ssim": (grpo.ssim_reward, 1.0), "mse": (grpo.mse_reward, 0.0)}
@@ -158,7 +159,7 @@ def test_evaluate(random_pipe, tmp_path):
     def repeats(*args, **kw):  # the large grids of example 0: three copies of one; 1: two of one, one other; 2: as
         rollouts = sample_groups(*args, **kw)  # drawn. Previews untouched: they differ, and are not the layout
         for r, rows in zip(rollouts, ([0, 0, 0], [1, 1, 2], [0, 1, 2])):
-            n = r.large_hw[0] * r.large_hw[1]
+            n = r.prompt.large_hw[0] * r.prompt.large_hw[1]
             r.tokens[:, -n:] = r.tokens[rows, -n:]
         return rollouts
     cfg1 = dataclasses.replace(cfg, prompts_per_step=3, group_size=3)  # the three examples in one decode
@@ -302,6 +303,35 @@ def test_trackers_resume(tmp_path, monkeypatch):
     settings = json.loads((out / "config.json").read_text())
     assert (settings["run_name"], settings["wandb_project"], settings["report_to"]) == ("lab-1", "glm-tests",
                                                                                         "tensorboard,wandb")
+
+
+def test_tracker_without_network(tmp_path, monkeypatch, capsys):
+    """--report-to wandb online with an API key and no network (its server refuses): the run goes on with wandb
+    offline, said in one line with the command that uploads it later (it was a raw traceback after wandb's wait, and a
+    directory only --overwrite could start again)."""
+    monkeypatch.setenv("WANDB_MODE", "online")
+    monkeypatch.setenv("WANDB_API_KEY", "0" * 40)
+    monkeypatch.setenv("WANDB_BASE_URL", f"http://127.0.0.1:{free_port()}")  # nothing listens there
+    monkeypatch.setenv("WANDB_INIT_TIMEOUT", "5")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    import wandb
+    wandb.teardown()  # wandb's settings are read once a process: another test's offline mode would hold
+    out = tmp_path / "offline"
+    try:
+        tiny_run(tmp_path, out, "--steps", "1", "--report-to", "wandb")
+    finally:
+        wandb.teardown()
+    err = capsys.readouterr().err
+    assert "warning: wandb could not start online" in err and f"wandb sync {out / 'wandb'}/offline-run-*" in err
+    assert "Traceback" not in err and len(run_record(out)) == 1
+    assert len(list((out / "wandb").glob("offline-run-*"))) == 1
+
+
+def free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def test_check_reporter(monkeypatch):
@@ -491,7 +521,7 @@ def test_main_interrupt_twice(tmp_path, monkeypatch, capsys):
     uninterrupted run. (One Ctrl-C in every phase of a step: tests/test_stops.py.)"""
     import signal
     tiny_run(tmp_path, tmp_path / "whole", "--steps", "3", "--kl-beta", "0.04")
-    original, out = grpo.train_step, tmp_path / "twice"
+    original, out = trainer.train_step, tmp_path / "twice"
 
     def twice(*args, **kwargs):
         result = original(*args, **kwargs)
@@ -500,7 +530,7 @@ def test_main_interrupt_twice(tmp_path, monkeypatch, capsys):
             signal.raise_signal(signal.SIGINT)
         return result
 
-    monkeypatch.setattr(grpo, "train_step", twice)
+    monkeypatch.setattr(trainer, "train_step", twice)
     with pytest.raises(SystemExit) as exit_info:
         tiny_run(tmp_path, out, "--steps", "3", "--kl-beta", "0.04", "--save-every", "1")
     monkeypatch.undo()
@@ -510,7 +540,7 @@ def test_main_interrupt_twice(tmp_path, monkeypatch, capsys):
     grpo.main(["--resume", str(out)])
     assert run_record(out) == run_record(tmp_path / "whole")
     capsys.readouterr()
-    monkeypatch.setattr(grpo, "train_step", twice)  # issue 84's case: in step 2 with --save-every 0, no checkpoint yet
+    monkeypatch.setattr(trainer, "train_step", twice)  # issue 84's case: in step 2 with --save-every 0, no checkpoint yet
     with pytest.raises(SystemExit) as exit_info:
         tiny_run(tmp_path, out, "--steps", "3", "--kl-beta", "0.04", "--save-every", "0", "--overwrite")
     monkeypatch.undo()
@@ -528,7 +558,7 @@ def test_failed_start_starts_again(tmp_path, monkeypatch, capsys):
     uninterrupted run's numbers."""
     import signal
     tiny_run(tmp_path, tmp_path / "whole", "--steps", "2")
-    original, out = grpo.train_step, tmp_path / "failed"
+    original, out = trainer.train_step, tmp_path / "failed"
 
     def twice(*args, **kwargs):
         result = original(*args, **kwargs)
@@ -536,7 +566,7 @@ def test_failed_start_starts_again(tmp_path, monkeypatch, capsys):
         signal.raise_signal(signal.SIGINT)
         return result
 
-    monkeypatch.setattr(grpo, "train_step", twice)
+    monkeypatch.setattr(trainer, "train_step", twice)
     with pytest.raises(SystemExit) as exit_info:
         tiny_run(tmp_path, out, "--steps", "2", "--save-every", "0")
     monkeypatch.undo()
@@ -551,7 +581,8 @@ def test_failed_start_starts_again(tmp_path, monkeypatch, capsys):
 def test_main_out_of_memory(tmp_path, monkeypatch, capsys, phase):
     """A CUDA out-of-memory error (simulated) in a phase of step 2: exit 2, one line naming the phase and the levers
     this run does not use yet, no traceback; the checkpoint of step 2 stays loadable and the run resumes to its end."""
-    original, calls = getattr(grpo, phase), []
+    owner = grpo if phase == "decode_images" else trainer  # where main reaches it
+    original, calls = getattr(owner, phase), []
 
     def runs_out(*args, **kwargs):
         calls.append(1)
@@ -559,7 +590,7 @@ def test_main_out_of_memory(tmp_path, monkeypatch, capsys, phase):
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(grpo, phase, runs_out)
+    monkeypatch.setattr(owner, phase, runs_out)
     with pytest.raises(SystemExit) as exit_info:  # tiny_run: full fine-tuning, micro-batches of 2
         tiny_run(tmp_path, tmp_path / "run", "--steps", "4", "--save-every", "1", "--offload")
     err = capsys.readouterr().err
@@ -572,12 +603,12 @@ def test_main_out_of_memory(tmp_path, monkeypatch, capsys, phase):
     else:
         assert "--lora-rank" not in lines[0] and "--gradient-checkpointing" not in lines[0]  # no help there
     assert latest_state(tmp_path / "run")["step"] == 2 and len(run_record(tmp_path / "run")) == 2
-    monkeypatch.setattr(grpo, phase, original)
+    monkeypatch.setattr(owner, phase, original)
     grpo.main(["--resume", str(tmp_path / "run")])
     assert len(run_record(tmp_path / "run")) == 4
 
 
-@pytest.mark.parametrize("where", ["load_glm_image", "reference_model", "apply_lora", "load_trainable_state"])
+@pytest.mark.parametrize("where", ["load_glm_image", "reference_model", "trained_model", "load_trainable_state"])
 def test_main_out_of_memory_setup(tmp_path, monkeypatch, capsys, where):
     """Out of memory (simulated) before any phase: loading the model, building the KL reference (full fine-tuning's
     copy), injecting LoRA, loading a checkpoint to resume: one line naming the step and only levers this run does not
@@ -590,9 +621,9 @@ def test_main_out_of_memory_setup(tmp_path, monkeypatch, capsys, where):
     def runs_out(*args, **kwargs):
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 40.00 GiB")
 
-    owner = {"load_trainable_state": run, "apply_lora": setup}.get(where, grpo)  # where main reaches it
+    owner = {"load_trainable_state": run}.get(where, grpo)  # where main reaches it
     monkeypatch.setattr(owner, where, runs_out)
-    flags = {"reference_model": ["--kl-beta", "0.04"], "apply_lora": ["--lora-rank", "4"]}.get(where, [])
+    flags = {"reference_model": ["--kl-beta", "0.04"], "trained_model": ["--lora-rank", "4"]}.get(where, [])
     with pytest.raises(SystemExit) as exit_info:
         if resume:
             grpo.main(["--resume", str(tmp_path / "run"), "--steps", "3"])
@@ -605,7 +636,7 @@ def test_main_out_of_memory_setup(tmp_path, monkeypatch, capsys, where):
     assert f"out of memory while {step}" in lines[0] and "a GPU with more memory" in lines[0]
     if where == "reference_model":  # full fine-tuning with a KL term: LoRA or no reference would help
         assert "--lora-rank 16" in lines[0] and "--kl-beta 0" in lines[0]
-    if where == "apply_lora":  # it has LoRA already
+    if where == "trained_model":  # it has LoRA already
         assert "--lora-rank" not in lines[0]
     if resume:
         assert snapshot(tmp_path / "run") == before
@@ -642,7 +673,7 @@ def test_main_host_memory(tmp_path, monkeypatch, capsys):
     full = expect_exit([*args, "--model", "random:1", "--lora-rank", "0", "--kl-beta", "0.1"], 2, "AdamW", capsys)
     assert "--lora-rank 16" in full
     monkeypatch.setattr(run, "available_host_memory", lambda: 10 ** 12)
-    assert run.host_memory_problem(grpo.parse_config(["--model", "random:1"]), "cpu", torch.float32) is None
+    assert run.host_memory_problem(trainer.parse_config(grpo, ["--model", "random:1"]), "cpu", torch.float32) is None
 
 
 def test_resume_damaged_run(tmp_path, capsys):
@@ -749,11 +780,11 @@ KILLED_SAVE = """
 import os, sys, time, torch
 sys.path.insert(0, {here!r})
 import grpo
-from helpers import parallel, run_io
+from helpers import parallel, run_io, trainer
 from pathlib import Path
 policy = grpo.load_glm_image("tiny").vision_language_encoder
 opt = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad])
-cfg, path = grpo.parse_config(["--model", "tiny"]), Path({path!r})
+cfg, path = trainer.parse_config(grpo, ["--model", "tiny"]), Path({path!r})
 run_io.save_checkpoint(path / "step-1", policy, None, *parallel.trainable_state(policy, opt), 1, cfg)
 real_save = torch.save
 
@@ -798,7 +829,7 @@ def test_save_checkpoint(tmp_path, monkeypatch):
     """Saves are atomic: a crash or a full disk in the middle of writing a new checkpoint, or of writing one again,
     leaves the previous checkpoint intact, the latest and loadable, and no temporary folder behind."""
     policy, opt = fresh_policy_and_optimizer()
-    cfg = grpo.parse_config(["--model", "tiny"])
+    cfg = trainer.parse_config(grpo, ["--model", "tiny"])
     folder = tmp_path / "checkpoints"
     checkpoint_of(policy, opt, folder / "step-7", 7, cfg)
     saved = policy.lm_head.weight.detach().clone()
@@ -843,14 +874,15 @@ RANK_DIES = """
 import os, sys
 sys.path.insert(0, {here!r})
 import grpo
-real = grpo.train_step
+from helpers import trainer
+real = trainer.train_step
 
 def dies(*args, **kwargs):
     if os.environ["RANK"] == "1" and len(open({metrics!r}).read().splitlines()) == 2:
         os._exit(1)  # killed in the middle of step 2
     return real(*args, **kwargs)
 
-grpo.train_step = dies
+trainer.train_step = dies
 grpo.main(sys.argv[1:])
 """
 
@@ -997,7 +1029,7 @@ def test_main_lab_run(tmp_path):
     assert 'from_pretrained("tiny_glm_image"' in card
     cards = [folder / "README.md" for folder in (out / "checkpoints").iterdir()]
     assert len(cards) == 3 and not any("Model Card for" in c.read_text() for c in cards)
-    again = grpo.parse_config(["--config", str(out / "config.json"), "--out", str(tmp_path / "again")])
+    again = trainer.parse_config(grpo, ["--config", str(out / "config.json"), "--out", str(tmp_path / "again")])
     assert {k: v for k, v in dataclasses.asdict(again).items() if k != "out"} == \
         {k: v for k, v in saved.items() if k != "out"}  # a run's config.json is a config
     help_text = run_cli("--help").stdout
@@ -1030,8 +1062,8 @@ def test_lr_schedule_steps_once_an_update(tmp_path, monkeypatch):
     its first update's rate."""
     from transformers import get_scheduler
     used = []
-    original = grpo.optimizer_step
-    monkeypatch.setattr(grpo, "optimizer_step", lambda opt, *a: used.append(opt.param_groups[0]["lr"])
+    original = trainer.optimizer_step
+    monkeypatch.setattr(trainer, "optimizer_step", lambda opt, *a: used.append(opt.param_groups[0]["lr"])
                         or original(opt, *a))
     tiny_run(tmp_path, tmp_path / "run", "--steps", "3", "--mu", "2", "--lr-scheduler", "linear", "--warmup-steps",
              "1", "--lr", "1e-3", "--save-every", "0")
@@ -1081,3 +1113,78 @@ def test_push_to_hub(tmp_path, monkeypatch, capsys):
     expect_exit([*common, "--out", str(tmp_path / "refused"), "--push-to-hub", "--hub-model-id", "me/x"], 1,
                 "could not push", capsys)
     assert (tmp_path / "refused" / "final" / "run.json").exists()
+
+
+# ---- The run and its surroundings: the files it reads, a directory that is its alone ---------------------------------
+
+def test_resume_reads_its_own_inputs(tmp_path, monkeypatch, capsys):
+    """A run started in one directory and resumed from another that holds its own prompts.txt and reward file trains
+    on its own (issue 85: step 3 trained on the other directory's prompts), to the uninterrupted run's numbers:
+    config.json keeps the prompts absolute, inputs.json the start directory, where a reward file named relative to it
+    is found. An input changed since the start, or gone, is refused in one line naming it."""
+    start, other = tmp_path / "start", tmp_path / "other"
+    for folder, scale in ((start, 1), (other, -1)):
+        folder.mkdir()
+        write_example(folder, ["a gray square | t.png", "another | t.png"] if scale == 1 else ["other | t.png"])
+        (folder / "bright.py").write_text(f"def reward(images, example):\n    return {scale} * images.mean(dim=(1, 2, "
+                                          "3))\n")
+    common = [*TINY, "--prompts", "prompts.txt", "--reward", "ssim=1,bright.py:reward=0", "--image-every", "0",
+              "--micro-batch-size", "2", "--save-every", "1"]
+    monkeypatch.chdir(start)
+    grpo.main([*common, "--steps", "3", "--out", str(tmp_path / "whole")])
+    grpo.main([*common, "--steps", "2", "--out", str(tmp_path / "resumed")])
+    monkeypatch.chdir(other)
+    grpo.main(["--resume", str(tmp_path / "resumed"), "--steps", "3"])
+    assert run_record(tmp_path / "resumed") == run_record(tmp_path / "whole")
+    saved = json.loads((tmp_path / "resumed" / "config.json").read_text())
+    assert saved["prompts"] == str(start / "prompts.txt") and saved["reward"] == "ssim=1,bright.py:reward=0"
+    assert json.loads((tmp_path / "resumed" / "inputs.json").read_text())["cwd"] == str(start)
+    (start / "prompts.txt").write_text("a gray square | t.png\n")
+    with pytest.raises(SystemExit):
+        grpo.main(["--resume", str(tmp_path / "resumed"), "--steps", "4"])
+    assert f"{start / 'prompts.txt'} changed since the run started" in capsys.readouterr().err
+    (start / "prompts.txt").write_text("a gray square | t.png\nanother | t.png\n")
+    (start / "t.png").unlink()
+    with pytest.raises(SystemExit):
+        grpo.main(["--resume", str(tmp_path / "resumed"), "--steps", "4"])
+    assert f"{start / 't.png'} no longer exists" in capsys.readouterr().err
+
+
+def test_one_run_a_directory(tmp_path, capsys):
+    """While a run lives, every other run that would write into its --out is refused in one line naming the process,
+    --overwrite and --resume included, and writes nothing; the hold goes with the process (kill -9 leaves nothing to
+    clean). Issue 85's case: two runs started at once into one --out: one trains (3 metrics lines, its seed), the
+    other exits 2."""
+    out = tmp_path / "run"
+    tiny_run(tmp_path, out, "--steps", "1")
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; sys.path.insert(0, sys.argv[1]); "
+                               "from pathlib import Path; from helpers import run_io; "
+                               "run_io.hold_run_dir(Path(sys.argv[2])); print('held', flush=True); time.sleep(300)",
+                               str(ROOT), str(out)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        before = sorted(p.relative_to(out) for p in out.rglob("*"))
+        for extra in (["--overwrite"], ["--resume", str(out), "--steps", "2"]):
+            argv = ["--resume", str(out), "--steps", "2"] if "--resume" in extra else \
+                [*TINY, "--prompts", str(tmp_path / "prompts.txt"), "--out", str(out), *extra]
+            expect_exit(argv, 2, f"--out {out} is in use by a live run (process {holder.pid})", capsys)
+        assert sorted(p.relative_to(out) for p in out.rglob("*")) == before
+    finally:
+        holder.kill()
+        holder.wait(10)
+    grpo.main(["--resume", str(out), "--steps", "2"])  # the killed holder left nothing behind
+    assert len(run_record(out)) == 2
+    prompts = write_example(tmp_path, ["a gray square | t.png", "another | t.png"])
+    both = [subprocess.Popen([sys.executable, str(ROOT / "grpo.py"), *TINY, "--prompts", str(prompts), "--out",
+                              str(tmp_path / "together"), "--steps", "3", "--image-every", "0", "--seed", str(seed)],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             env={**os.environ, "OMP_NUM_THREADS": "1"}) for seed in (1, 2)]
+    results = [(p.wait(300), p.stderr.read()) for p in both]
+    assert sorted(code for code, _ in results) == [0, 2], results
+    refused = next(err for code, err in results if code == 2)
+    # (refused for the live run, or, should the first have finished before the second looked, for its files)
+    assert ("is in use by a live run" in refused or "holds another run" in refused) and \
+        len(error_lines(refused)) == 1, refused
+    winner = 1 + [code for code, _ in results].index(0)
+    assert len(run_record(tmp_path / "together")) == 3
+    assert json.loads((tmp_path / "together" / "config.json").read_text())["seed"] == winner

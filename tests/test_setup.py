@@ -1,10 +1,12 @@
-"""Tests for helpers/setup.py: LoRA (apply_lora) and the training set-up (setup_training), as main uses them.
+"""Tests for LoRA as main trains it (grpo.trained_model, through the trainer) and helpers/setup.py's training set-up
+(setup_training), as main uses them.
 
     python -m pytest -q tests/test_setup.py
 """
 
 import copy
 import dataclasses
+import functools
 import os
 
 import pytest
@@ -12,11 +14,11 @@ import torch
 
 import grpo
 from conftest import T, codebook, fresh_pipe, latest_state, lora_policy, sample_group, tiny_run
-from helpers import diagnostics, setup
+from helpers import diagnostics, setup, trainer
 from helpers.offline_model import tiny_glm_image
 
 
-def test_apply_lora():
+def test_lora():
     """LoRA: only adapter weights train; sampler/trainer parity and ratio 1 at step 0; the reference with the
     adapter off equals the base model; the adapter saves and loads back in the peft format."""
     pipe = fresh_pipe()
@@ -26,23 +28,23 @@ def test_apply_lora():
     assert trainable and all("lora_" in n for n in trainable)
     assert any("gate_up_proj" in n for n in trainable) and any("q_proj" in n for n in trainable)
     r = sample_group(pipe, "a cat", 4, 64, 96, T, seed=0)  # samples through the injected adapters
-    lp = grpo.token_logprobs(policy, r.inputs, r.tokens, T)
+    lp = grpo.token_logprobs(policy, r.prompt.inputs, r.tokens, T)
     assert (lp - r.q_logprobs).abs().max() <= 1e-5
     ref = grpo.reference_model(policy, 0.04)
     assert ref is policy  # no second copy
     with torch.no_grad():
-        base_lp = grpo.token_logprobs(base, r.inputs, r.tokens, T)
-    batches = grpo.micro_batches([r], torch.tensor([[1.0, -1.0, 0.5, -0.5]]), 2)
+        base_lp = grpo.token_logprobs(base, r.prompt.inputs, r.tokens, T)
+    batches = trainer.micro_batches([r], torch.tensor([[1.0, -1.0, 0.5, -0.5]]), 2)
     assert (grpo.reference_logprobs(ref, batches[0], T) - base_lp[:2]).abs().max() <= 1e-5  # the adapter off
     assert (base_lp - r.q_logprobs).abs().max() > 1e-3  # the adapter matters
     opt = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=1e-3)
-    settings = grpo.LossSettings(clip_eps=0.2, kl_beta=0.04)
-    readings = diagnostics.reader(grpo.parse_config([]), codebook(policy), grpo)
-    m = grpo.train_step(policy, opt, batches, ref, grpo.micro_batch_loss, settings, temperature=T, mu=1,
-                        max_grad_norm=1.0, readings=readings)
+    loss = functools.partial(grpo.micro_batch_loss, clip_eps=0.2, kl_beta=0.04)
+    readings = diagnostics.reader(trainer.parse_config(grpo, []), codebook(policy), grpo)
+    m = trainer.train_step(grpo, policy, opt, batches, ref, loss, temperature=T, mu=1, max_grad_norm=1.0,
+                           readings=readings)
     assert m["ratio_min"] == m["ratio_max"] == 1 and m["sampler_gap"] <= 1e-5 and m["kl"] > 0
     assert all(p.grad is None for n, p in policy.named_parameters() if "lora_" not in n)
-    adapters = [setup.apply_lora(fresh_pipe().vision_language_encoder, 4, seed) for seed in (0, 0, 1)]
+    adapters = [grpo.trained_model(fresh_pipe(), 4, seed=seed) for seed in (0, 0, 1)]
     a, b, c = ({n: p for n, p in m.named_parameters() if "lora_A" in n} for m in adapters)
     assert a and a.keys() == b.keys() == c.keys()  # the loops below compare something
     assert all(torch.equal(a[n], b[n]) for n in a) and not all(torch.equal(a[n], c[n]) for n in a)  # seeded init
@@ -112,13 +114,14 @@ def test_setup_training():
     """The AR is the policy with AdamW over exactly its trainable weights at --lr; the reference is a frozen copy
     (None at beta 0); --offload moves the DiT, VAE and T5 to the CPU."""
     pipe = grpo.only_ar_trains(tiny_glm_image(0))
-    cfg = grpo.with_defaults(grpo.Config(model="tiny", lr=2e-4, kl_beta=0.1, offload=True))
-    policy, ref, opt = setup.setup_training(pipe, cfg, torch.float32, 1, grpo.reference_model)
+    cfg = trainer.parse_config(grpo, ["--lr", "2e-4", "--kl-beta", "0.1", "--offload"])
+    policy, ref, opt = setup.setup_training(pipe, cfg, torch.float32, 1, grpo.reference_model,
+                                            pipe.vision_language_encoder)
     trainable = [p for p in policy.parameters() if p.requires_grad]
     assert policy is pipe.vision_language_encoder and opt.param_groups[0]["lr"] == 2e-4
     assert [id(p) for p in opt.param_groups[0]["params"]] == [id(p) for p in trainable]
     assert ref is not policy and not any(p.requires_grad for p in ref.parameters())
     assert pipe.transformer.device.type == "cpu"
     _, none, _ = setup.setup_training(pipe, dataclasses.replace(cfg, kl_beta=0.0), torch.float32, 1,
-                                      grpo.reference_model)
+                                      grpo.reference_model, pipe.vision_language_encoder)
     assert none is None

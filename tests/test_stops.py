@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import grpo
-from helpers import run, run_io, variants
+from helpers import run, run_io, trainer, variants
 from helpers.user_input import guarded
 from conftest import TINY, run_record, write_evals, write_example
 
@@ -118,9 +118,9 @@ def kill():
     raise Killed
 
 
-PHASES = {"sampling": (grpo, "sample_groups"), "decoding": (grpo, "decode_images"), "reward": (grpo, "group_rewards"),
-          "update": (grpo, "train_step"), "log": (run, "log_step"), "after-step": (variants, "after_step"),
-          "checkpoint write": (run, "save_checkpoint"), "evaluation": (grpo, "sample_groups")}
+PHASES = {"sampling": (trainer, "sample_groups"), "decoding": (grpo, "decode_images"),
+          "reward": (grpo, "group_rewards"), "update": (trainer, "train_step"), "log": (run, "log_step"), "after-step": (variants, "after_step"),
+          "checkpoint write": (run, "save_checkpoint"), "evaluation": (trainer, "sample_groups")}
 CHAIN = [  # (phase, how, step, exit code, the step of the checkpoint a resume reads): one run stopped again and again
     ("sampling", "SIGTERM", 1, 130, 0),  # nothing landed: a checkpoint of the initial state, AdamW's state empty
     ("sampling", "SIGTERM", 2, 130, 1), ("decoding", "SIGINT", 2, 130, 1), ("reward", "SIGTERM", 2, 130, 1),
@@ -184,7 +184,7 @@ def test_measured_case_rates_and_reset(tmp_path, monkeypatch):
             "cosine", "--warmup-steps", "1", "--reference-reset-every", "3", "--reference-reset-kl", "0.03",
             "--lora-rank", "4", "--steps", "7", "--save-every", "0", "--image-every", "0"]
     grpo.main([*argv, "--out", str(tmp_path / "whole")])
-    stop_in(monkeypatch, grpo, "train_step", lambda: signal.raise_signal(signal.SIGINT))
+    stop_in(monkeypatch, trainer, "train_step", lambda: signal.raise_signal(signal.SIGINT))
     with pytest.raises(SystemExit):
         grpo.main([*argv, "--out", str(tmp_path / "stopped")])
     monkeypatch.undo()
@@ -264,7 +264,7 @@ def test_every_stop_says_what_is_kept(tmp_path, monkeypatch, capsys, how, when):
     from tqdm import tqdm
     from helpers import parallel
     from helpers.user_input import RewardError
-    r = run.Run(grpo.parse_config(["--out", str(tmp_path)]), tmp_path, 0, None, [], {}, None, grpo)
+    r = run.Run(trainer.parse_config(grpo, ["--out", str(tmp_path)]), tmp_path, 0, None, [], {}, None, grpo)
     r.progress, (r.done, r.saved) = tqdm(disable=True), STATES[when]
     monkeypatch.setattr(run, "save_run", lambda r, step: setattr(r, "saved", step))
     monkeypatch.setitem(parallel.INTERRUPT, "forced", how == "two signals")

@@ -11,6 +11,7 @@ import json
 import math
 import re
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -20,7 +21,7 @@ from PIL import Image
 
 import dit_grpo
 import grpo
-from helpers import user_input, run
+from helpers import run, trainer, user_input
 from conftest import ROOT, TINY, expect_exit, write_example
 
 H, W = 6, 4  # not square: a rotation shows
@@ -433,13 +434,13 @@ def test_parse_rewards(tmp_path, monkeypatch):
     """Built-in names, module:function import paths and path/to/file.py:function with weights, each guarded; bad
     names, weights (negative, not finite) and imports (a missing file or name, a module that raises or exits while
     importing) are refused in one line."""
-    rewards = user_input.parse_rewards("ssim=1,mse=0.5", grpo.REWARDS)
+    rewards = user_input.parse_rewards("ssim=1,mse=0.5", trainer.reward_table(grpo))
     assert {k: w for k, (_, w) in rewards.items()} == {"ssim": 1.0, "mse": 0.5}
     assert rewards["ssim"][0].__wrapped__ is grpo.ssim_reward and rewards["ssim"][0].needs == ("target",)
     (tmp_path / "my_rewards.py").write_text("import torch\ndef brightness(images, example):\n"
                                             "    return images.mean(dim=(1, 2, 3))\nnot_a_function = 3\n")
     monkeypatch.chdir(tmp_path)  # module:function is found in the current directory, as `python -m` would
-    custom = user_input.parse_rewards("my_rewards:brightness=2,ssim=0", grpo.REWARDS)
+    custom = user_input.parse_rewards("my_rewards:brightness=2,ssim=0", trainer.reward_table(grpo))
     assert custom["my_rewards:brightness"][1] == 2.0 and custom["my_rewards:brightness"][0].__name__ == "brightness"
     monkeypatch.setattr(sys, "path", [*sys.path])  # (the imports below add their folders)
     # a file path, as people write one: path/to/file.py:function, imported once, beside files it imports; two files
@@ -451,7 +452,7 @@ def test_parse_rewards(tmp_path, monkeypatch):
             "import helper_value\nLOADS = globals().get('LOADS', 0) + 1\n"
             f"def dark(images, example):\n    return {value} - images.mean(dim=(1, 2, 3))\n")
     rewards = user_input.parse_rewards(f"sub/mine.py:dark=1,{tmp_path}/sub/mine.py : dark=0,me@work/mine.py:dark=1",
-                                       grpo.REWARDS)
+                                       trainer.reward_table(grpo))
     assert [w for _, w in rewards.values()] == [1, 0, 1]
     assert [float(fn(torch.zeros(1, 3, 8, 8), {})) for fn, _ in rewards.values()] == [1, 1, 2]
     first, again, other = (fn.__wrapped__ for fn, _ in rewards.values())
@@ -470,7 +471,7 @@ def test_parse_rewards(tmp_path, monkeypatch):
                         ("argv.py:f", r"importing it exited \(sys.exit\(2\): mine: error: unrecognized arguments: --no\)"),
                         ("quits.py:f", r"importing it exited \(sys.exit\(\)\)")]:
         with pytest.raises(ValueError, match=needle):
-            user_input.parse_rewards(bad, grpo.REWARDS)
+            user_input.parse_rewards(bad, trainer.reward_table(grpo))
 
 
 # ---- Numbers: each in its range -----------------------------------------------------------------
@@ -539,14 +540,17 @@ def test_config_file_numbers_and_text(tmp_path, capsys):
 
 
 def test_read_config_file(tmp_path):
-    """--config: YAML or JSON, each value parsed as its flag's (a string too); null keeps a preset to its model;
-    resume / overwrite come from the command line only; an unknown key, a wrong type, a file that does not parse or is
-    not a mapping: ValueError with the key and the file; the file's keys count as given flags (for --resume)."""
+    """--config: YAML or JSON, each value parsed as its flag's (a string too); null is the field's default (for a
+    preset, the model's); resume / overwrite come from the command line only; an unknown key, a wrong type, a file
+    that does not parse or is not a mapping: ValueError with the key and the file; the file's keys count as given
+    flags (for --resume)."""
     config = run.with_run_settings(grpo.Config)
     yaml_file, json_file = tmp_path / "a.yaml", tmp_path / "a.json"
     yaml_file.write_text("lr: 5e-6\nsteps: '7'\nkl_beta: null\nshuffle: true\nresume: runs/x\nclip_eps: 1\n")
-    assert user_input.read_config_file(str(yaml_file), config) == {"lr": 5e-6, "steps": 7, "kl_beta": None,
-                                                                     "shuffle": True, "clip_eps": 1.0}
+    assert user_input.read_config_file(str(yaml_file), config) == {"lr": 5e-6, "steps": 7, "shuffle": True,
+                                                                     "clip_eps": 1.0}  # null: the default
+    real = trainer.parse_config(grpo, ["--config", str(yaml_file), "--model", "zai-org/GLM-Image"])
+    assert real.kl_beta == 0.04 and real.lr == 5e-6  # the real model's preset where the file says null
     json_file.write_text(json.dumps({"group_size": 4, "reward": "ssim=1"}))
     assert user_input.read_config_file(str(json_file), config) == {"group_size": 4, "reward": "ssim=1"}
     for text, needle in [("group_sise: 4\n", "unknown key group_sise"), ("steps: 4.5\n", "steps: 4.5 is not an integer"),
@@ -558,11 +562,70 @@ def test_read_config_file(tmp_path):
     yaml_file.write_text("kl_beta: 0.2\n")
     assert run.given_flags(config, ["--config", str(yaml_file), "--steps", "3"]) == {"kl_beta", "steps"}
     assert run.given_flags(config, ["--config", str(yaml_file)], saved={"kl_beta": 0.2}) == set()  # a requeue
-    assert grpo.parse_config(["--config", str(yaml_file)]).kl_beta == 0.2
-    real = grpo.parse_config(["--config", str(ROOT / "examples" / "real_model.yaml")])  # the shipped first real run
+    assert trainer.parse_config(grpo, ["--config", str(yaml_file)]).kl_beta == 0.2
+    real = trainer.parse_config(grpo, ["--config", str(ROOT / "examples" / "real_model.yaml")])  # the shipped first real run
     run.validate(real)
     assert (real.model, real.group_size, real.kl_beta, real.lr_scheduler) == ("zai-org/GLM-Image", 4, 0.01, "cosine")
-    assert grpo.parse_config(["--config", str(yaml_file), "--kl-beta", "0.3"]).kl_beta == 0.3  # the command line wins
+    assert trainer.parse_config(grpo, ["--config", str(yaml_file), "--kl-beta", "0.3"]).kl_beta == 0.3  # the command line wins
+
+
+@pytest.mark.parametrize("name, text", [
+    ("a.yaml", "kl_beta: 0.5\ngroup_size: 4\nkl_beta: 0.0\n"), ("a.json", '{"kl_beta": 0.5, "kl_beta": 0.0}'),
+    ("nested.yaml", "reward: ssim=1\nsteps: 3\nsteps: 3\n")])
+def test_config_key_given_twice(tmp_path, name, text):
+    """A key given twice in a config file is refused, naming it (and, in YAML, both lines): PyYAML and json keep the
+    last silently (issue 85: kl_beta 0.5, then 0.0 lower down: the KL silently off, exit 0). The same value twice too:
+    which one was meant is the user's to say."""
+    (tmp_path / name).write_text(text)
+    key = "steps" if name.startswith("nested") else "kl_beta"
+    lines = {"a.yaml": " (line 1 and line 3)", "nested.yaml": " (line 2 and line 3)", "a.json": ""}[name]
+    with pytest.raises(ValueError, match=re.escape(f"{key} is given twice{lines}; give it once")):
+        user_input.read_config_file(str(tmp_path / name), run.with_run_settings(grpo.Config))
+
+
+@pytest.mark.parametrize("text, needle", [
+    ("kl_beta: 0.5\n\tgroup_size: 4\n", "found character '\\t' that cannot start any token at line 2, column 1 "
+                                        "(while scanning for the next token); YAML indents with spaces, not tabs"),
+    ("steps: [1,\n", "at line 2, column 1"), ('{"steps": 3,\n "lr" 1}', "Expecting ':' delimiter at line 2, column 7")])
+def test_config_syntax_error_keeps_its_cause(tmp_path, text, needle):
+    """A config file that does not parse is one line that keeps what was found and where (it kept only PyYAML's
+    'while scanning for the next token')."""
+    path = tmp_path / ("c.json" if text.startswith("{") else "c.yaml")
+    path.write_text(text)
+    with pytest.raises(ValueError, match="does not parse: .*" + re.escape(needle)) as error:
+        user_input.read_config_file(str(path), run.with_run_settings(grpo.Config))
+    assert "\n" not in str(error.value)
+
+
+def test_config_paths_are_the_files(tmp_path, monkeypatch):
+    """A path in a config file is relative to the file's folder, from any working directory (issue 85: cfgdir/run.yaml's
+    prompts: prompts.txt trained on the working directory's prompts.txt): prompts, eval_prompts, out, a model folder,
+    a reward file and a checkpoint folder; a hub id, tiny, a plain reward name and a URL stay as written. A run's
+    config.json keeps the prompts absolute."""
+    folder, elsewhere = tmp_path / "cfgdir", tmp_path / "elsewhere"
+    (folder / "model").mkdir(parents=True)
+    (folder / "lpips_weights").mkdir()
+    elsewhere.mkdir()
+    (folder / "run.yaml").write_text(
+        "prompts: prompts.txt\neval_prompts: ../held.txt\nout: runs/x\nmodel: model\n"
+        "reward: ssim=1,rewards/score.py:brightness=0.5,lpips@lpips_weights=0,http://127.0.0.1:9/r=0\n"
+        "eval_reward: shapes_exact\n")
+    monkeypatch.chdir(elsewhere)
+    values = user_input.read_config_file(str(folder / "run.yaml"), run.with_run_settings(grpo.Config))
+    assert values["prompts"] == str(folder / "prompts.txt") and values["out"] == str(folder / "runs" / "x")
+    assert Path(values["eval_prompts"]).resolve() == tmp_path / "held.txt" and values["model"] == str(folder / "model")
+    assert values["reward"] == (f"ssim=1,{folder / 'rewards' / 'score.py'}:brightness=0.5,"
+                                f"lpips@{folder / 'lpips_weights'}=0,http://127.0.0.1:9/r=0")
+    assert values["eval_reward"] == "shapes_exact"
+    (folder / "hub.yaml").write_text("model: zai-org/GLM-Image\n")
+    assert user_input.read_config_file(str(folder / "hub.yaml"), run.with_run_settings(grpo.Config)) == {
+        "model": "zai-org/GLM-Image"}
+    prompts = write_example(folder, ["a gray square | t.png"])
+    (folder / "small.yaml").write_text(f"prompts: {prompts.name}\nsteps: 1\nheight: 64\nwidth: 64\nbefore_after: 0\n"
+                                       "out: run\n")
+    (elsewhere / prompts.name).write_text("the wrong prompts | nowhere.png\n")  # what the working directory holds
+    grpo.main(["--config", str(folder / "small.yaml")])
+    assert json.loads((folder / "run" / "config.json").read_text())["prompts"] == str(prompts)
 
 
 # ---- Logged estimates keep their sign -------------------------------------------------------------

@@ -7,6 +7,7 @@ each has a test by hand that fails when its term is dropped or planted wrong.
 
 import copy
 import dataclasses
+import functools
 import json
 import math
 from pathlib import Path
@@ -16,7 +17,7 @@ import pytest
 import torch
 
 import grpo
-from helpers import diagnostics, fast_decode, parallel, user_input, variants
+from helpers import diagnostics, fast_decode, parallel, trainer, user_input, variants
 from tests.conftest import CORRECTIONS, PARITY, T, TINY, run_record, sample_group, sampled_rows, write_example
 from tests.conftest import pipe, random_pipe  # noqa: F401  the tiny pipelines (fixtures)
 from tests.test_rewards import dino_folder  # noqa: F401  a tiny random DINOv2 (a fixture)
@@ -36,7 +37,7 @@ TOLERANCE = 1e-3
 def cfg_with(**options):
     """The tiny config with the variants' flags given (the command line's defaults otherwise)."""
     argv = [arg for name, value in options.items() for arg in ("--" + name.replace("_", "-"), str(value))]
-    return grpo.parse_config(argv)
+    return trainer.parse_config(grpo, argv)
 
 
 def seam(z_scores, reward, rollouts, cfg, each=None):
@@ -49,7 +50,7 @@ def rollout(tokens, q_logprobs=None, preview=0):
     """A Rollout of given (G, N) tokens (the last N - preview form a 1 x n large grid)."""
     G, N = tokens.shape
     q = torch.zeros(G, N) if q_logprobs is None else q_logprobs
-    return grpo.Rollout(tokens, q, q, {}, (1, preview), (1, N - preview), None)
+    return grpo.Rollout(grpo.Prompt({}, (1, preview), (1, N - preview)), tokens, q, q)
 
 
 # ---- the same metrics as before the move --------------------------------------------------------
@@ -313,11 +314,15 @@ def test_main_unlikeliness(tmp_path, monkeypatch):
 
 # ---- step 5: the loss ---------------------------------------------------------------------------
 
+def lesson_loss(cfg):
+    """grpo.micro_batch_loss with the settings of `cfg` bound, as main builds it."""
+    return functools.partial(grpo.micro_batch_loss, clip_eps=cfg.clip_eps, kl_beta=cfg.kl_beta,
+                             sampler_cap=cfg.sampler_cap)
+
+
 def loss_of(distribution, mb, old, ref, cfg, threshold=None):
     """variants.update's loss for `cfg` on one micro-batch (its lesson loss built as main builds it)."""
-    settings = grpo.LossSettings(clip_eps=cfg.clip_eps, kl_beta=cfg.kl_beta, correction=cfg.sampler_correction,
-                                 cap=cfg.sampler_cap)
-    return variants.variant_loss(distribution, mb, old, ref, settings, lesson_loss=grpo.micro_batch_loss, cfg=cfg,
+    return variants.variant_loss(distribution, mb, old, ref, lesson_loss=lesson_loss(cfg), cfg=cfg,
                                  threshold=threshold)
 
 
@@ -372,7 +377,7 @@ def test_variant_loss_mass(random_pipe):
     loss, _ = loss_of(distribution, mb, old, ref, cfg_with(kl_beta=2.0, truncation_weight="mass"))
     r, d = torch.exp(logp - old), ref - logp
     A = mb.advantages[:, None]
-    w = grpo.sampler_correction(old, mb.sampler_logprobs)
+    w = variants.sampler_correction(old, mb.sampler_logprobs)
     surrogate = torch.min(r * A, r.clamp(0.8, 1.2) * A)
     assert torch.allclose(loss, (-(w * surrogate - 2.0 * (d.exp() - d - 1)) * z).mean())
     truncated = cfg_with(kl_beta=2.0, truncation_weight="mass", policy_dist="truncated")
@@ -390,7 +395,7 @@ def test_variant_loss_train_tokens():
     old = logp + torch.randn(2, 6, generator=g) * 0.1
     everything, _ = loss_of(distribution, mb, old, None, cfg_with(train_tokens="all"))
     lesson, _ = loss_of(distribution, mb, old, None, cfg_with())
-    w = grpo.sampler_correction(old, mb.sampler_logprobs)
+    w = variants.sampler_correction(old, mb.sampler_logprobs)
     for cols, loss in ((slice(None), everything), (slice(2, None), lesson)):
         want, _ = grpo.grpo_loss(logp[:, cols], old[:, cols], None, mb.advantages, 0.2, 0.0, w[:, cols])
         assert torch.allclose(loss, want)
@@ -421,12 +426,11 @@ def test_mean_entropy_any_micro_batch(random_pipe):
     grads, thresholds = [], []
     for size in (4, 1):
         policy = copy.deepcopy(random_pipe.vision_language_encoder)
-        batches = grpo.micro_batches(rollouts, advantages, size)
-        batches, loss = variants.update(batches, grpo.micro_batch_loss, policy, cfg, grpo)
+        batches = trainer.micro_batches(rollouts, advantages, size)
+        batches, loss = variants.update(batches, lesson_loss(cfg), policy, cfg, grpo)
         thresholds.append(variants.mean_entropy(policy, batches, T, cfg.train_tokens, grpo))
         opt = torch.optim.SGD([p for p in policy.parameters() if p.requires_grad], lr=0.0)
-        grpo.train_step(policy, opt, batches, None, loss, grpo.LossSettings(clip_eps=0.2, kl_beta=0.0), temperature=T,
-                        mu=1, max_grad_norm=math.inf)
+        trainer.train_step(grpo, policy, opt, batches, None, loss, temperature=T, mu=1, max_grad_norm=math.inf)
         grads.append({n: p.grad.clone() for n, p in policy.named_parameters() if p.grad is not None})
     assert thresholds[0] == pytest.approx(thresholds[1], rel=1e-6)
     norm = torch.sqrt(sum((g ** 2).sum() for g in grads[0].values()))
@@ -445,11 +449,11 @@ def test_on_truncation(random_pipe):
     (the lesson's `generate` records none) under top-p are refused in one line, not trained on p."""
     K = random_pipe.vision_language_encoder.config.vq_config.num_embeddings
     r = sample_group(random_pipe, "a red circle", 4, 64, 64, T, seed=2, top_p=0.75)
-    mb = grpo.micro_batches([r], torch.zeros(1, 4), 2)[1]
+    mb = trainer.micro_batches([r], torch.zeros(1, 4), 2)[1]
     cut = variants.on_truncation(mb, K)
     assert torch.equal(cut.support, fast_decode.code_support(r.support[2:], K))
     assert torch.equal(cut.sampler_logprobs, r.q_logprobs[2:]) and mb.support is None
-    plain = grpo.micro_batches([r._replace(support=None)], torch.zeros(1, 4), 2)[0]
+    plain = trainer.micro_batches([r._replace(support=None)], torch.zeros(1, 4), 2)[0]
     assert variants.on_truncation(plain, K, truncating=False) is plain
     with pytest.raises(ValueError, match="--policy-dist truncated trains on the codes each draw kept"):
         variants.on_truncation(plain, K, truncating=True)
@@ -468,17 +472,15 @@ def widened(r, K):
 
 
 def step_gradients(pipe, rollouts, advantages, cfg, micro_batch_size=2, lr=1.0):
-    """grpo.train_step through the variants' seam, as main runs it -> the last update's gradients and the metrics."""
+    """The trainer's step through the variants' seam, as main runs it -> the last update's gradients and the metrics."""
     policy = copy.deepcopy(pipe.vision_language_encoder)
     ref = grpo.reference_model(policy, cfg.kl_beta)
     opt = torch.optim.SGD([p for p in policy.parameters() if p.requires_grad], lr=lr)
-    settings = grpo.LossSettings(clip_eps=cfg.clip_eps, kl_beta=cfg.kl_beta, correction=cfg.sampler_correction,
-                                 cap=cfg.sampler_cap)
-    batches = grpo.micro_batches(rollouts, advantages, micro_batch_size)
-    batches, loss = variants.update(batches, grpo.micro_batch_loss, policy, cfg, grpo)
+    batches = trainer.micro_batches(rollouts, advantages, micro_batch_size)
+    batches, loss = variants.update(batches, lesson_loss(cfg), policy, cfg, grpo)
     readings = diagnostics.reader(cfg, policy.config.vq_config.num_embeddings, grpo)
-    m = grpo.train_step(policy, opt, batches, ref, loss, settings, temperature=T, mu=cfg.mu, max_grad_norm=math.inf,
-                        readings=readings)
+    m = trainer.train_step(grpo, policy, opt, batches, ref, loss, temperature=T, mu=cfg.mu, max_grad_norm=math.inf,
+                           readings=readings)
     return {n: p.grad.clone() for n, p in policy.named_parameters() if p.grad is not None}, m
 
 
@@ -515,12 +517,12 @@ def test_corrections_on_the_trained_distribution(pipe, policy_dist):
     full = policy_dist == "full"
     r = r._replace(p_logprobs=r.p_logprobs + noise) if full else r._replace(q_logprobs=r.q_logprobs + noise)
     ar, adv, n_preview = pipe.vision_language_encoder, torch.tensor([1.0, -1.0, 0.5, -0.5]), 256
-    mb = grpo.micro_batches([r], adv[None], 4)[0]
+    mb = trainer.micro_batches([r], adv[None], 4)[0]
     if not full:
         mb = variants.on_truncation(mb, ar.config.vq_config.num_embeddings)
     with torch.no_grad():
-        logits = grpo.token_logits(ar, r.inputs, r.tokens)
-    distribution = grpo.code_logprobs(logits, T, ar.config.vq_config.num_embeddings, support=mb.support)
+        logits = grpo.token_logits(ar, r.prompt.inputs, r.tokens)
+    distribution = variants.distribution(grpo, logits, T, ar.config.vq_config.num_embeddings, mb.support)
     logp = grpo.logprob_of(distribution, r.tokens)
     mass = variants.nucleus_mass(r.q_logprobs, r.p_logprobs)[:, n_preview:] if full else 1.0
     d_all = logp - mb.sampler_logprobs  # (G, N)
@@ -659,9 +661,8 @@ def test_variant_loss_kl_uncertain():
     old = grpo.logprob_of(distribution, mb.tokens).detach()
     ref = old + torch.randn(3, 4, generator=g) * 0.3
     cfg = cfg_with(kl_beta=0.5, kl_on="uncertain", reward="shapes,size=0")
-    settings = grpo.LossSettings(clip_eps=cfg.clip_eps, kl_beta=cfg.kl_beta)
     weights = {id(mb.rollout): torch.tensor([0.0, 3.0, 0.0])}  # one of three gated
-    gated, m = variants.variant_loss(distribution, mb, old, ref, settings, lesson_loss=grpo.micro_batch_loss, cfg=cfg,
+    gated, m = variants.variant_loss(distribution, mb, old, ref, lesson_loss=lesson_loss(cfg), cfg=cfg,
                                      threshold=None, kl_weights=weights)
     free, _ = loss_of(distribution, mb, old, ref, cfg_with(kl_beta=0.0))
     d = ref - old
@@ -691,7 +692,7 @@ def test_reference_reset(random_pipe, lora):
     state_dict restores it, and the step of the reset, in a fresh run (resume)."""
     from tests.conftest import lora_policy
     rollout_ = sample_group(random_pipe, "a red circle", 2, 64, 64, 1.0, 0)
-    mb, = grpo.micro_batches([rollout_], torch.zeros(1, 2), 2)
+    mb, = trainer.micro_batches([rollout_], torch.zeros(1, 2), 2)
 
     def make():
         ar = copy.deepcopy(random_pipe.vision_language_encoder)

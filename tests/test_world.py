@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import grpo
-from helpers import user_input
+from helpers import trainer, user_input
 from helpers import rewards
 from helpers import world
 
@@ -260,7 +260,7 @@ def test_bench_learning_continues_its_shorter_runs(tmp_path):
     argv = ["--prompts", str(ROOT / "examples" / "shapes.txt"), "--reward", "shapes=1", "--seed", "2"]
     saved = tmp_path / "clusters_seed2"
     for flags, same in [([], True), (["--lr", "2e-4"], False), (["--lr-scheduler", "linear"], False), (None, True)]:
-        cfg = grpo.parse_config([*argv, "--steps", "400", "--out", str(saved), *(flags or [])])
+        cfg = trainer.parse_config(grpo, [*argv, "--steps", "400", "--out", str(saved), *(flags or [])])
         config = dataclasses.asdict(cfg)  # as the run saved it; None: saved before --reference-reset-kl existed
         (saved / "config.json").write_text(json.dumps(config if flags is not None else
                                                       {k: v for k, v in config.items() if k != "reference_reset_kl"}))

@@ -48,7 +48,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # grpo.py and the files it imports live in the repository root
 
 import grpo  # noqa: E402
-from helpers import diagnostics, fast_decode, setup, user_input, variants  # noqa: E402
+from helpers import diagnostics, fast_decode, setup, trainer, user_input, variants  # noqa: E402
 from helpers import rewards  # noqa: E402
 from tools.generate_reference import generate_group  # noqa: E402  grpo.py's sampler before its decode loop
 
@@ -56,17 +56,19 @@ G, H, W, T, PROMPT = 4, 96, 96, 0.9, "a red square on the left"  # the pre-train
 
 
 def sample_group(pipe, prompt, group_size, height, width, temperature, seed, top_p=1.0):
-    """One prompt's Rollout: grpo.sample_groups with one group."""
-    return grpo.sample_groups(pipe, [prompt], group_size, height, width, temperature, [seed], top_p=top_p)[0]
+    """One prompt's group as main samples it (helpers/trainer.py: the fast decode)."""
+    return trainer.sample_groups(grpo, pipe, [prompt], group_size, height, width, temperature, [seed],
+                                 top_p=top_p)[0]
 
 
 def train_step(policy, opt, rollouts, advantages, ref, micro_batch_size, kl_beta):
-    """grpo.train_step as grpo.main calls it: the rollouts' micro-batches, the lesson's loss (clip 0.2, one update)."""
-    batches = grpo.micro_batches(rollouts, advantages, micro_batch_size)
-    settings = grpo.LossSettings(clip_eps=0.2, kl_beta=kl_beta)
-    readings = diagnostics.reader(grpo.parse_config([]), policy.config.vq_config.num_embeddings, grpo)
-    return grpo.train_step(policy, opt, batches, ref, grpo.micro_batch_loss, settings, temperature=T, mu=1,
-                           max_grad_norm=1.0, readings=readings)
+    """The trainer's step as grpo.main calls it: the rollouts' micro-batches, the lesson's loss (clip 0.2, one
+    update)."""
+    batches = trainer.micro_batches(rollouts, advantages, micro_batch_size)
+    loss = functools.partial(grpo.micro_batch_loss, clip_eps=0.2, kl_beta=kl_beta)
+    readings = diagnostics.reader(trainer.parse_config(grpo, []), policy.config.vq_config.num_embeddings, grpo)
+    return trainer.train_step(grpo, policy, opt, batches, ref, loss, temperature=T, mu=1, max_grad_norm=1.0,
+                              readings=readings)
 
 
 def timed(fn, repeats=3):
@@ -99,22 +101,22 @@ def phases(pipe, policy, rows):
     opt = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=1e-3)
     t, r = timed(lambda: sample_group(pipe, PROMPT, G, H, W, T, seed=0))
     rows.append(("phase: sample (G=4, one decode)", f"{t:.3f} s"))
-    t, images = timed(lambda: grpo.decode_images(pipe, PROMPT, r.tokens, r.large_hw, H, W, 2, seed=0))
+    t, images = timed(lambda: grpo.decode_images(pipe, PROMPT, r.tokens, r.prompt.large_hw, H, W, 2, seed=0))
     rows.append(("phase: decode (DiT + VAE, whole group)", f"{t:.3f} s"))
     t, (rewards, _) = timed(lambda: grpo.group_rewards([images], [{"target": target}], {"ssim": (grpo.ssim_reward, 1.0)}))
     rows.append(("phase: reward (SSIM)", f"{t * 1e3:.2f} ms"))
     with torch.no_grad():
-        t, _ = timed(lambda: grpo.token_logprobs(policy, r.inputs, r.tokens, T))
+        t, _ = timed(lambda: grpo.token_logprobs(policy, r.prompt.inputs, r.tokens, T))
     rows.append(("phase: old log-probs (no grad)", f"{t:.3f} s"))
     batch = grpo.micro_batches([r], torch.zeros(1, G), G)
     t, _ = timed(lambda: grpo.reference_logprobs(ref, batch[0], T))
     rows.append(("phase: ref log-probs (no grad)", f"{t:.3f} s"))
     adv = grpo.group_advantages(rewards)[0]
-    t_fwd, logp = timed(lambda: grpo.token_logprobs(policy, r.inputs, r.tokens, T))
+    t_fwd, logp = timed(lambda: grpo.token_logprobs(policy, r.prompt.inputs, r.tokens, T))
     rows.append(("phase: new log-probs (with grad)", f"{t_fwd:.3f} s"))
 
     def backward():
-        loss, _ = grpo.grpo_loss(grpo.token_logprobs(policy, r.inputs, r.tokens, T), logp.detach(), None, adv,
+        loss, _ = grpo.grpo_loss(grpo.token_logprobs(policy, r.prompt.inputs, r.tokens, T), logp.detach(), None, adv,
                                  0.2, 0.0)
         loss.backward()
 
@@ -138,7 +140,7 @@ def memory_vs_micro_batch(policy, r, adv, rows):
         rows_mb = slice(0, mb)
 
         def loss():
-            lp = grpo.token_logprobs(policy, r.inputs, r.tokens[rows_mb], T)
+            lp = grpo.token_logprobs(policy, r.prompt.inputs, r.tokens[rows_mb], T)
             return grpo.grpo_loss(lp, lp.detach(), None, adv[rows_mb], 0.2, 0.0)[0]
 
         rows.append((f"activations saved for backward, micro-batch {mb}", f"{saved_activation_bytes(loss) / 2**20:.1f} MiB"))
@@ -148,7 +150,7 @@ def memory_vs_micro_batch(policy, r, adv, rows):
 def full_vs_lora(rows):
     for rank in (0, 16):
         pipe = grpo.load_glm_image("tiny")
-        policy = setup.apply_lora(pipe.vision_language_encoder, rank) if rank else pipe.vision_language_encoder
+        policy = grpo.trained_model(pipe, rank)
         params = [p for p in policy.parameters() if p.requires_grad]
         opt = torch.optim.AdamW(params, lr=1e-3)
         r = sample_group(pipe, PROMPT, G, H, W, T, seed=0)
@@ -207,11 +209,11 @@ def real_shapes_step(pipe, policy, precision: str, rows, height=1024, width=1024
     with autocast:
         r = sample_group(pipe, PROMPT, group, height, width, T, seed=0)
     t1 = time.perf_counter()
-    n_prev, n_large = r.preview_hw[0] * r.preview_hw[1], r.large_hw[0] * r.large_hw[1]
-    emit(rows, f"{precision}: token layout", f"{n_prev} preview ({r.preview_hw[0]}x{r.preview_hw[1]}) + {n_large} "
-         f"large ({r.large_hw[0]}x{r.large_hw[1]}) = {r.tokens.shape[1]} tokens per sample")
+    n_prev, n_large = r.prompt.preview_hw[0] * r.prompt.preview_hw[1], r.prompt.large_hw[0] * r.prompt.large_hw[1]
+    emit(rows, f"{precision}: token layout", f"{n_prev} preview ({r.prompt.preview_hw[0]}x{r.prompt.preview_hw[1]}) + {n_large} "
+         f"large ({r.prompt.large_hw[0]}x{r.prompt.large_hw[1]}) = {r.tokens.shape[1]} tokens per sample")
     emit(rows, f"{precision}: sample (G={group}, one decode)", f"{t1 - t0:.1f} s")
-    images = grpo.decode_images(pipe, PROMPT, r.tokens, r.large_hw, height, width, 2, seed=0)
+    images = grpo.decode_images(pipe, PROMPT, r.tokens, r.prompt.large_hw, height, width, 2, seed=0)
     t2 = time.perf_counter()
     emit(rows, f"{precision}: decode (DiT 2 steps + VAE in float32, {group} images, the VAE one at a time)",
          f"{t2 - t1:.1f} s")
@@ -243,7 +245,7 @@ def real_shapes(rows):
     # 23.1 GiB resident, all but 0.4 GiB of a 24 GB machine (grpo.py decodes a group in one call; the AR's numbers
     # do not depend on it)
     pipe.vae.enable_slicing()
-    policy = setup.apply_lora(pipe.vision_language_encoder, 16)
+    policy = grpo.trained_model(pipe, 16)
     real_shapes_step(pipe, policy, "float32", rows)
     # as grpo.py runs on a GPU: bf16 AR weights, float32 adapters, autocast. The DiT and VAE stay float32 here:
     # bf16 convolutions and long matmuls are ~8x slower than float32 on CPUs without bf16 units, and decoding
@@ -306,7 +308,7 @@ def sampler_compare(pipe, name, device, group, height, width, prefix=0, repeats=
             fast_decode.repeat_step = original
         emit_row(f"{name}: the same loop eager (no CUDA graph), ms per step", f"{eager_ms:.2f} (first {m} tokens)")
         with torch.no_grad():
-            trainer = grpo.token_logprobs(model, r.inputs, r.tokens, T)
+            trainer = grpo.token_logprobs(model, r.prompt.inputs, r.tokens, T)
         gap = (trainer - r.q_logprobs).abs()
         emit_row(f"{name}: sampler vs trainer, abs log-prob difference max / mean", f"{gap.max():.3g} / {gap.mean():.3g}")
     return loop_ms
@@ -319,15 +321,11 @@ def sampler_cpu(emit_row):
     pipe = grpo.load_glm_image("tiny")
     sampler_compare(pipe, "tiny model, 96x96", "cpu", 8, H, W, repeats=5, emit_row=emit_row)
     prompts = [PROMPT, "two blue squares above a green triangle"]
-    one, _ = timed(lambda: grpo.sample_groups(pipe, prompts, 8, H, W, T, [0, 1]), repeats=5)
+    one, _ = timed(lambda: trainer.sample_groups(grpo, pipe, prompts, 8, H, W, T, [0, 1]), repeats=5)
     two, _ = timed(lambda: [generate_group(pipe, p, 8, H, W, T, s) for s, p in enumerate(prompts)], repeats=5)
     emit_row("tiny model: a demo step's 2 groups of 8, one decode vs 2 generates", f"{one:.3f} s vs {two:.3f} s = "
              f"{two / one:.2f}x")
-    grpo.fast_decode = None  # the lesson's loop: grpo.sample_groups as grpo.py copied alone runs it
-    try:
-        lesson, _ = timed(lambda: grpo.sample_groups(pipe, prompts, 8, H, W, T, [0, 1]), repeats=5)
-    finally:
-        grpo.fast_decode = fast_decode
+    lesson, _ = timed(lambda: grpo.sample_groups(pipe, prompts, 8, H, W, T, [0, 1]), repeats=5)  # the lesson's loop
     emit_row("tiny model: a demo step's 2 groups of 8, helpers/fast_decode.py vs grpo.generate (the lesson's loop)",
              f"{one:.3f} s vs {lesson:.3f} s = {lesson / one:.2f}x")
     # torch.compile of the AR's forward, on the pre-allocated cache (fixed shapes: one compilation)
@@ -433,11 +431,11 @@ def gap_rows(pipe, name, group, size, top_p, emit_row, train_tokens="large"):
         hook = model.lm_head.register_forward_hook(float32_logits) if logits == "float32" else None
         with torch.autocast(device, dtype=torch.bfloat16), torch.no_grad():
             r = sample_group(pipe, PROMPT, group, size, size, T, seed=0, top_p=top_p)
-            raw = grpo.token_logits(model, r.inputs, r.tokens)
+            raw = grpo.token_logits(model, r.prompt.inputs, r.tokens)
             own = grpo.code_logprobs(raw, T, K, 0, top_p).gather(-1, r.tokens[..., None]).squeeze(-1)
             kept = None if r.support is None else fast_decode.code_support(r.support, K)
             replayed = grpo.code_logprobs(raw, T, K, 0, top_p, kept).gather(-1, r.tokens[..., None]).squeeze(-1)
-        cols = slice(r.preview_hw[0] * r.preview_hw[1], None) if train_tokens == "large" else slice(None)
+        cols = slice(r.prompt.preview_hw[0] * r.prompt.preview_hw[1], None) if train_tokens == "large" else slice(None)
         m = mismatch(replayed[:, cols], r.q_logprobs[:, cols])
         seq = (replayed[:, cols] - r.q_logprobs[:, cols]).sum(1)  # log of each sequence's ratio
         outside = int((~own.isfinite()).sum())

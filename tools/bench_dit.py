@@ -20,6 +20,7 @@ sys.path.insert(0, str(ROOT))  # grpo.py and the files it imports live in the re
 
 import dit_grpo  # noqa: E402
 import grpo  # noqa: E402
+from helpers import trainer  # noqa: E402
 from helpers import run  # noqa: E402
 
 SETTINGS = [(2, 0), (2, 1), (4, 0), (4, 1), (8, 0), (8, 2)]  # (denoising steps in training, window; 0 = all)
@@ -31,13 +32,13 @@ def main(repeats: int = 5) -> list[dict]:
     pipe = grpo.load_glm_image("tiny")
     dit = pipe.transformer.requires_grad_(True)
     optimizer = torch.optim.AdamW(dit.parameters(), lr=0.0)  # lr 0: the weights, hence every step's work, stay put
-    rollouts = grpo.sample_groups(pipe, CAPTIONS, 1, 96, 96, 0.9, list(range(len(CAPTIONS))))
+    rollouts = trainer.sample_groups(grpo, pipe, CAPTIONS, 1, 96, 96, 0.9, list(range(len(CAPTIONS))))
     rows = []
     for steps, window in SETTINGS:
         times = {"sample": 0.0, "update": 0.0}
         for repeat in range(repeats + 1):  # the first is a warm-up
             start = time.perf_counter()
-            chains = [dit_grpo.sample_chain(pipe, c, r.tokens.repeat(8, 1), r.large_hw, 96, 96, steps, 1.5,
+            chains = [dit_grpo.sample_chain(pipe, c, r.tokens.repeat(8, 1), r.prompt.large_hw, 96, 96, steps, 1.5,
                                             repeat * 10 + i, 0.7, window)
                       for i, (c, r) in enumerate(zip(CAPTIONS, rollouts))]
             middle = time.perf_counter()

@@ -42,7 +42,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # grpo.py and the files it imports live in the repository root
 
 import grpo  # noqa: E402
-from helpers import user_input  # noqa: E402
+from helpers import trainer, user_input  # noqa: E402
 from helpers import run  # noqa: E402
 from helpers import variants  # noqa: E402
 from helpers import world  # noqa: E402
@@ -95,13 +95,13 @@ def shapes_accuracy(pipe, captions: list[str], samples: int = 8, seed: int = 0, 
     grpo.decode_images at cfg's settings (default: the tiny model's), scored by the shapes reward ->
     {"accuracy": fraction drawn fully right, "reward": mean score, and the accuracy of each caption kind}. The quick
     reader of tools/train_tiny.py's report and tools/bench_kl_cap.py; the table below reads grpo.py's own evaluation."""
-    cfg = cfg or grpo.parse_config(["--model", "tiny"])
+    cfg = cfg or trainer.parse_config(grpo, ["--model", "tiny"])
     right, scores, kinds = [], [], []
     for i, caption in enumerate(captions):
         with torch.no_grad():
-            rollout, = grpo.sample_groups(pipe, [caption], samples, cfg.height, cfg.width, cfg.temperature,
-                                          [seed * 1_000_003 + i], top_k=cfg.top_k, top_p=cfg.top_p)
-            images = grpo.decode_images(pipe, caption, rollout.tokens, rollout.large_hw, cfg.height, cfg.width,
+            rollout, = trainer.sample_groups(grpo, pipe, [caption], samples, cfg.height, cfg.width,
+                                             cfg.temperature, [seed * 1_000_003 + i], top_k=cfg.top_k, top_p=cfg.top_p)
+            images = grpo.decode_images(pipe, caption, rollout.tokens, rollout.prompt.large_hw, cfg.height, cfg.width,
                                         cfg.num_inference_steps, cfg.decode_seed, cfg.guidance_scale)
         score = shapes_reward(images, {"prompt": caption})
         right += (score == 1).tolist()
@@ -157,7 +157,7 @@ def run_shapes(row: str, seed: int, steps: int, extra: list[str], runs: Path) ->
     train(["--resume", str(out), "--steps", str(steps)] if shorter else argv)
     seconds = time.perf_counter() - start
     lines = run.read_metrics(out)
-    cfg = grpo.parse_config(argv)
+    cfg = trainer.parse_config(grpo, argv)
     settings = {k: getattr(cfg, k) for k in ("kl_beta", "mu", "diversity", "lr", "top_p", "policy_dist",
                                              "scale_rewards", "truncation_weight", "kl_on", "entropy_bonus",
                                              "unlikeliness", "gardo_diversity", "cluster_bonus", "cluster_radius",
@@ -201,7 +201,7 @@ def same_settings(folder: Path, argv: list[str]) -> bool:
     --resume to more steps then trains as one run of that length would (weights, optimizer, generators, variants'
     state and the prompts' order are in its checkpoint)."""
     saved = json.loads((folder / "config.json").read_text())
-    cfg = grpo.parse_config(argv)
+    cfg = trainer.parse_config(grpo, argv)
     wanted, unset = (json.loads(json.dumps(dataclasses.asdict(c))) for c in (cfg, type(cfg)()))
     free = {"out", "resume", *run.RESUMABLE}  # what --resume may change: the length, bookkeeping
     # a setting added since the run was saved: that run had it at its default (off), as --resume reads it
@@ -211,12 +211,12 @@ def same_settings(folder: Path, argv: list[str]) -> bool:
 
 def describe(r: dict) -> tuple:
     """A run's setting: the settings it recorded, else its flags over today's defaults (a later flag wins)."""
-    fields = {f.name for f in dataclasses.fields(grpo.parse_config(["--prompts", "x"]))}  # the variants' too
+    fields = {f.name for f in dataclasses.fields(trainer.parse_config(grpo, ["--prompts", "x"]))}  # the variants' too
     if "settings" in r:  # a setting since removed (diversity_to) is named below, not looked up
-        cfg = dataclasses.replace(grpo.parse_config(["--prompts", "x"]),
+        cfg = dataclasses.replace(trainer.parse_config(grpo, ["--prompts", "x"]),
                                   **{k: v for k, v in r["settings"].items() if k in fields})
     else:  # an older record: its flags over today's defaults (a later flag wins, as on the command line)
-        cfg = grpo.parse_config(["--prompts", "x", *r["flags"]])
+        cfg = trainer.parse_config(grpo, ["--prompts", "x", *r["flags"]])
     share = r.get("share")  # an earlier variant, tried and not kept: positive advantages divided by c^share
     if r["row"] == "rs":
         return ("rejection sampling: fine-tuning on each group's best sample (mu 1, no KL)",)
@@ -242,7 +242,7 @@ def describe(r: dict) -> tuple:
     parts += [f"top-p {cfg.top_p:g}, --policy-dist {cfg.policy_dist}"] if cfg.top_p < 1 else []
     if cfg.top_p < 1 and cfg.policy_dist == "full":  # before issue 46 the mass weighed the surrogate only
         parts += [f"--truncation-weight {r['settings'].get('truncation_weight', 'mass (surrogate only)')}"]
-    parts += [f"lr {cfg.lr:g}"] if cfg.lr != grpo.with_defaults(grpo.Config(model="tiny")).lr else []
+    parts += [f"lr {cfg.lr:g}"] if cfg.lr != grpo.Config().lr else []
     return ("GRPO, " + ", ".join(parts),)
 
 
@@ -342,17 +342,17 @@ def layout_reading(out: Path | None) -> dict:
     count). Returns the means over the free-place captions: "layouts" (the eval's number), "right_layouts",
     "wrong_layouts", "right" (the share fully right), and the relation captions' ("relation/...")."""
     pipe = grpo.load_glm_image("tiny") if out is None else trained_pipe(out)
-    cfg = grpo.parse_config(["--model", "tiny"])
+    cfg = trainer.parse_config(grpo, ["--model", "tiny"])
     examples = user_input.read_prompts(str(ROOT / "examples" / "shapes_heldout.jsonl"))
     rollouts = []  # the evaluation's draws, kept for their grids
 
     def sample_groups(*args, **kwargs):
-        rollouts.extend(drawn := grpo.sample_groups(*args, **kwargs))
+        rollouts.extend(drawn := trainer.sample_groups(grpo, *args, **kwargs))
         return drawn
     seeds = [run.EVAL_SEED + i for i in range(len(examples))]
-    _, right, _, _ = run.evaluate(pipe, examples, seeds, user_input.parse_rewards("shapes_exact", grpo.REWARDS), 8, cfg,
+    _, right, _, _ = run.evaluate(pipe, examples, seeds, user_input.parse_rewards("shapes_exact", trainer.reward_table(grpo)), 8, cfg,
                                   (sample_groups, grpo.decode_images, grpo.group_rewards))
-    rows = [(ex, ok == 1.0, [tuple(g) for g in ro.tokens[:, -math.prod(ro.large_hw):].tolist()])
+    rows = [(ex, ok == 1.0, [tuple(g) for g in ro.tokens[:, -math.prod(ro.prompt.large_hw):].tolist()])
             for ex, ok, ro in zip(examples, right, rollouts)]
     free = [row for row in rows if row[0].get("free_layout", True) is not False]
 

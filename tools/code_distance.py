@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import grpo  # noqa: E402
-from helpers import variants, world  # noqa: E402
+from helpers import trainer, variants, world  # noqa: E402
 
 
 def cells(scene: list[tuple]) -> list:
@@ -52,7 +52,7 @@ def main() -> None:
     parser.add_argument("--results", type=Path, default=ROOT / "docs" / "records" / "code_distance.jsonl")
     args = parser.parse_args()
     torch.manual_seed(0)
-    cfg = grpo.parse_config(["--model", "tiny"])
+    cfg = trainer.parse_config(grpo, ["--model", "tiny"])
     if args.model == "tiny":
         pipe = grpo.load_glm_image("tiny", "cpu")
     else:  # a run's folder: the tiny pipeline with the AR of its final/
@@ -62,9 +62,9 @@ def main() -> None:
     codes, read, nearest_codes, nearest_read = [], [], [], []
     for i, caption in enumerate(free):
         with torch.no_grad():
-            rollout, = grpo.sample_groups(pipe, [caption], args.samples, cfg.height, cfg.width, cfg.temperature,
-                                          [1_000_003 + i])
-            images = grpo.decode_images(pipe, caption, rollout.tokens, rollout.large_hw, cfg.height, cfg.width,
+            rollout, = trainer.sample_groups(grpo, pipe, [caption], args.samples, cfg.height, cfg.width,
+                                             cfg.temperature, [1_000_003 + i])
+            images = grpo.decode_images(pipe, caption, rollout.tokens, rollout.prompt.large_hw, cfg.height, cfg.width,
                                         cfg.num_inference_steps, cfg.decode_seed, cfg.guidance_scale)
         grid = variants.large_grids([rollout])[0]
         Dc = variants.code_distance(grid)

@@ -14,6 +14,7 @@ prompts, default run.EVAL_GRID).
 
 import argparse
 import dataclasses
+import functools
 import json
 import sys
 import tempfile
@@ -25,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # grpo.py and i
 
 import dit_grpo  # noqa: E402
 import grpo  # noqa: E402
-from helpers import user_input  # noqa: E402
+from helpers import trainer, user_input  # noqa: E402
 from helpers import run_io  # noqa: E402
 from helpers import run  # noqa: E402
 from helpers import setup  # noqa: E402
@@ -78,21 +79,22 @@ def compare(path: Path, eval_prompts: str | None = None, eval_samples: int | Non
     if not cfg.eval_prompts:
         raise ValueError(f"{run_dir} was trained without --eval-prompts; give --eval-prompts FILE")
     run.validate(cfg)
-    evals = run.load_evals(cfg, user_input.parse_rewards(cfg.reward, grpo.REWARDS), grpo.REWARDS)
+    evals = run.load_evals(cfg, user_input.parse_rewards(cfg.reward, trainer.reward_table(grpo)), trainer.reward_table(grpo))
     run.quiet_libraries()
     _, _, device = start_processes(cfg.device)  # one process: grpo.py's device choice, nothing started
     dtype = run.compute_settings(device, cfg.dtype, cfg.model)  # as grpo.py: the same threads give the same sums and samples
-    pipe = grpo.load_glm_image(cfg.model, device, dtype)
+    pipe = trainer.load(grpo, cfg, device, dtype)
     no_kl = dataclasses.replace(cfg, kl_beta=0.0)  # as the run did, without the reference
     policy, _, optimizer = (dit_grpo.setup_training(pipe, no_kl, dtype, world=1) if cfg.train == "dit" else
-                            setup.setup_training(pipe, no_kl, dtype, 1, grpo.reference_model))
+                            setup.setup_training(pipe, no_kl, dtype, 1, grpo.reference_model,
+                                                 trainer.trained_model(grpo, pipe, no_kl)))
     autocast = torch.autocast(device, dtype=torch.bfloat16, enabled=dtype == torch.bfloat16)
     examples = [{k: v.to(device) if torch.is_tensor(v) else v for k, v in e.items()} for e in evals[0]]
     result, grids = {}, []
 
     def evaluate(examples: list[dict], seeds: list[int], rewards: dict, n_samples: int):
         return run.evaluate(pipe, examples, seeds, rewards, n_samples, cfg,
-                            (grpo.sample_groups, grpo.decode_images, grpo.group_rewards))
+                            (functools.partial(trainer.sample_groups, grpo), grpo.decode_images, grpo.group_rewards))
     for name in ("base", "trained"):
         if name == "trained":
             result["step"] = load_trained(policy, optimizer, path, cfg.train)

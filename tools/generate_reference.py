@@ -23,7 +23,9 @@ def generate_group(pipe, prompt: str, group_size: int, height: int, width: int, 
     from transformers import LogitsProcessorList
     model = pipe.vision_language_encoder.eval()
     K = model.config.vq_config.num_embeddings
-    inputs, preview_hw, large_hw, _ = grpo.group_prompt(pipe, prompt, group_size, height, width, source)
+    group = (grpo.group_prompt(pipe, prompt, group_size, height, width) if source is None else
+             grpo.edit_prompt(pipe, prompt, group_size, height, width, source))
+    inputs, preview_hw, large_hw = group.inputs, group.preview_hw, group.large_hw
 
     def processor(input_ids, scores):  # what generate draws from: code_logprobs, -inf beyond the codebook
         return F.pad(grpo.code_logprobs(scores, temperature, K, top_k, top_p), (0, scores.shape[-1] - K),

@@ -32,7 +32,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # grpo.py and the files it imports live in the repository root
 
 import grpo  # noqa: E402
-from helpers import world  # noqa: E402
+from helpers import trainer, world  # noqa: E402
 
 # captions whose target fixes the layout (or nearly): with a caption that leaves the places free ("a green triangle
 # above a yellow circle"), SSIM to one rendering of it rates a blank picture (0.88) above a right one drawn elsewhere
@@ -66,7 +66,7 @@ def main(seed: int = 1234) -> None:
         for c in dealt for kind in [world.parse_caption(c)["kind"]]))
 
     pipe = grpo.load_glm_image("tiny")
-    cfg = grpo.parse_config(["--model", "tiny"])
+    cfg = trainer.parse_config(grpo, ["--model", "tiny"])
     size = cfg.height
     edits = []
     for i, (caption, instruction) in enumerate(EDITS):

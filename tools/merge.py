@@ -29,6 +29,10 @@ def main() -> None:
         saved = json.loads((args.run / "config.json").read_text())
     except (OSError, json.JSONDecodeError) as error:
         run.fail(f"cannot read {args.run / 'config.json'} ({error}); give a run directory")
+    try:  # final/pipeline/ is written into the run: not while the run itself lives
+        run.hold_run_dir(args.run)
+    except ValueError as error:
+        run.fail(str(error).replace("--out ", "", 1))
     if not (args.run / "final").is_dir():
         run.fail(f"{args.run} has no final/ (the run has not finished); finish it with --resume {args.run}")
     cfg = SimpleNamespace(model=saved["model"], revision=saved.get("revision", ""), train=saved.get("train", "ar"),

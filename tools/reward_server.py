@@ -5,11 +5,13 @@ its own packages (helpers/served_reward.py has the protocol; docs/rewards.md the
     python tools/reward_server.py clip@openai/clip-vit-large-patch14 mypkg.rewards:hps --port 8001
     python grpo.py --prompts my_prompts.txt --reward http://127.0.0.1:8000/pickscore=1,ssim=0.5
 
-Each reward is served at /NAME: its name without `@checkpoint` (/pickscore, /clip) or its import path
-(/mypkg.rewards:hps). A name of this project's rewards (ssim, shapes, pickscore, ...) needs its requirements in the
+Each reward is served at /NAME: its name without `@checkpoint` (/pickscore, /clip), its import path
+(/mypkg.rewards:hps), or for a file its file name and function (path/to/score.py:brightness at /score.py:brightness). A name of this project's rewards (ssim, shapes, pickscore, ...) needs its requirements in the
 server's environment; a module:function of yours needs only torch, numpy and Pillow beside it. The rewards load when
-the server starts (each that needs no target scores three gray images) and answer one request at a time. GET / lists them.
-`--port 0` takes a free port; the first line printed names the address. Ctrl-C or SIGTERM stops it (exit 0).
+the server starts (each that needs no target scores three gray images) and answer one request at a time. GET / lists them
+once they are loaded: a job script can wait for it (until curl -sf http://127.0.0.1:8000/; do sleep 2; done), or the run
+can (--reward-wait 300). `--port 0` takes a free port; the first line printed names the address. Ctrl-C or SIGTERM
+stops it (exit 0).
 """
 import argparse
 import http.server
@@ -29,13 +31,24 @@ from helpers.user_input import RewardError, parse_rewards  # noqa: E402
 
 
 def load_rewards(names: list[str]) -> dict:
-    """--reward-like names -> {path: guarded reward}: a name of grpo.REWARDS (imported only for one) or module:function."""
+    """--reward-like names -> {path: guarded reward}: a name of the run's rewards (grpo.py's and helpers/rewards.py's,
+    imported only for one) or module:function."""
     table = {}
     if any(":" not in name.split("@")[0] for name in names):
-        from grpo import REWARDS  # (the repository is on sys.path: the insert above)
-        table = REWARDS
+        import grpo  # (the repository is on sys.path: the insert above)
+        from helpers import trainer
+        table = trainer.reward_table(grpo)
     rewards = parse_rewards(",".join(names), table, "reward_server.py")
-    return {"/" + name: fn for name, (fn, _) in rewards.items()}
+    return {served_path(name): fn for name, (fn, _) in rewards.items()}
+
+
+def served_path(name: str) -> str:
+    """The path a reward is served at: /NAME; a file's reward at /FILE.py:function (its folders left out: a path that
+    starts with // is not one http.server serves)."""
+    if ".py:" in name:
+        file, _, function = name.rpartition(":")
+        return f"/{Path(file).name}:{function}"
+    return "/" + name
 
 
 def handler(rewards: dict, device: str) -> type:
@@ -81,7 +94,8 @@ def handler(rewards: dict, device: str) -> type:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "),
+                                     epilog=__doc__.split("\n\n", 2)[2].replace("\n", " "))
     parser.add_argument("rewards", nargs="+", help="rewards as --reward names them: ssim, pickscore@FOLDER, "
                                                    "module:function ...")
     parser.add_argument("--host", default="127.0.0.1", help="the address to listen on (0.0.0.0: every interface)")

@@ -54,7 +54,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # grpo.py and the files it imports live in the repository root
 
 import grpo  # noqa: E402
-from helpers import run  # noqa: E402
+from helpers import run, trainer  # noqa: E402
 from helpers import run_io  # noqa: E402
 from helpers import offline_model  # noqa: E402
 from helpers import world  # noqa: E402
@@ -326,7 +326,7 @@ def swap_in(tmp: Path, out: Path) -> None:
 def dit_check(pipe, test_labels: torch.Tensor, seed: int) -> float:
     """The fraction of pictures whose codes (N, 9) the DiT + VAE decode, at grpo.py's tiny settings (steps, guidance),
     into pictures read back (world.read_scene) as exactly those objects in those cells."""
-    cfg = grpo.parse_config(["--model", "tiny"])
+    cfg = trainer.parse_config(grpo, ["--model", "tiny"])
     zeros = torch.zeros(len(test_labels), 256, dtype=torch.long)  # the blank preview
     decoded = torch.cat([grpo.decode_images(pipe, "", torch.cat([zeros, test_labels], 1)[i:i + 50], (3, 3), SIZE, SIZE,
                                             cfg.num_inference_steps, seed, cfg.guidance_scale)
@@ -348,7 +348,7 @@ def check_only(args) -> dict:
     pipe.set_progress_bar_config(disable=True)
     report["dit_decoded_right"] = dit_check(pipe, test_labels, seed)
     report["held_out"] = shapes_accuracy(pipe, held_out[:args.eval_captions], 8, seed)
-    report["checked_with"] = {k: getattr(grpo.parse_config(["--model", "tiny"]), k)
+    report["checked_with"] = {k: getattr(trainer.parse_config(grpo, ["--model", "tiny"]), k)
                               for k in ("height", "width", "num_inference_steps", "guidance_scale", "temperature")}
     run_io.atomic_write(out / "training_report.json", lambda f: f.write((json.dumps(report, indent=1) + "\n").encode()))
     log(f"re-checked {out}: dit decoded right {report['dit_decoded_right']:.3f}, held-out accuracy "
@@ -436,7 +436,7 @@ def main(argv: list[str] | None = None) -> dict:
     report = {"seed": args.seed, "noise": args.noise, "steps": steps, "vae_psnr": psnr, "vq_cells_right": codes_right,
               "dit_decoded_right": decoded_right, "held_out": result, "seconds": seconds,
               "minutes": (time.perf_counter() - total) / 60, "size_mb": size, "torch_threads": torch.get_num_threads(),
-              "checked_with": {k: getattr(grpo.parse_config(["--model", "tiny"]), k)
+              "checked_with": {k: getattr(trainer.parse_config(grpo, ["--model", "tiny"]), k)
                                for k in ("height", "width", "num_inference_steps", "guidance_scale", "temperature")}}
     (tmp / "training_report.json").write_text(json.dumps(report, indent=1) + "\n")
     swap_in(tmp, out)

@@ -40,7 +40,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # grpo.py and the files it imports live in the repository root
 
 import grpo  # noqa: E402
-from helpers import user_input  # noqa: E402
+from helpers import trainer, user_input  # noqa: E402
 from helpers import run  # noqa: E402
 from helpers import world  # noqa: E402
 from helpers import rewards  # noqa: E402
@@ -190,16 +190,16 @@ def save(pipe, tmp: Path) -> None:
 def held_out_accuracy(pipe, pairs: list[dict], samples: int = 8, seed: int = 0) -> dict:
     """`samples` results of each held-out pair (seeds fixed per pair), through grpo.sample_groups and
     grpo.decode_images at the tiny settings, scored by the edit reward -> {"accuracy", "reward", each kind's}."""
-    cfg = grpo.parse_config(["--model", "tiny-edit"])
+    cfg = trainer.parse_config(grpo, ["--model", "tiny-edit"])
     right, scores, kinds = [], [], []
     for i, pair in enumerate(pairs):
         source = user_input.load_image(EXAMPLES / pair["source"], SIZE, SIZE, "source")  # as grpo.py loads it
         with torch.no_grad():
-            rollout, = grpo.sample_groups(pipe, [pair["prompt"]], samples, cfg.height, cfg.width, cfg.temperature,
-                                          [seed * 1_000_003 + i], [source], cfg.top_k, cfg.top_p)
-            images = grpo.decode_images(pipe, pair["prompt"], rollout.tokens, rollout.large_hw, cfg.height,
+            rollout, = trainer.sample_groups(grpo, pipe, [pair["prompt"]], samples, cfg.height, cfg.width,
+                                             cfg.temperature, [seed * 1_000_003 + i], cfg.top_k, cfg.top_p, [source])
+            images = grpo.decode_images(pipe, pair["prompt"], rollout.tokens, rollout.prompt.large_hw, cfg.height,
                                         cfg.width, cfg.num_inference_steps, cfg.decode_seed, cfg.guidance_scale,
-                                        rollout.source)
+                                        rollout.prompt.source)
         score = edit_reward(images, {"prompt": pair["prompt"], "source": source})
         right += (score == 1).tolist()
         scores += score.tolist()
@@ -212,12 +212,12 @@ def dit_check(pipe, pairs: list[dict]) -> float:
     """The share of the pairs whose RIGHT result (their codes: the source's scene with the edit applied) the DiT
     paints, with the source attended, into a picture the edit reward reads as fully right: the decoder's part of
     the accuracy, which GRPO on the AR cannot change."""
-    cfg = grpo.parse_config(["--model", "tiny-edit"])
+    cfg = trainer.parse_config(grpo, ["--model", "tiny-edit"])
     right = []
     for pair in pairs:
         source = user_input.load_image(EXAMPLES / pair["source"], SIZE, SIZE, "source")  # as grpo.py loads it
         _, want = rewards.edit_asked({**pair, "source": source})
-        _, _, large_hw, src = grpo.group_prompt(pipe, pair["prompt"], 1, SIZE, SIZE, source)
+        _, _, large_hw, src = grpo.edit_prompt(pipe, pair["prompt"], 1, SIZE, SIZE, source)
         images = grpo.decode_images(pipe, pair["prompt"], torch.tensor([world.labels(want)]), large_hw, SIZE, SIZE,
                                     cfg.num_inference_steps, cfg.decode_seed, cfg.guidance_scale, src)
         right.append(float(edit_reward(images, {"prompt": pair["prompt"], "source": source})[0] == 1.0))
