@@ -896,6 +896,7 @@ def log_step(r: Run, step: int, groups: list[int], reward: torch.Tensor, each: d
     record["lr"] = metrics.get("lr", r.optimizer.param_groups[0]["lr"])  # the step's first update's
     if r.variants.risk is not None:  # --kl-on uncertain: the share of the samples GARDO's gate let the KL bind
         record["kl_share"] = r.variants.risk.share
+    record |= r.variants.readings  # --mara-threshold, --kl-in-reward: the step's readings
     rows = sample_rows(step, groups, [r.examples[i]["prompt"] for i in indices], reward, each, advantages, kept)
     r.skipped, r.done = r.skipped + record["skipped"], step
     r.history.append(record)

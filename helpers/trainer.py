@@ -129,6 +129,16 @@ def reference_logprobs(lesson, ref_model, mb: MicroBatch, temperature: float) ->
     return lesson.logprob_of(variants.distribution(lesson, logits, temperature, K, mb.support), mb.tokens)
 
 
+@torch.no_grad()
+def reference_sums(lesson, ref_model, temperature: float, size: int, rollout) -> torch.Tensor:
+    """(G,) the log-probs of a rollout's loss tokens (its large grid) under the frozen reference, summed, `size` rows
+    at a time (--micro-batch-size): what --kl-in-reward and --mara-threshold read of the reference
+    (helpers/variants.py)."""
+    batches = micro_batches([rollout], torch.zeros(1, len(rollout.tokens)), size)
+    return torch.cat([reference_logprobs(lesson, ref_model, mb, temperature)[:, mb.n_preview:].sum(dim=-1)
+                      for mb in batches])
+
+
 def active_dropout(model) -> list[str]:
     """The names of `model`'s modules that drop out now: in train mode with a dropout p > 0."""
     dropping = []
@@ -292,7 +302,9 @@ def run_steps(lesson, argv: list[str] | None) -> dict:
                 # (P,) bool, False for a group with a NaN / inf reward (warned): A 0, loss out
                 in_loss = run.finite_groups(job, step, reward, each, examples)
                 advantages = variants.advantages(  # 4. z-scores within each group (and the variants' seam)
-                    lesson.group_advantages(reward), rollouts, reward, each, in_loss, cfg, lesson, images)
+                    lesson.group_advantages(reward), rollouts, reward, each, in_loss, cfg, lesson, images,
+                    functools.partial(reference_sums, lesson, ref_model, cfg.temperature, cfg.micro_batch_size),
+                    job.variants)
             with run.landing():  # from here the step lands whole or not at all: a stop waits
                 with run.timed(seconds, "train", job), job.autocast:  # 5. the clipped update
                     # the variants' seam of step 5: their micro-batches and loss (else as given)

@@ -491,6 +491,8 @@ class Rule(NamedTuple):
         """The rule in words, as --help and a refusal say it: 'in (0, 1)', '>= 1', 'a positive multiple of 32'."""
         if self.multiple > 1:
             return f"a positive multiple of {self.multiple}"
+        if self.low is None and self.high is None:
+            return "a finite number"
         if self.low is not None and self.high is not None:
             left, right = "(" if self.open in ("low", "both") else "[", ")" if self.open in ("high", "both") else "]"
             return f"in {left}{self.low:g}, {self.high:g}{right}"
@@ -533,6 +535,7 @@ RULES = {  # every int and float field of grpo.Config, dit_grpo.DitConfig, the v
     "cluster_bonus": Rule(0),
     "cluster_radius": Rule(0, 1, "high"),
     "unlikeliness": Rule(0),
+    "mara_threshold": Rule(why="a reward value: the samples at or above it share the target's mass"),
     "clip_eps_high": Rule(0, open="low"),
     "reference_reset_every": Rule(0, why="0: never"),
     "reference_reset_kl": Rule(0, why="0: off"),

@@ -53,6 +53,14 @@ class VariantSettings:  # grpo.py's flags for the options beside the lesson: all
                                            "differ in and share a cluster (0: identical grids only)")
     unlikeliness: float = _setting(0.0, "+-U/2 among a group's best samples, toward the least likely "
                                         "(after He et al.'s unlikeliness reward; docs/claims.md)")
+    kl_in_reward: bool = _setting(False, "the KL in the reward: R - beta log(pi_old / ref) of each sample's loss "
+                                         "tokens, minus its group's mean (no std), and no KL term in the loss: the "
+                                         "estimator whose expected gradient is E[R] - beta KL(pi || ref)'s "
+                                         "(tools/bandit.py)")
+    mara_threshold: float | None = _setting(None, "MARA (GX-Chen et al. 2025): each sample whose reward is at or above "
+                                                  "this gets R(z) + beta (log ref(z) - log ref(y)), z its group's "
+                                                  "sample at or above it that the reference likes most: the target "
+                                                  "spreads evenly over them (with --kl-in-reward)")
     # sections 8-9, the loss
     clip_eps_high: float | None = _setting(None, "DAPO's clip-higher: the upper clip 1 + this "
                                                  "(default: --clip-eps)")
@@ -104,6 +112,19 @@ def validate(cfg) -> None:
     if cfg.kl_on == "uncertain" and not auxiliary(cfg.reward):
         raise ValueError(f"--kl-on uncertain ranks the samples by the weight-0 rewards of --reward too, and "
                          f"'{cfg.reward}' has none: add one, e.g. --reward {cfg.reward.split(',')[0]},size=0")
+    if (cfg.kl_in_reward or cfg.mara_threshold is not None) and cfg.kl_beta == 0:
+        flag = "--kl-in-reward" if cfg.kl_in_reward else f"--mara-threshold {cfg.mara_threshold}"
+        raise ValueError(f"{flag} weighs the reference's log-probs by --kl-beta, which is 0; give --kl-beta > 0")
+    if cfg.kl_in_reward and (cfg.scale_rewards != "group" or cfg.reward_aggregation != "sum"):
+        raise ValueError("--kl-in-reward makes its own advantages (the shaped reward minus its group's mean); drop "
+                         "--scale-rewards / --reward-aggregation")
+    if (cfg.kl_in_reward or cfg.mara_threshold is not None) and cfg.train_tokens != "large":
+        flag = "--kl-in-reward" if cfg.kl_in_reward else "--mara-threshold"
+        raise ValueError(f"{flag} reads the sequence's log-probs over the large grid, the tokens the loss trains by "
+                         f"default; drop --train-tokens {cfg.train_tokens}")
+    if cfg.kl_in_reward and cfg.kl_on != "all":
+        raise ValueError(f"--kl-on {cfg.kl_on} gates the KL term of the loss, which --kl-in-reward moves into the "
+                         "reward; drop one of the two")
     if cfg.reward_aggregation == "normalize" and cfg.scale_rewards != "group":
         raise ValueError(f"--scale-rewards {cfg.scale_rewards} does not apply with --reward-aggregation normalize, "
                          "whose last step normalises over the whole batch (as TRL's); drop one of the two")
@@ -112,7 +133,8 @@ def validate(cfg) -> None:
 # ---- Section 7: the advantages ------------------------------------------------------------------
 
 def advantages(z_scores: torch.Tensor, rollouts: list, reward: torch.Tensor, each: dict,
-               in_loss: torch.Tensor, cfg, lesson, images: list | None = None) -> torch.Tensor:
+               in_loss: torch.Tensor, cfg, lesson, images: list | None = None, reference=None,
+               state: "State | None" = None) -> torch.Tensor:
     """The seam of section 7: grpo.group_advantages' (P, G) z-scores of the step's rewards (`rollouts`: its groups;
     `reward`, `each`: the (P, G) weighted sum and each reward's; `in_loss`: (P,) bool, False for a group with a
     non-finite reward; `images`: each group's (G, 3, H, W) pictures, which --gardo-diversity dino reads) -> the
@@ -121,7 +143,11 @@ def advantages(z_scores: torch.Tensor, rollouts: list, reward: torch.Tensor, eac
     (--scale-rewards); GARDO's diversity factor on the advantages >= 0 (--gardo-diversity); then each group's best
     samples' credit moved toward the least likely (--unlikeliness). The groups out of the loss stay 0; a step with
     none in it gives zeros (and, under torchrun, joins the other processes' collectives). None on: `z_scores`
-    itself. `lesson`: grpo.py (its group_advantages z-scores the shaped rewards)."""
+    itself. `lesson`: grpo.py (its group_advantages z-scores the shaped rewards). MARA's rewards (--mara-threshold)
+    and the KL in the reward (--kl-in-reward) come first, from `reference` (a rollout -> its (G,) log-probs of the
+    loss tokens under the frozen reference, summed); their step's readings go to `state.readings`."""
+    if cfg.kl_in_reward or cfg.mara_threshold is not None:
+        return kl_regularised(reward, rollouts, in_loss, cfg, lesson, reference, state)
     options = (cfg.reward_aggregation != "sum", cfg.diversity > 0, cfg.scale_rewards != "group", cfg.unlikeliness > 0,
                cfg.gardo_diversity != "none", cfg.cluster_bonus > 0)
     if not any(options):
@@ -160,6 +186,70 @@ def advantages(z_scores: torch.Tensor, rollouts: list, reward: torch.Tensor, eac
     out = torch.zeros_like(z_scores)
     out[in_loss] = A
     return out
+
+
+def kl_regularised(reward: torch.Tensor, rollouts: list, in_loss: torch.Tensor, cfg, lesson, reference,
+                   state: "State | None" = None) -> torch.Tensor:
+    """The advantages of E[R] - beta KL(pi || ref), beta --kl-beta, for the (P, G) rewards of the step's groups:
+    MARA's rewards first (--mara-threshold tau: mara_rewards), then with --kl-in-reward each sample's R - beta
+    log(pi_old / ref) over its loss tokens (the large grid: pi_old the sampler's p, ref `reference`'s), minus its
+    group's mean (no std: the expected gradient is the objective's; tools/bandit.py measures where each lands); else
+    grpo.group_advantages' z-scores of MARA's rewards. Groups out of the loss stay 0. Readings (`state.readings`, this
+    step's): the share of the samples MARA augmented, their anchors' mean reward, the mean beta log(pi_old / ref)
+    taken off."""
+    out = torch.zeros_like(reward)
+    readings = {}
+    if state is not None:
+        state.readings = readings  # this step's (this process's groups, under torchrun)
+    # every group's, kept or not: under torchrun each process runs the same reference forwards (FSDP's collectives)
+    ref = torch.stack([reference(rollout).to(reward) for rollout in rollouts])[in_loss]  # (P', G) over the loss tokens
+    kept = [rollout for rollout, keep in zip(rollouts, in_loss) if keep]
+    if not kept:
+        return out
+    shaped = reward[in_loss]
+    if cfg.mara_threshold is not None:
+        augmented = torch.stack([mara_rewards(r, q, cfg.kl_beta, cfg.mara_threshold) for r, q in zip(shaped, ref)])
+        high = shaped >= cfg.mara_threshold
+        anchors = [r[torch.where(h, q, -math.inf).argmax()] for r, q, h in zip(shaped, ref, high) if h.any()]
+        readings["mara/augmented_share"] = high.float().mean().item()
+        if anchors:  # absent on a step where no group reached tau
+            readings["mara/anchor_reward"] = torch.stack(anchors).mean().item()
+        shaped = augmented
+    if cfg.kl_in_reward:
+        policy = torch.stack([r.p_logprobs[:, -math.prod(r.prompt.large_hw):].sum(dim=-1) for r in kept]).to(shaped)
+        readings["kl_in_reward/penalty"] = (cfg.kl_beta * (policy - ref)).mean().item()
+        A = kl_in_reward(shaped, policy, ref, cfg.kl_beta)
+    else:
+        A = lesson.group_advantages(shaped)
+    out[in_loss] = A
+    return out
+
+
+def kl_in_reward(reward: torch.Tensor, policy_logprobs: torch.Tensor, ref_logprobs: torch.Tensor,
+                 beta: float) -> torch.Tensor:
+    """The advantages of the KL in the reward, (P, G) each -> (P, G): the shaped reward R - beta log(pi_old / ref) (the
+    log-probs summed over a sample's tokens: the sequence's), minus its group's mean, no std. Its expected gradient
+    with the ratio's is that of E[R] - beta KL(pi || ref) (the score-function estimator of the KL-regularised
+    objective, whose maximiser GX-Chen et al. 2025 write in closed form), so the update's fixed point is G = ref exp(R / beta) / Z
+    (tools/bandit.py measures it: within 0.001 in total variation, where the defaults land 0.11 away)."""
+    shaped = reward - beta * (policy_logprobs - ref_logprobs)
+    return shaped - shaped.mean(dim=-1, keepdim=True)
+
+
+def mara_rewards(reward: torch.Tensor, ref_logprobs: torch.Tensor, beta: float, tau: float) -> torch.Tensor:
+    """MARA's augmented rewards of one group (GX-Chen, Prakash, Guo, Fergus and Ranganath 2025, "KL-Regularized
+    Reinforcement Learning is Designed to Mode Collapse", arXiv 2510.20817, Mode Anchored Reward Augmentation): (G,)
+    rewards and the samples' reference log-probs (summed over their tokens) -> (G,): each sample at or above `tau` gets
+    R(z) + beta (log ref(z) - log ref(y)), z the one of them the reference likes most (the anchor), so that the
+    optimum ref exp(R / beta) / Z gives every one of them the anchor's mass; the others keep theirs. A group with none
+    at or above tau is as it was. The paper's equations could not be read here (no network): this is the rule its
+    text states (raise the high samples' rewards so the target is even over them, anchored on the likeliest), and
+    tests/test_bandit.py checks the property, not a transcription (docs/claims.md)."""
+    high = reward >= tau
+    if not high.any():
+        return reward
+    anchor = torch.where(high, ref_logprobs, -math.inf).argmax()
+    return torch.where(high, reward[anchor] + beta * (ref_logprobs[anchor] - ref_logprobs), reward)
 
 
 def normalize_then_sum(each: dict, weights: dict) -> torch.Tensor:
@@ -300,7 +390,7 @@ def update(batches: list, loss_fn, policy, cfg, lesson, reward: torch.Tensor | N
         batches = [on_truncation(mb, K, truncating) for mb in batches]
     loss_options = (cfg.train_tokens != "large", cfg.clip_eps_high is not None,
                     cfg.kl_on != "all", cfg.truncation_weight == "mass", cfg.entropy_bonus > 0,
-                    cfg.sampler_correction != "token_truncate")
+                    cfg.sampler_correction != "token_truncate", cfg.kl_in_reward)
     if not any(loss_options):
         return batches, loss_fn
     threshold = None
@@ -482,6 +572,7 @@ def variant_loss(trained: torch.Tensor, mb, old_logprobs: torch.Tensor,
       --clip-eps-high H: eps per sample, H where A > 0 (the upper clip acts only there), else eps;
       --kl-on above_mean: beta per sample, 0 where A < 0 (the mistakes go free of the KL);
       --kl-on uncertain: beta per sample times its weight in `kl_weights` (by id of its rollout: (G,) each);
+      --kl-in-reward: beta 0 (the KL is in the reward: kl_regularised);
       --truncation-weight mass: each loss token's whole term times Z_t, the mass p puts on the
         sampler's nucleus (A_it = A_i Z_t and beta_t = beta Z_t, Z_t > 0);
     then --entropy-bonus B: - B mean(H_t [H_t > threshold]) over the loss tokens, H_t the trained
@@ -489,7 +580,7 @@ def variant_loss(trained: torch.Tensor, mb, old_logprobs: torch.Tensor,
     cols = loss_tokens(mb, cfg.train_tokens)
     eps = clip_range(mb.advantages, cfg.clip_eps, cfg.clip_eps_high)
     A = mb.advantages[:, None]  # (mb, 1): a sample's advantage, on each of its tokens
-    beta = torch.full_like(A, cfg.kl_beta)  # (mb, 1)
+    beta = torch.full_like(A, 0.0 if cfg.kl_in_reward else cfg.kl_beta)  # (mb, 1): --kl-in-reward moved it
     if cfg.kl_on == "above_mean":
         beta = beta * (A >= 0)
     if cfg.kl_on == "uncertain":
@@ -638,6 +729,8 @@ class State:
     (--reference-reset-every)."""
     risk: RiskCompensator | None = None
     reference: Reference | None = None
+    readings: dict = dataclasses.field(default_factory=dict)  # the step's readings of a variant (not saved: the
+    # step's line holds them)
 
     @classmethod
     def of(cls, cfg, ref_model) -> "State":

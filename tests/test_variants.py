@@ -865,3 +865,108 @@ def test_gardo_dino_checked_first(tmp_path, monkeypatch, capsys):
                  "--gardo-diversity", "dino"], 2,
                 "no-dino", capsys)
     assert not (tmp_path / "run").exists()
+
+
+# ---- the KL-regularised objective (--kl-in-reward, --mara-threshold; tools/bandit.py measures where they land) ---
+
+def test_kl_in_reward_by_hand():
+    """--kl-in-reward's advantages: R - beta log(pi_old / ref), each log-prob a sample's sum over its tokens, minus
+    the group's mean, no std (a std would rescale the KL's weight group by group)."""
+    reward, policy, ref = torch.tensor([[1.0, 0.0, 0.5]]), torch.tensor([[-2.0, -1.0, -3.0]]), torch.tensor(
+        [[-1.0, -1.5, -3.0]])
+    shaped = [1.0 - 0.1 * (-2.0 + 1.0), 0.0 - 0.1 * (-1.0 + 1.5), 0.5]
+    want = torch.tensor([[x - sum(shaped) / 3 for x in shaped]])
+    assert torch.allclose(variants.kl_in_reward(reward, policy, ref, 0.1), want)
+
+
+def kl_regularised_case():
+    """Two groups of 4 (1 preview code, a 1 x 2 large grid), the sampler's p, a stand-in reference's sums by rollout,
+    the second group out of the loss."""
+    g = torch.Generator().manual_seed(0)
+    rollouts = [rollout(torch.zeros(4, 3, dtype=torch.long), -torch.rand(4, 3, generator=g), preview=1)
+                for _ in range(2)]
+    sums = [-3 * torch.rand(4, generator=g) for _ in rollouts]
+    reward = torch.tensor([[1.0, 0.9, 0.2, 1.0], [0.3, 0.1, 0.2, 0.0]])
+    return rollouts, sums, reward, torch.tensor([True, False])
+
+
+def test_kl_regularised():
+    """The seam with --mara-threshold 0.85 and --kl-in-reward, by hand: the samples at or above tau get the anchor's
+    reward plus beta log(ref(z) / ref(y)) (z: the likeliest of them under the reference), then beta log(pi_old / ref)
+    over the large grid (the preview's code left out) comes off, then the group's mean; the group out of the loss
+    stays 0, but its reference is still read (under torchrun every process runs the same forwards); the readings."""
+    rollouts, sums, reward, in_loss = kl_regularised_case()
+    read = []
+
+    def reference(r):
+        read.append(r)
+        return sums[[id(x) for x in rollouts].index(id(r))]
+
+    cfg, state = dataclasses.replace(cfg_with(mara_threshold=0.85), kl_in_reward=True), variants.State()
+    A = variants.advantages(grpo.group_advantages(reward), rollouts, reward, {"ssim": reward}, in_loss, cfg, grpo,
+                            None, reference, state)
+    ref, high = sums[0].tolist(), [0, 1, 3]
+    z = max(high, key=lambda i: ref[i])
+    mara = [reward[0, z].item() + 0.1 * (ref[z] - ref[i]) if i in high else reward[0, i].item() for i in range(4)]
+    policy = rollouts[0].p_logprobs[:, 1:].sum(-1).tolist()
+    shaped = [mara[i] - 0.1 * (policy[i] - ref[i]) for i in range(4)]
+    assert torch.allclose(A[0], torch.tensor(shaped) - sum(shaped) / 4, atol=1e-6) and torch.equal(A[1], torch.zeros(4))
+    assert [id(r) for r in read] == [id(r) for r in rollouts]
+    assert state.readings == pytest.approx({"mara/augmented_share": 3 / 4, "mara/anchor_reward": reward[0, z].item(),
+                                            "kl_in_reward/penalty": sum(0.1 * (p - q) for p, q in zip(policy, ref)) / 4})
+
+
+def test_mara_alone():
+    """--mara-threshold without --kl-in-reward: MARA's rewards z-scored as the lesson's (grpo.group_advantages); the
+    KL stays in the loss. A step with no sample at or above tau leaves the rewards as they were, with no anchor."""
+    rollouts, sums, reward, in_loss = kl_regularised_case()
+    state = variants.State()
+    A = variants.advantages(None, rollouts, reward, {}, in_loss, cfg_with(mara_threshold=0.85), grpo, None,
+                            lambda r: sums[[id(x) for x in rollouts].index(id(r))], state)
+    want = variants.mara_rewards(reward[0], sums[0], 0.1, 0.85)
+    assert torch.allclose(A[0], grpo.group_advantages(want[None])[0]) and not torch.equal(want, reward[0])
+    A = variants.advantages(None, rollouts, reward, {}, in_loss, cfg_with(mara_threshold=1.5), grpo, None,
+                            lambda r: sums[[id(x) for x in rollouts].index(id(r))], state)
+    assert torch.allclose(A[0], grpo.group_advantages(reward[:1])[0]) and state.readings == {
+        "mara/augmented_share": 0.0}
+
+
+def test_kl_in_reward_loss_has_no_kl():
+    """--kl-in-reward takes the KL term out of the loss (beta 0): its loss is the lesson's at --kl-beta 0, and the KL
+    it logs is still measured."""
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(2, 4, 6, generator=g)
+    mb = sampled_rows(logits, 1.0, g, advantages=(1.0, -1.0))
+    distribution = grpo.code_logprobs(logits, T, 6).requires_grad_()
+    old = grpo.logprob_of(distribution, mb.tokens).detach()
+    ref = old + torch.randn(2, 4, generator=g) * 0.3
+    moved, m = loss_of(distribution, mb, old, ref, dataclasses.replace(cfg_with(kl_beta=0.5), kl_in_reward=True))
+    without, _ = loss_of(distribution, mb, old, ref, cfg_with(kl_beta=0.0))
+    with_kl, km = loss_of(distribution, mb, old, ref, cfg_with(kl_beta=0.5))
+    assert torch.equal(moved, without) and not torch.allclose(moved, with_kl) and m["kl"] == km["kl"] > 0
+
+
+def test_validate_kl_in_reward():
+    """The KL-regularised options refuse, in one line each, what would make them another objective: no KL's weight,
+    a std or another aggregation, a gated KL, the preview's tokens in the loss."""
+    kl = lambda **options: dataclasses.replace(cfg_with(**options), kl_in_reward=True)  # noqa: E731
+    for cfg, message in [(kl(kl_beta=0.0), "--kl-in-reward weighs the reference's log-probs by --kl-beta, which is 0"),
+                         (cfg_with(mara_threshold=0.9, kl_beta=0.0), "--mara-threshold 0.9 weighs"),
+                         (kl(scale_rewards="batch"), "--kl-in-reward makes its own advantages"),
+                         (kl(kl_on="above_mean"), "--kl-on above_mean gates the KL term"),
+                         (cfg_with(mara_threshold=0.9, train_tokens="all"), "drop --train-tokens all")]:
+        with pytest.raises(ValueError, match=message):
+            variants.validate(cfg)
+    variants.validate(cfg_with(mara_threshold=0.9))
+
+
+def test_main_kl_in_reward(tmp_path):
+    """--kl-in-reward --mara-threshold in a 2-step tiny run: the readings on each step's line; at step 1 the policy is
+    the reference, so the KL taken off the reward is 0 but for the sampler's rounding (its p against the reference's
+    recomputed log-probs)."""
+    prompts = write_example(tmp_path, ["a red circle", "a blue square"])
+    grpo.main([*TINY, "--prompts", str(prompts), "--out", str(tmp_path / "run"), "--steps", "2", "--reward", "shapes",
+               "--kl-beta", "0.1", "--kl-in-reward", "--mara-threshold", "0.5", "--image-every", "0"])
+    first, second = run_record(tmp_path / "run")
+    assert abs(first["kl_in_reward/penalty"]) < 1e-4 and 0 <= first["mara/augmented_share"] <= 1
+    assert "kl_in_reward/penalty" in second

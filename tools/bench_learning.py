@@ -85,6 +85,11 @@ ROWS = {
     "gardo": ("GARDO whole: the three parts", ["--gardo-diversity", "tokens", "--kl-on", "uncertain", "--reward",
                                                "shapes=1,size=0", "--reference-reset-every", "16"]),
     "clusters": ("DiverseGRPO's cluster bonus on the best", ["--cluster-bonus", "0.2"]),
+    # issue 87: the objective whose optimum is known (tools/bandit.py). The KL in the reward, R - beta log(pi / ref)
+    # with the group's mean as baseline, whose fixed point is G = ref exp(R / beta) / Z; MARA on it, tau 1 (the fully
+    # right pictures share the likeliest one's mass)
+    "kl_reward": ("the KL in the reward (R - beta log(pi / ref), R - mean)", ["--kl-in-reward"]),
+    "mara": ("MARA (tau 1) with the KL in the reward", ["--kl-in-reward", "--mara-threshold", "1"]),
 }  # every GRPO row has the tiny defaults' mu 2 (the clip acts); rows of other flags come from `-- flags`
 HELD_OUT = ["--eval-prompts", str(ROOT / "examples" / "shapes_heldout.jsonl"), "--eval-every", "0",
             "--eval-samples", "8", "--eval-reward", "shapes_exact"]
@@ -161,7 +166,7 @@ def run_shapes(row: str, seed: int, steps: int, extra: list[str], runs: Path) ->
     settings = {k: getattr(cfg, k) for k in ("kl_beta", "mu", "diversity", "lr", "top_p", "policy_dist",
                                              "scale_rewards", "truncation_weight", "kl_on", "entropy_bonus",
                                              "unlikeliness", "gardo_diversity", "cluster_bonus", "cluster_radius",
-                                             "reference_reset_every", "reward")}
+                                             "reference_reset_every", "reward", "kl_in_reward", "mara_threshold")}
     evals, training = [x for x in lines if x.get("eval")], [x for x in lines if not x.get("eval")]
 
     def held_out(x):
@@ -176,9 +181,11 @@ def run_shapes(row: str, seed: int, steps: int, extra: list[str], runs: Path) ->
             "no_gradient": float(np.mean([x.get("no_gradient_frac", 0.0) for x in training])),
             "kl": float(np.mean([x["kl"] for x in training[-50:]])),
             "clip_frac_max": max(x["clip_frac"] for x in training), "threads": torch.get_num_threads(),
-            "curves": {k: [round(float(np.mean([x.get(k, np.nan) for x in training[i:i + 50]])), 4)
+            "curves": {k: [round(float(np.nanmean([x.get(k, np.nan) for x in training[i:i + 50]])), 4)
                            for i in range(0, len(training), 50)]
-                       for k in ("entropy", "kl", "zero_std_groups", "reward_mean", "distinct_in_group")}}  # 50-step means
+                       for k in ("entropy", "kl", "zero_std_groups", "reward_mean", "distinct_in_group",
+                                 "kl_in_reward/penalty", "mara/augmented_share", "mara/anchor_reward")
+                       if any(k in x for x in training)}}  # 50-step means
 
 
 def shorter_run(runs: Path, name: str, steps: int) -> tuple[Path, int] | None:
@@ -238,6 +245,8 @@ def describe(r: dict) -> tuple:
     parts += [f"unlikeliness {cfg.unlikeliness:g}" + (f" {r['variant']}" if r.get("variant") else "")
               ] if cfg.unlikeliness else []
     parts += [f"positive advantages / c^{share:g} (a variant, not kept)"] if share else []
+    parts += [f"MARA (tau {cfg.mara_threshold:g})"] if cfg.mara_threshold is not None else []
+    parts += ["the KL in the reward"] if cfg.kl_in_reward else []
     parts += [f"--scale-rewards {cfg.scale_rewards}"] if cfg.scale_rewards != "group" else []
     parts += [f"top-p {cfg.top_p:g}, --policy-dist {cfg.policy_dist}"] if cfg.top_p < 1 else []
     if cfg.top_p < 1 and cfg.policy_dist == "full":  # before issue 46 the mass weighed the surrogate only

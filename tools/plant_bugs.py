@@ -1,7 +1,8 @@
 """Plants each guarded line wrong, one at a time, in a throwaway clone of this repository's HEAD, and runs the tests
 that guard it: each must fail (exit 1). Prints one line per planted bug; exits 1 if any survived. The plants: issue
 67's variants, issue 75's rules for what a user gives (helpers/user_input.py), issue 76's landing of a step,
-issue 79's served reward's faults, issue 84's review.
+issue 79's served reward's faults, issue 84's review, issue 85's surroundings, issue 86's train, issue 87's
+objective.
 
     OMP_NUM_THREADS=1 python tools/plant_bugs.py     # about 20 minutes on 2 cores (the resets' and stops' tests run main)
     python tools/plant_bugs.py gate cluster           # only the plants whose name holds one of these words
@@ -125,12 +126,12 @@ PLANTS += [
     ("logged: k3 below 0", "helpers/diagnostics.py", "(log_ratio.exp() - 1 - log_ratio).clamp_min(0).mean()",
      "(log_ratio.exp() - 1 - log_ratio).mean()", user_input("sign")),
     # issue 76: a step lands whole, or not at all
-    ("landing: after_step outside it", "grpo.py",
+    ("landing: after_step outside it", "helpers/trainer.py",
      "                run.after_step(job, step, examples, images, reward, each)",
      "            run.after_step(job, step, examples, images, reward, each)", STOPS),
     ("landing: a checkpoint saves the RNG of now", "helpers/run.py", "carried, r.rng)", "carried)", STOPS),
     ("landing: an evaluation draws from training's RNG", "helpers/run.py",
-     'with timed(seconds, "eval", r.cfg), rng_kept():', 'with timed(seconds, "eval", r.cfg):', STOPS),
+     'with timed(seconds, "eval", r), rng_kept():', 'with timed(seconds, "eval", r):', STOPS),
     ("grids: the before grid outside the run's handlers", "helpers/run.py",
      "    try:\n        with interrupts_caught():  # Ctrl-C and SIGTERM: see parallel.on_interrupt\n"
      "            if r.cfg.before_after and r.start == 0:",
@@ -143,7 +144,7 @@ PLANTS += [
     ("landing: a checkpoint before any update keeps the state get_state_dict made", "helpers/parallel.py",
      "        optimizer.state.clear()\n        optimizer_state = {", "        optimizer_state = {",
      ["tests/test_run.py", "-k", "trainable_state"]),
-    ("schedule: once a step, not once an update", "grpo.py",
+    ("schedule: once a step, not once an update", "helpers/trainer.py",
      "        if stepped and scheduler is not None:", "        if stepped and scheduler is not None and _ == mu - 1:",
      ["tests/test_run.py", "-k", "lr_schedule_steps"]),
     ("landing: one process never stops after it", "helpers/parallel.py",
@@ -177,6 +178,50 @@ PLANTS += [
      ["tests/test_stops.py", "-k", "every_stop"]),
     ("stops: a read-only disk told to make room", "helpers/run.py", "    fix = fixes.get(error.errno, \"fix it, then \")",
      "    fix = \"make room, then \"", ["tests/test_stops.py", "-k", "every_stop"]),
+    # issue 85: the run and its surroundings
+    ("config: a key given twice, the last kept", "helpers/user_input.py",
+     "            if key in lines:\n                raise DuplicateKey",
+     "            if key in lines and False:\n                raise DuplicateKey", user_input("twice")),
+    ("config: paths relative to the working directory", "helpers/user_input.py",
+     "            values[key] = str((folder / Path(values[key]).expanduser()).absolute())",
+     "            values[key] = str(Path(values[key]).expanduser().absolute())", user_input("config_paths")),
+    ("resume: a changed input read as it is", "helpers/user_input.py",
+     "        if file_digest(Path(path)) != digest:\n            return f\"{path} changed\"",
+     "        if False:\n            return f\"{path} changed\"", ["tests/test_run.py", "-k", "own_inputs"]),
+    ("run dir: two live runs into one --out", "helpers/run_io.py",
+     "        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)", "        pass", ["tests/test_run.py", "-k", "one_run"]),
+    ("served: loopback through the proxy", "helpers/served_reward.py",
+     "    if loopback(parts.hostname) or urllib.request.proxy_bypass_environment",
+     "    if urllib.request.proxy_bypass_environment", ["tests/test_served_reward.py", "-k", "proxy"]),
+    ("served: the timeout between two bytes, not a deadline", "helpers/served_reward.py",
+     "        worker.join(self.timeout)", "        worker.join()", ["tests/test_served_reward.py", "-k", "deadline"]),
+    # issue 86: train, the lesson's loop, honours every field (test_grpo.py::test_train against main)
+    ("train: the prompts in order whatever --shuffle", "grpo.py",
+     "example_index(g, len(examples), cfg.seed, cfg.shuffle)", "example_index(g, len(examples), cfg.seed, False)",
+     ["test_grpo.py", "-k", "test_train"]),
+    ("train: --top-p dropped", "grpo.py", "cfg.top_k, cfg.top_p,\n", "cfg.top_k, 1.0,\n",
+     ["test_grpo.py", "-k", "test_train"]),
+    ("train: --decode-seed dropped", "grpo.py", "cfg.num_inference_steps, cfg.decode_seed,",
+     "cfg.num_inference_steps, 0,", ["test_grpo.py", "-k", "test_train"]),
+    # issue 87: the objective whose optimum is known
+    ("kl in the reward: divided by the group's std", "helpers/variants.py",
+     "    return shaped - shaped.mean(dim=-1, keepdim=True)\n",
+     "    return (shaped - shaped.mean(dim=-1, keepdim=True)) / (shaped.std(dim=-1, keepdim=True) + 1e-4)\n",
+     variants("kl_in_reward or kl_regularised")),
+    ("kl in the reward: added, not taken off", "helpers/variants.py",
+     "    shaped = reward - beta * (policy_logprobs - ref_logprobs)",
+     "    shaped = reward + beta * (policy_logprobs - ref_logprobs)", variants("kl_in_reward or kl_regularised")),
+    ("kl in the reward: the preview's codes summed too", "helpers/variants.py",
+     "r.p_logprobs[:, -math.prod(r.prompt.large_hw):].sum(dim=-1)", "r.p_logprobs.sum(dim=-1)",
+     variants("kl_regularised")),
+    ("kl in the reward: the KL left in the loss too", "helpers/variants.py",
+     "0.0 if cfg.kl_in_reward else cfg.kl_beta", "cfg.kl_beta", variants("loss_has_no_kl")),
+    ("mara: anchored on the least likely", "helpers/variants.py",
+     "    anchor = torch.where(high, ref_logprobs, -math.inf).argmax()",
+     "    anchor = torch.where(high, ref_logprobs, math.inf).argmin()", ["tests/test_bandit.py", "-k", "mara"]),
+    ("mara: the reference's log-ratio without beta", "helpers/variants.py",
+     "reward[anchor] + beta * (ref_logprobs[anchor] - ref_logprobs)",
+     "reward[anchor] + (ref_logprobs[anchor] - ref_logprobs)", ["tests/test_bandit.py", "-k", "mara"]),
 ]
 rows = []
 REPO = pathlib.Path(tempfile.mkdtemp()) / "repo"
