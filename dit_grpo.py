@@ -335,7 +335,7 @@ def main(argv: list[str] | None = None) -> dict:
                                          max_grad_norm=cfg.max_grad_norm, in_loss=in_loss,
                                          scheduler=job.scheduler)
                 run.log_step(job, step, group_ids, reward, each, advantages, in_loss,
-                             [c.latents[:, -1] for c in chains], metrics, seconds)
+                             [c.latents[:, -1] for c in chains], metrics, seconds, [c.images for c in chains])
                 run.after_step(job, step, examples, [c.images for c in chains], reward, each)
             run.evaluation(job, step)
     return run.finish(job)

@@ -25,8 +25,10 @@ The outline. Each step is a section below; `train`, near the end, runs them in a
 Step 1 starts after the config and the loading (a hundred lines): a policy must exist to sample.
 
 Where this departs from the paper:
-  - only the large grid (H/32 x W/32, written after a small preview grid) reaches the DiT, so only
-    its tokens are in the loss;
+  - only the large grid's tokens (H/32 x W/32) are in the loss: the DiT paints from them. The AR
+    first writes a preview grid, a fixed-size thumbnail that conditions the large grid and is never
+    painted; leaving it out is a choice with a cost: its tokens get no gradient from R (R depends
+    on them only through the large grid) and no KL (--train-tokens all trains them too);
   - the AR's 3D rotary positions are rebuilt for the trainer's forward (`rope_positions`), or the
     log-probs are several nats wrong;
   - sampler and trainer call one definition of the policy (`code_logprobs`); pi_old is the
@@ -74,8 +76,8 @@ class Config:  # a field per flag (--group-size ...); the defaults are the tiny 
     reward: str = arg("ssim=1,mse=0", "rewards and weights, e.g. ssim=1,ocr=0.5 (docs/rewards.md)")
     clip_eps: float = arg(0.2, "PPO clip: the ratio is clipped to [1 - eps, 1 + eps]")
     kl_beta: float = arg(0.1, "weight of the k3 KL to the frozen reference")
-    mu: int = arg(2, "updates per batch of samples (cleanrl's update_epochs); the clip acts "
-                     "from the second")
+    mu: int = arg(2, "updates per batch of samples (cleanrl's update_epochs with one minibatch: "
+                     "one optimizer step per epoch); the clip acts from the second")
     lr: float = arg(1e-4, "AdamW learning rate")
     weight_decay: float = arg(0.01, "AdamW weight decay")
     max_grad_norm: float = arg(1.0, "gradient-norm clip")
@@ -276,9 +278,9 @@ def rope_positions(input_ids: torch.Tensor, image_grid_thw: torch.Tensor, num_to
 @torch.no_grad()
 def generate(model, prompt: "Prompt", temperature: float, seed: int, top_k: int = 0,
              top_p: float = 1.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The AR's decode loop, in the shape of gpt-fast's generate: `prefill` the prompt once, then
-    N steps of `decode_one_token` (logits -> code_logprobs -> draw -> feed), a KV cache holding the
-    past. Returns (G, N) codes, their log-probs under q (what the draw used: top-k / top-p) and
+    """The AR's decode loop, in the shape of gpt-fast's generate.py (its functions `prefill` and
+    `decode_one_token`): the prompt fed once, then N steps of one token each (logits ->
+    code_logprobs -> draw -> feed), a KV cache holding the past. Returns (G, N) codes, their log-probs under q (what the draw used: top-k / top-p) and
     under p (the whole softmax). Needs `code_logprobs` and `rope_positions` (and a `prompt` with
     .inputs, .preview_hw and .large_hw: a Prompt, group_prompt's)."""
     from transformers import DynamicCache
@@ -298,7 +300,8 @@ def generate(model, prompt: "Prompt", temperature: float, seed: int, top_k: int 
                        logits_to_keep=1).logits[:, -1]  # (G, V): the next token's, cache updated
         q = code_logprobs(logits, temperature, K, top_k, top_p)  # (G, K): what the draw uses
         p = code_logprobs(logits, temperature, K)  # the whole softmax (= q without top-k / top-p)
-        # torch.multinomial(q.exp(), 1) as a race: the first of exponential(1) / q to finish. The
+        # torch.multinomial(q.exp(), 1) as a race: the first of exponential(1) / q to finish (for
+        # E_k ~ exponential(1), P(argmax_k q_k / E_k = k) = q_k: Gumbel-max in exponential form). The
         # noise is drawn over all V ids and cut to K so that the random numbers are the ones
         # transformers' generate uses: same seed, same codes.
         noise = torch.empty(G, V, device=ids.device).exponential_(generator=generator)[:, :K]
@@ -349,8 +352,12 @@ def decode_images(pipe, prompt: str, tokens: torch.Tensor, large_hw: tuple[int, 
                   width: int, num_inference_steps: int, seed: int, guidance_scale: float = 1.5,
                   source: "Source | None" = None) -> torch.Tensor:
     """(G, N) tokens -> (G, 3, H, W) float32 pictures in [0, 1] by the pipeline (prior ids, DiT,
-    VAE), the group from one latent noise: they differ by their tokens only. (To edit, the source
-    joins the pipeline's inputs: `edit_inputs`, in the Editing section.)"""
+    VAE), the group from one latent noise: they differ by their tokens only, and with one noise
+    for the whole run (--decode-seed) the reward is a function of the tokens alone, the AR's
+    action (the cost: the policy may fit that one noise; evaluate with other seeds). A run passes
+    its --guidance-scale (1.0 for the tiny model; above 1 the DiT's classifier-free guidance);
+    the 1.5 here is what the tools that call it bare were made with (tools/make_targets.py). (To
+    edit, the source joins the pipeline's inputs: `edit_inputs`, in the Editing section.)"""
     G, device, dtype = tokens.shape[0], pipe.transformer.device, pipe.transformer.dtype
     prior = prior_ids(tokens, large_hw)  # (G, 4hw) at H/16
     embeds, negative = pipe.encode_prompt(prompt, do_classifier_free_guidance=guidance_scale > 1,
@@ -481,7 +488,8 @@ def grpo_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, ref_logprobs: 
               advantages: torch.Tensor, clip_eps: float | torch.Tensor,
               kl_beta: float | torch.Tensor, weights: float | torch.Tensor = 1.0,
               mask: torch.Tensor | None = None, loss_type: str = "grpo",
-              tokens: float | None = None) -> tuple[torch.Tensor, dict]:
+              num_items_in_batch: float | None = None,
+              max_completion_length: int | None = None) -> tuple[torch.Tensor, dict]:
     """The GRPO loss of S sampled sequences of n tokens, from their (S, n) log-probs to a scalar:
 
         loss = -1/S sum_i 1/n sum_t [ w_it min(r_it A_i, clip(r_it, 1 - eps, 1 + eps) A_i)
@@ -490,19 +498,22 @@ def grpo_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, ref_logprobs: 
     r_it = exp(logprobs - old_logprobs); A_i = advantages, (S,); w_it the sampler's truncated
     importance weights (importance_weights; 1 for an exact sampler); KL_it the k3 estimator of
     KL(pi || ref), exp(d) - d - 1 with d = ref_logprobs - logprobs (Schulman: >= 0, unbiased when
-    the tokens are drawn from pi itself; here they are the sampler's, pi_old's, and at mu > 1 pi has
-    moved since. In expectation under pi its gradient is KL(ref || pi)'s; 0 without a reference).
-    A, eps, beta and w may also be tensors that broadcast to (S, n): one per sample or token.
-    Returns the loss, differentiable in logprobs, and its metrics. d is capped at 20 so that exp
-    stays finite (tools/bench_kl_cap.py).
+    the tokens are drawn from pi itself; here they are the sampler's, pi_old's (with top-p its
+    nucleus q's, not p's: then it is q's average of the expression), and at mu > 1 pi has moved
+    since. In expectation under pi its gradient is KL(ref || pi)'s, since its gradient is
+    (1 - ref / pi) grad log pi and E_pi[(ref / pi) grad log pi] = sum ref grad log pi; 0 without a
+    reference). A, eps, beta and w may also be tensors that broadcast to (S, n): one per sample or
+    token. Returns the loss, differentiable in logprobs, and its metrics (over the mask's tokens
+    when one is given). d is capped at 20 so that exp stays finite (tools/bench_kl_cap.py); past
+    the cap the KL's gradient is 0 (a token 20 nats less likely than the reference has it).
 
     A copier's note: here every sequence has n tokens (GLM-Image's samples all fill the same grids),
     so the aggregations agree. For an LLM, whose answers differ in length, pass the (S, n) 0/1
     padding `mask` and pick TRL's loss_type: "grpo" (the paper's, above: each answer's token mean,
     then the mean over answers, which weighs a short answer's tokens more: the length bias Dr. GRPO
-    points out), "dapo" (TRL's default: the token sum over `tokens`, the loss tokens of the whole
-    accumulated batch per process; default: these S answers' own, TRL's "bnpo") or "dr_grpo" (the
-    token sum over S times `tokens`, TRL's max_completion_length; default: the padded length)."""
+    points out), "dapo" (TRL's default: the token sum over num_items_in_batch, the loss tokens of
+    the whole accumulated batch per process; default: these S answers' own, TRL's "bnpo") or
+    "dr_grpo" (the token sum over S times max_completion_length; default: the padded length n)."""
     A = advantages.reshape(len(advantages), -1).to(logprobs)  # (S, 1): A_i on each of its tokens
     ratio = torch.exp(logprobs - old_logprobs)  # (S, n)
     clipped_ratio = torch.clamp(ratio, 1 - clip_eps, 1 + clip_eps)
@@ -517,16 +528,20 @@ def grpo_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, ref_logprobs: 
     elif loss_type == "grpo":
         loss = -((per_token * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1)).mean()
     elif loss_type == "dapo":  # TRL's default
-        normaliser = mask.sum().clamp(min=1) if tokens is None else tokens
+        normaliser = mask.sum().clamp(min=1) if num_items_in_batch is None else num_items_in_batch
         loss = -(per_token * mask).sum() / normaliser
     elif loss_type == "dr_grpo":
-        length = mask.shape[1] if tokens is None else tokens
+        length = mask.shape[1] if max_completion_length is None else max_completion_length
         loss = -(per_token * mask).sum() / (mask.shape[0] * length)
     else:
         raise ValueError(f"loss_type {loss_type!r}: use grpo, dapo or dr_grpo")
     with torch.no_grad():  # the clip stops the gradient: r > 1+eps with A > 0, r < 1-eps with A < 0
         clipped = ((ratio > 1 + clip_eps) & (A > 0)) | ((ratio < 1 - clip_eps) & (A < 0))
-        metrics = {"policy_loss": -(weights * surrogate).mean(dim=1).mean().item(),
+        policy = (weights * surrogate).expand_as(ratio)
+        if mask is not None:  # the answers' tokens only, not their padding: (T,) each
+            real = mask.bool()
+            policy, kl, clipped, ratio = policy[real][None], kl[real], clipped[real], ratio[real]
+        metrics = {"policy_loss": -policy.mean(dim=1).mean().item(),
                    "kl": kl.mean().clamp_min(0).item(), "clip_frac": clipped.float().mean().item(),
                    "ratio_min": ratio.min().item(), "ratio_mean": ratio.mean().item(),
                    "ratio_max": ratio.max().item()}
@@ -602,7 +617,9 @@ def update(policy, optimizer, batches: list[MicroBatch], ref_model, cfg: Config)
     """Step 5 on one screen: cfg.mu updates of the policy on one step's micro-batches (cleanrl's
     update_epochs), each one optimizer step on the gradient accumulated over all micro-batches ->
     the last update's metrics (the ratio's extremes over every update)."""
-    policy.train(cfg.gradient_checkpointing)  # transformers checkpoints in train mode only
+    # transformers checkpoints in train mode only; with dropout 0 (disable_dropout) both modes
+    # compute the same policy, and eval mode is the sampler's
+    policy.train(cfg.gradient_checkpointing)
     K = policy.config.vq_config.num_embeddings
     ref_logprobs = [reference_logprobs(ref_model, mb, cfg.temperature) for mb in batches]
     old_logprobs = [None] * len(batches)  # pi_old: the first update's own log-probs, detached
@@ -701,8 +718,9 @@ def train(cfg: Config, pipe, examples: list[dict]) -> list[dict]:
         advantages = group_advantages(reward)  # 4. z-scores within each group
         finite = reward.isfinite().all(dim=-1)  # a group with a NaN or inf reward leaves the step
         kept = [rollout for rollout, keep in zip(rollouts, finite) if keep]
-        if not kept:
-            history.append({"step": step + 1, "skipped": cfg.mu})
+        if not kept:  # no update: the step's line says so, with NaN where a value would be
+            history.append({"step": step + 1, "reward_mean": math.nan, "loss": math.nan,
+                            "skipped": cfg.mu})
             continue
         batches = micro_batches(kept, advantages[finite], cfg.micro_batch_size or cfg.group_size)
         metrics = update(policy, optimizer, batches, ref_model, cfg)  # 5. the clipped update

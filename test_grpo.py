@@ -587,12 +587,17 @@ def test_grpo_loss_aggregations():
         assert ones.item() == pytest.approx(plain.item(), rel=1e-6), loss_type
     assert len({round(v.item(), 6) for v in want.values()}) == 3  # unequal lengths: three different losses
     # TRL's normalisers given: dapo over the accumulated batch's tokens (here 20), dr_grpo over max_completion_length 8
-    dapo, _ = grpo.grpo_loss(logp, old, ref, adv, 0.2, 0.1, mask=mask, loss_type="dapo", tokens=20)
-    dr_grpo, _ = grpo.grpo_loss(logp, old, ref, adv, 0.2, 0.1, mask=mask, loss_type="dr_grpo", tokens=8)
+    dapo, _ = grpo.grpo_loss(logp, old, ref, adv, 0.2, 0.1, mask=mask, loss_type="dapo", num_items_in_batch=20)
+    dr_grpo, _ = grpo.grpo_loss(logp, old, ref, adv, 0.2, 0.1, mask=mask, loss_type="dr_grpo", max_completion_length=8)
     assert dapo.item() == pytest.approx(-(per_token * mask).sum().item() / 20, rel=1e-6)
     assert dr_grpo.item() == pytest.approx(-(per_token * mask).sum().item() / (3 * 8), rel=1e-6)
     with pytest.raises(ValueError, match="loss_type 'bnpo'"):
         grpo.grpo_loss(logp, old, ref, adv, 0.2, 0.1, mask=mask, loss_type="bnpo")
+    # the metrics read the answers' tokens only: the padding's ratio and KL are not in them
+    _, metrics = grpo.grpo_loss(logp, old, ref, adv, 0.2, 0.1, mask=mask, loss_type="dapo")
+    real = mask.bool()
+    assert metrics["kl"] == pytest.approx((d.exp() - d - 1)[real].mean().item(), rel=1e-6)
+    assert metrics["ratio_max"] == r[real].max().item() and metrics["ratio_min"] == r[real].min().item()
 
 
 def test_importance_weights():

@@ -35,7 +35,7 @@ from .served_reward import RETRY_WAITS, is_url
 from .user_input import (RULES, RewardError, changed_inputs, check_numbers, check_rewards, field_kind, input_digests,
                          load_examples, parse_rewards, read_config_file, read_prompts, split_reward)
 from .variants import State as VariantState, VariantSettings
-from . import variants
+from . import monitor, variants
 from .run_io import (RUN_FILES, Reporter, append_metrics, atomic_folder, atomic_write, check_out_dir, check_reporter,
                      checkpoint_steps, failed_start, hold_run_dir, image_grid, open_run_dir, plot_curves,
                      prune_checkpoints, read_checkpoint, read_inputs, read_metrics, read_resume, release_run_dir,
@@ -47,7 +47,7 @@ PROG = {"name": "grpo.py"}  # the script the messages name: set by prepare
 TINY_NAMES = ("tiny", "tiny-edit")  # grpo.TINY_MODELS' names: shipped folders, the tiny defaults, float32
 RESUMABLE = ("steps", "device", "report_to", "save_every", "save_total_limit", "save_merged", "image_every",
              "eval_every", "overwrite", "push_to_hub", "hub_model_id", "hub_private", "wandb_project", "wandb_entity",
-             "run_name", "reward_timeout", "reward_wait")  # what --resume may change: when to stop, where, how long
+             "run_name", "reward_timeout", "reward_wait", "monitor_threshold")  # what --resume may change: when to stop, where, how long
 # to wait, bookkeeping; not the objective (--reward and --eval-reward only where a served reward moved: served_moves)
 
 
@@ -103,6 +103,10 @@ class RunSettings:  # the run's flags, after the algorithm's (grpo.Config): wher
     eval_inference_steps: int = _setting(0, "DiT steps of the evaluations and the before / after grids (0: "
                                             "--num-inference-steps; Flow-GRPO trains at 10, evaluates at 40)")
     eval_reward: str = _setting("", "rewards only measured on the eval prompts, e.g. shapes_exact")
+    monitor_threshold: float = _setting(6.0, "the reward-hacking monitor warns (one line, once a signal; the run goes "
+                                             "on) when a picture statistic, the pictures' diversity or a measured-only "
+                                             "reward moves this many spreads of the first 20 steps' (0: no warnings; "
+                                             "helpers/monitor.py, docs/healthy_training.md)")
     reward_timeout: float = _setting(600.0, "seconds a served reward (--reward http://HOST:PORT/NAME) may take to "
                                             "answer a group, from connecting to its answer's last byte, before it is "
                                             "tried again (docs/rewards.md)")
@@ -883,9 +887,10 @@ def finite_groups(r: Run, step: int, reward: torch.Tensor, each: dict, batch: li
 
 
 def log_step(r: Run, step: int, groups: list[int], reward: torch.Tensor, each: dict, advantages: torch.Tensor,
-             kept: torch.Tensor, samples: list, metrics: dict, seconds: dict) -> None:
+             kept: torch.Tensor, samples: list, metrics: dict, seconds: dict, images: list | None = None) -> None:
     """The step's metrics line (step_record, every process) into metrics.jsonl and --report-to, the progress bar,
-    and a warning for a skipped update (rank 0). `advantages`: every group's (P, G), `kept`: (P,) the groups in the
+    and a warning for a skipped update (rank 0); with `images` (each group's (G, 3, H, W) pictures) the monitor's
+    signals and its warnings (monitor_step). `advantages`: every group's (P, G), `kept`: (P,) the groups in the
     loss (finite_groups); `samples`: each
     group's rollout (grpo.Rollout: its large grids are logged) or a tensor (dit_grpo.py's final latents). The bar shows
     the step's reward, its mean over the last 20 steps (steps differ by prompt) and, when there is a KL term, the
@@ -897,6 +902,7 @@ def log_step(r: Run, step: int, groups: list[int], reward: torch.Tensor, each: d
     if r.variants.risk is not None:  # --kl-on uncertain: the share of the samples GARDO's gate let the KL bind
         record["kl_share"] = r.variants.risk.share
     record |= r.variants.readings  # --mara-threshold, --kl-in-reward: the step's readings
+    warned = monitor_step(r, step, record, images, reward, each, indices) if images is not None else []
     rows = sample_rows(step, groups, [r.examples[i]["prompt"] for i in indices], reward, each, advantages, kept)
     r.skipped, r.done = r.skipped + record["skipped"], step
     r.history.append(record)
@@ -924,6 +930,36 @@ def log_step(r: Run, step: int, groups: list[int], reward: torch.Tensor, each: d
                          f"(the fewest: {record['rollout/group_codes_min']} distinct codes in all its images): a bypassed "
                          "processor, a broken sampler or a policy gone bad; see docs/healthy_training.md",
                          file=sys.stderr)
+    for line in warned:
+        r.progress.write(line, file=sys.stderr)
+
+
+def monitor_step(r: Run, step: int, record: dict, images: list, reward: torch.Tensor, each: dict,
+                 indices: list[int]) -> list[str]:
+    """The reward-hacking monitor's part of a step's line (helpers/monitor.py): its signals (every process's pictures)
+    into `record`; on rank 0 their z-scores against the run's first steps, and for each signal that warns now its z
+    ("monitor/warning/<signal>") and a grid of the group to look at (images/monitor_<step>_<signal>.png; this
+    process's groups). Returns the warning lines."""
+    record |= monitor.step_signals(images, gather_rows)
+    if r.rank != 0:
+        return []
+    weights = {name: weight for name, (_, weight) in r.rewards.items()}
+    zs, warn = monitor.check([*r.history, record], weights, r.cfg.monitor_threshold)
+    record |= zs
+    lines = []
+    for name in warn:
+        z = zs[f"monitor/{name}/z"]
+        record[f"monitor/warning/{name}"] = z
+        group, sample = monitor.extreme(images, name, z, reward, each)
+        path = r.out / "images" / f"monitor_{step:05d}_{name.replace('/', '_')}.png"
+        example = r.examples[indices[group]]
+        save_grid(path, [example], [images[group]], reward[group:group + 1],
+                  [f"step {step}: {name} {z:+.1f} spreads, sample {sample}: {example['prompt']}"],
+                  {key: value[group:group + 1] for key, value in weighted(each, r.rewards).items()})
+        lines.append(monitor.warning_line(name, step, z, record, [*r.history, record],
+                                          f"{path} (sample {sample})"))
+        r.reporter.image("monitor", path, step)
+    return lines
 
 
 def sample_rows(step: int, groups: list[int], prompts: list[str], reward: torch.Tensor, each: dict,
@@ -1135,13 +1171,15 @@ def evaluator(r: Run, pipe, policy, steps: tuple) -> Callable:
 
 
 def evaluate_shared(evaluate: Callable, examples: list[dict], rewards: dict, n_samples: int, seed: int,
-                    keep_images: int, rank: int = 0, world: int = 1) -> tuple:
+                    keep_images: int, rank: int = 0, world: int = 1, signals: dict | None = None) -> tuple:
     """`evaluate` (Run.evaluate's signature) on every process, process `rank` taking examples rank, rank + world, ...
     (example i drawn with seed + i) -> on every process, in example order: the images of the first `keep_images`
     examples (rounded to 8 bits, as a PNG keeps them), the (P, K) total reward, each reward's (P, K) and the (P,)
-    distinct layouts."""
+    distinct layouts. A dict `signals` receives the monitor's signals of every picture (helpers/monitor.py)."""
     mine = list(range(rank, len(examples), world))  # every process calls evaluate: FSDP gathers in each
     images, total, each, layouts = evaluate([examples[i] for i in mine], [seed + i for i in mine], rewards, n_samples)
+    if signals is not None:  # before the pictures past keep_images are let go
+        signals |= monitor.step_signals(images, gather_rows)  # (every process takes part, with or without pictures)
     order = torch.tensor(gather_list(mine)).argsort()  # rows arrive in rank order: example order
     total, layouts = gather_rows(total).cpu()[order], gather_rows(layouts).cpu()[order]
     each = {name: gather_rows(v).cpu()[order] for name, v in each.items()}
@@ -1160,11 +1198,20 @@ def run_evaluation(r: Run, step: int) -> None:
     of the first EVAL_GRID prompts (images/eval_<step>.png: the same prompts and seeds every time, so one prompt can be
     followed through training) and a line on the terminal (rank 0). Every process takes part."""
     (examples, rewards), seconds = r.evals, {}
+    signals = {}
     with timed(seconds, "eval", r), rng_kept():  # training's draws after it are as without it
         images, total, each, layouts = evaluate_shared(r.evaluate, examples, rewards, r.cfg.eval_samples, EVAL_SEED,
-                                                       EVAL_GRID, r.rank, r.world)
-    record = eval_record(step, examples, total, each, layouts, seconds["eval"])
+                                                       EVAL_GRID, r.rank, r.world, signals)
+    record = eval_record(step, examples, total, each, layouts, seconds["eval"], signals)
     if r.rank == 0:
+        evals = [h for h in read_metrics(r.out) if h.get("eval")] + [record]  # (the monitor reads the run's first)
+        weights = {name: weight for name, (_, weight) in r.rewards.items()}
+        for name, z in monitor.eval_check(evals, weights, r.cfg.monitor_threshold):
+            record[f"eval/monitor/warning/{name}"] = z
+            tqdm.write(f"warning: eval at step {step}: monitor: {name} fell {-z:.1f} standard errors below the first "
+                       f"evaluation's ({evals[0]['eval/' + name]:.4f} -> {record['eval/' + name]:.4f}) while the "
+                       f"trained reward rose; look at images/eval_{step:05d}.png (docs/healthy_training.md, \"When the "
+                       "reward is being gamed\"; the run goes on)", file=sys.stderr)
         append_metrics(r.out, record)
         r.reporter.log(record)
         path = r.out / "images" / f"eval_{step:05d}.png"
@@ -1178,12 +1225,14 @@ def run_evaluation(r: Run, step: int) -> None:
 
 
 def eval_record(step: int, examples: list[dict], total: torch.Tensor, each: dict, layouts: torch.Tensor,
-                seconds: float) -> dict:
+                seconds: float, signals: dict | None = None) -> dict:
     """The metrics line of an evaluation: each reward's mean over prompts and samples ("eval/reward" is the weighted
     total of --reward), the diversity of the prompts that leave the layout free (all but the .jsonl lines that say
     "free_layout": false): "eval/distinct_layouts", the mean number of distinct large grids among a prompt's K
     samples, and "eval/one_layout", the share of prompts drawn with a single one; all per category too, for the
-    examples whose line has a "category"."""
+    examples whose line has a "category". The monitor's: each reward's standard error, over its prompts' means (a
+    prompt's K samples are not independent), "eval/monitor/se/<name>", and the pictures' `signals`
+    ("eval/monitor/<signal>"; helpers/monitor.py)."""
     scores = {"reward": total, **each}
     free = torch.tensor([ex.get("free_layout", True) is not False for ex in examples])
 
@@ -1198,6 +1247,9 @@ def eval_record(step: int, examples: list[dict], total: torch.Tensor, each: dict
     categories = [str(ex["category"]) if "category" in ex else None for ex in examples]
     for category in sorted(set(categories) - {None}):
         record |= measured(torch.tensor([c == category for c in categories]), f"/{category}")
+    record |= {f"eval/monitor/se/{name}": (v.mean(dim=-1).std() / math.sqrt(len(v))).item()  # over prompts' means
+               for name, v in scores.items() if len(v) > 1}
+    record |= {f"eval/{key}": value for key, value in (signals or {}).items()}
     return {**record, "sec_eval": seconds}
 
 
@@ -1424,7 +1476,9 @@ def summarize(out: Path, history: list[dict], n_examples: int, skipped: int, ran
     """The summary line: the mean training reward of the first and of the last quarter of the steps (whole cycles over
     the prompts where a cycle fits in a quarter, so both sides saw the same prompts) and, with --before-after, the
     mean reward of the same prompts and seeds before and after training. Steps without a finite reward (every group
-    left out) are not counted."""
+    left out) are not counted. The monitor's warnings, if any fired, follow on a line of their own
+    ("monitor_warnings")."""
+    warned = monitor.summary(history, [h for h in read_metrics(out) if h.get("eval")] if rank == 0 else [])
     history = [h for h in history if math.isfinite(h["reward_mean"])]
     quarter = max(1, len(history) // 4)
     cycle = math.ceil(n_examples / max(1, len(history[0]["prompts"]))) if history else 1  # steps per pass
@@ -1443,5 +1497,10 @@ def summarize(out: Path, history: list[dict], n_examples: int, skipped: int, ran
                    f"(mean of last {len(last)} steps) {summary['reward_last']:.4f}" if history else
                    "reward: no step had a finite reward (every group was left out)")
         print(f"{rewards}{shown}; saved to {out}")
+        if warned:
+            print(f"monitor: {plural(len(warned), 'warning')}: {', '.join(warned)} (docs/healthy_training.md, \"When "
+                  "the reward is being gamed\")")
+    if warned:
+        summary["monitor_warnings"] = warned
     return summary
 

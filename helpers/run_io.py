@@ -214,8 +214,9 @@ def open_run_dir(out: Path, cfg, start: int, inputs: dict | None = None) -> list
         for folder in [*later, out / "final"]:
             shutil.rmtree(folder, ignore_errors=True)
     (out / "images").mkdir(parents=True, exist_ok=True)
-    for image in (out / "images").glob("step_*.png"):  # the grids of the steps to redo
-        if cfg.resume and image.stem.removeprefix("step_").isdigit() and int(image.stem[5:]) > start:
+    for image in [*(out / "images").glob("step_*.png"), *(out / "images").glob("monitor_*.png")]:  # the grids of
+        number = image.stem.split("_")[1]  # the steps to redo (step_00012, monitor_00012_brightness)
+        if cfg.resume and number.isdigit() and int(number) > start:
             image.unlink()
     kept = [h for h in read_metrics(out) if h["step"] <= start] if cfg.resume else []
     samples = [row for row in read_metrics(out, "samples.jsonl") if row["step"] <= start] if cfg.resume else []

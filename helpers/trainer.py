@@ -130,13 +130,17 @@ def reference_logprobs(lesson, ref_model, mb: MicroBatch, temperature: float) ->
 
 
 @torch.no_grad()
-def reference_sums(lesson, ref_model, temperature: float, size: int, rollout) -> torch.Tensor:
-    """(G,) the log-probs of a rollout's loss tokens (its large grid) under the frozen reference, summed, `size` rows
-    at a time (--micro-batch-size): what --kl-in-reward and --mara-threshold read of the reference
-    (helpers/variants.py)."""
+def sequence_logprobs(lesson, policy, ref_model, temperature: float, size: int, autocast, rollout) -> tuple:
+    """A rollout's (G, N) log-probs under the policy as it is before the step's update (pi_old) and under the frozen
+    reference, both teacher-forced (grpo.token_logprobs) under the run's autocast, `size` rows at a time
+    (--micro-batch-size): what --kl-in-reward and --mara-threshold read (helpers/variants.py's kl_regularised). Read
+    from the trainer, not the sampler: its rounding (bf16 kernels on a GPU) would be summed into the advantage."""
     batches = micro_batches([rollout], torch.zeros(1, len(rollout.tokens)), size)
-    return torch.cat([reference_logprobs(lesson, ref_model, mb, temperature)[:, mb.n_preview:].sum(dim=-1)
-                      for mb in batches])
+    with autocast:  # (with LoRA the reference is the policy, its adapter switched off: grpo.reference_logprobs)
+        ref = torch.cat([reference_logprobs(lesson, ref_model, mb, temperature).float() for mb in batches])
+        policy_logprobs = torch.cat([lesson.token_logprobs(policy, mb.inputs, mb.tokens, temperature).float()
+                                     for mb in batches])
+    return policy_logprobs, ref
 
 
 def active_dropout(model) -> list[str]:
@@ -303,8 +307,8 @@ def run_steps(lesson, argv: list[str] | None) -> dict:
                 in_loss = run.finite_groups(job, step, reward, each, examples)
                 advantages = variants.advantages(  # 4. z-scores within each group (and the variants' seam)
                     lesson.group_advantages(reward), rollouts, reward, each, in_loss, cfg, lesson, images,
-                    functools.partial(reference_sums, lesson, ref_model, cfg.temperature, cfg.micro_batch_size),
-                    job.variants)
+                    functools.partial(sequence_logprobs, lesson, policy, ref_model, cfg.temperature,
+                                      cfg.micro_batch_size, job.autocast), job.variants)
             with run.landing():  # from here the step lands whole or not at all: a stop waits
                 with run.timed(seconds, "train", job), job.autocast:  # 5. the clipped update
                     # the variants' seam of step 5: their micro-batches and loss (else as given)
@@ -314,7 +318,8 @@ def run_steps(lesson, argv: list[str] | None) -> dict:
                     metrics = train_step(lesson, policy, optimizer, micro, ref_model, loss_fn,
                                          temperature=cfg.temperature, mu=cfg.mu, max_grad_norm=cfg.max_grad_norm,
                                          readings=readings, scheduler=job.scheduler)
-                run.log_step(job, step, group_ids, reward, each, advantages, in_loss, rollouts, metrics, seconds)
+                run.log_step(job, step, group_ids, reward, each, advantages, in_loss, rollouts, metrics, seconds,
+                             images)
                 run.after_step(job, step, examples, images, reward, each)  # reference, checkpoint
             run.evaluation(job, step)  # --eval-prompts, when due
     return run.finish(job)  # the last checkpoint, final/, curves.png, the after grid, the summary

@@ -535,6 +535,7 @@ RULES = {  # every int and float field of grpo.Config, dit_grpo.DitConfig, the v
     "cluster_bonus": Rule(0),
     "cluster_radius": Rule(0, 1, "high"),
     "unlikeliness": Rule(0),
+    "monitor_threshold": Rule(0, why="0: no warnings"),
     "mara_threshold": Rule(why="a reward value: the samples at or above it share the target's mass"),
     "clip_eps_high": Rule(0, open="low"),
     "reference_reset_every": Rule(0, why="0: never"),

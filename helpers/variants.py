@@ -1,10 +1,12 @@
 """The options that are off in both presets, beside grpo.py's lesson (as cleanrl keeps its variants
 beside ppo.py): each was measured (docs/evaluation.md) and none beat the defaults, but each is a
-method people reach for. They reach grpo.py through two seams in its `main`, each one call:
+method people reach for. They reach the trainer (helpers/trainer.py's run_steps, grpo.py's steps 4 and 5) through
+two seams, each one call:
 
-  - `advantages` (section 7): --reward-aggregation normalize, --diversity, --gardo-diversity,
-    --unlikeliness, --scale-rewards batch | none;
-  - `update` (sections 8-9): the micro-batches and the micro-batch loss, for --policy-dist
+  - `advantages` (step 4): --reward-aggregation normalize, --diversity, --gardo-diversity,
+    --unlikeliness, --scale-rewards batch | none, --cluster-bonus; and the KL-regularised objective's own
+    advantages, --kl-in-reward and --mara-threshold (tools/bandit.py measures where each update lands);
+  - `update` (step 5): the micro-batches and the micro-batch loss, for --policy-dist
     truncated, --train-tokens all, --clip-eps-high, --kl-on above_mean, --truncation-weight mass
     and --entropy-bonus;
 
@@ -33,7 +35,7 @@ def _setting(default, help: str, choices: tuple = ()):
 
 @dataclasses.dataclass
 class VariantSettings:  # grpo.py's flags for the options beside the lesson: all off in both presets
-    # section 7, the advantages
+    # step 4, the advantages
     reward_aggregation: str = _setting("sum", "the rewards' weighted sum, or each z-scored within its group, "
                                               "summed, then normalised over the batch (TRL's normalize_then_sum)",
                                        ("sum", "normalize"))
@@ -53,15 +55,17 @@ class VariantSettings:  # grpo.py's flags for the options beside the lesson: all
                                            "differ in and share a cluster (0: identical grids only)")
     unlikeliness: float = _setting(0.0, "+-U/2 among a group's best samples, toward the least likely "
                                         "(after He et al.'s unlikeliness reward; docs/claims.md)")
-    kl_in_reward: bool = _setting(False, "the KL in the reward: R - beta log(pi_old / ref) of each sample's loss "
-                                         "tokens, minus its group's mean (no std), and no KL term in the loss: the "
-                                         "estimator whose expected gradient is E[R] - beta KL(pi || ref)'s "
-                                         "(tools/bandit.py)")
-    mara_threshold: float | None = _setting(None, "MARA (GX-Chen et al. 2025): each sample whose reward is at or above "
-                                                  "this gets R(z) + beta (log ref(z) - log ref(y)), z its group's "
-                                                  "sample at or above it that the reference likes most: the target "
-                                                  "spreads evenly over them (with --kl-in-reward)")
-    # sections 8-9, the loss
+    kl_in_reward: bool = _setting(False, "the KL in the reward: R - beta log(pi_old / ref), the log-probs summed "
+                                         "over each sample's loss tokens, minus its group's mean (no std), and no KL "
+                                         "term in the loss: the estimator whose expected gradient is E[R] - beta "
+                                         "KL(pi || ref)'s (tools/bandit.py). beta then weighs a sequence's log-ratio "
+                                         "in reward units: at the same --kl-beta about n / std(R) times the loss "
+                                         "KL's weight (n the loss tokens: 9 tiny, 1024 real)")
+    mara_threshold: float | None = _setting(None, "MARA (GX-Chen et al. 2025), with --kl-in-reward: each sample whose "
+                                                  "reward is at or above this gets R(z) + beta (log ref(z) - log "
+                                                  "ref(y)), z its group's sample at or above it that the reference "
+                                                  "likes most: the target spreads evenly over them")
+    # step 5, the loss
     clip_eps_high: float | None = _setting(None, "DAPO's clip-higher: the upper clip 1 + this "
                                                  "(default: --clip-eps)")
     kl_on: str = _setting("all", "the KL on every sample; only on those with A >= 0 (above_mean: a gate by the "
@@ -112,16 +116,21 @@ def validate(cfg) -> None:
     if cfg.kl_on == "uncertain" and not auxiliary(cfg.reward):
         raise ValueError(f"--kl-on uncertain ranks the samples by the weight-0 rewards of --reward too, and "
                          f"'{cfg.reward}' has none: add one, e.g. --reward {cfg.reward.split(',')[0]},size=0")
-    if (cfg.kl_in_reward or cfg.mara_threshold is not None) and cfg.kl_beta == 0:
-        flag = "--kl-in-reward" if cfg.kl_in_reward else f"--mara-threshold {cfg.mara_threshold}"
-        raise ValueError(f"{flag} weighs the reference's log-probs by --kl-beta, which is 0; give --kl-beta > 0")
-    if cfg.kl_in_reward and (cfg.scale_rewards != "group" or cfg.reward_aggregation != "sum"):
-        raise ValueError("--kl-in-reward makes its own advantages (the shaped reward minus its group's mean); drop "
-                         "--scale-rewards / --reward-aggregation")
-    if (cfg.kl_in_reward or cfg.mara_threshold is not None) and cfg.train_tokens != "large":
-        flag = "--kl-in-reward" if cfg.kl_in_reward else "--mara-threshold"
-        raise ValueError(f"{flag} reads the sequence's log-probs over the large grid, the tokens the loss trains by "
-                         f"default; drop --train-tokens {cfg.train_tokens}")
+    if cfg.mara_threshold is not None and not cfg.kl_in_reward:
+        raise ValueError(f"--mara-threshold {cfg.mara_threshold:g} sets the target of E[R] - beta KL(pi || ref), which "
+                         "only the KL in the reward reaches (with the KL in the loss the policy collapses onto the "
+                         "right answer the reference likes least: tools/bandit.py); add --kl-in-reward")
+    if cfg.kl_in_reward and cfg.kl_beta == 0:
+        raise ValueError("--kl-in-reward weighs the reference's log-probs by --kl-beta, which is 0; give --kl-beta > 0")
+    others = {"--scale-rewards": cfg.scale_rewards != "group", "--reward-aggregation": cfg.reward_aggregation != "sum",
+              "--diversity": cfg.diversity > 0, "--cluster-bonus": cfg.cluster_bonus > 0,
+              "--gardo-diversity": cfg.gardo_diversity != "none", "--unlikeliness": cfg.unlikeliness > 0}
+    if cfg.kl_in_reward and any(others.values()):
+        raise ValueError(f"--kl-in-reward makes its own advantages (the shaped reward minus its group's mean), which "
+                         f"{', '.join(flag for flag, on in others.items() if on)} would change; drop one of them")
+    if cfg.kl_in_reward and (cfg.top_p < 1 or cfg.top_k > 0):
+        raise ValueError("--kl-in-reward's log(pi / ref) estimates KL(pi || ref) only for samples drawn from pi, and "
+                         "top-k / top-p draws from a nucleus of it; give --top-p 1 --top-k 0")
     if cfg.kl_in_reward and cfg.kl_on != "all":
         raise ValueError(f"--kl-on {cfg.kl_on} gates the KL term of the loss, which --kl-in-reward moves into the "
                          "reward; drop one of the two")
@@ -130,12 +139,12 @@ def validate(cfg) -> None:
                          "whose last step normalises over the whole batch (as TRL's); drop one of the two")
 
 
-# ---- Section 7: the advantages ------------------------------------------------------------------
+# ---- Step 4: the advantages ---------------------------------------------------------------------
 
 def advantages(z_scores: torch.Tensor, rollouts: list, reward: torch.Tensor, each: dict,
                in_loss: torch.Tensor, cfg, lesson, images: list | None = None, reference=None,
                state: "State | None" = None) -> torch.Tensor:
-    """The seam of section 7: grpo.group_advantages' (P, G) z-scores of the step's rewards (`rollouts`: its groups;
+    """The seam of step 4: grpo.group_advantages' (P, G) z-scores of the step's rewards (`rollouts`: its groups;
     `reward`, `each`: the (P, G) weighted sum and each reward's; `in_loss`: (P,) bool, False for a group with a
     non-finite reward; `images`: each group's (G, 3, H, W) pictures, which --gardo-diversity dino reads) -> the
     (P, G) advantages with the options on: TRL's normalize_then_sum (--reward-aggregation normalize), or the
@@ -143,11 +152,11 @@ def advantages(z_scores: torch.Tensor, rollouts: list, reward: torch.Tensor, eac
     (--scale-rewards); GARDO's diversity factor on the advantages >= 0 (--gardo-diversity); then each group's best
     samples' credit moved toward the least likely (--unlikeliness). The groups out of the loss stay 0; a step with
     none in it gives zeros (and, under torchrun, joins the other processes' collectives). None on: `z_scores`
-    itself. `lesson`: grpo.py (its group_advantages z-scores the shaped rewards). MARA's rewards (--mara-threshold)
-    and the KL in the reward (--kl-in-reward) come first, from `reference` (a rollout -> its (G,) log-probs of the
-    loss tokens under the frozen reference, summed); their step's readings go to `state.readings`."""
-    if cfg.kl_in_reward or cfg.mara_threshold is not None:
-        return kl_regularised(reward, rollouts, in_loss, cfg, lesson, reference, state)
+    itself. `lesson`: grpo.py (its group_advantages z-scores the shaped rewards). With --kl-in-reward (and MARA's
+    rewards, --mara-threshold) the advantages are kl_regularised's instead, from `reference` (a rollout -> its (G, N)
+    log-probs under pi_old and the frozen reference); their step's readings go to `state.readings`."""
+    if cfg.kl_in_reward:  # (--mara-threshold needs it: validate)
+        return kl_regularised(reward, rollouts, in_loss, cfg, reference, state)
     options = (cfg.reward_aggregation != "sum", cfg.diversity > 0, cfg.scale_rewards != "group", cfg.unlikeliness > 0,
                cfg.gardo_diversity != "none", cfg.cluster_bonus > 0)
     if not any(options):
@@ -188,40 +197,47 @@ def advantages(z_scores: torch.Tensor, rollouts: list, reward: torch.Tensor, eac
     return out
 
 
-def kl_regularised(reward: torch.Tensor, rollouts: list, in_loss: torch.Tensor, cfg, lesson, reference,
+def kl_regularised(reward: torch.Tensor, rollouts: list, in_loss: torch.Tensor, cfg, sequence_logprobs,
                    state: "State | None" = None) -> torch.Tensor:
     """The advantages of E[R] - beta KL(pi || ref), beta --kl-beta, for the (P, G) rewards of the step's groups:
-    MARA's rewards first (--mara-threshold tau: mara_rewards), then with --kl-in-reward each sample's R - beta
-    log(pi_old / ref) over its loss tokens (the large grid: pi_old the sampler's p, ref `reference`'s), minus its
-    group's mean (no std: the expected gradient is the objective's; tools/bandit.py measures where each lands); else
-    grpo.group_advantages' z-scores of MARA's rewards. Groups out of the loss stay 0. Readings (`state.readings`, this
-    step's): the share of the samples MARA augmented, their anchors' mean reward, the mean beta log(pi_old / ref)
-    taken off."""
-    out = torch.zeros_like(reward)
+    MARA's rewards first (--mara-threshold tau: mara_rewards), then each sample's R - beta log(pi_old / ref), the
+    log-probs summed over its loss tokens (the large grid; all N with --train-tokens all), minus its group's mean
+    (kl_in_reward). `sequence_logprobs`: a rollout -> its (G, N) log-probs under the policy before the step's update
+    (pi_old) and under the frozen reference, both teacher-forced in one precision (helpers/trainer.py's
+    sequence_logprobs: the sampler's rounding, summed over a thousand tokens, would enter the advantage). Called for
+    every group, kept or not: under torchrun each process runs the same forwards (FSDP's collectives). Groups out of
+    the loss stay 0. Readings (`state.readings`, this step's, every process's): the share of the samples MARA
+    augmented, their anchors' mean reward (absent when no group reached tau), the mean beta log(pi_old / ref) taken
+    off. The target is G given the preview: with the default --train-tokens large the preview's tokens are in neither
+    sum."""
     readings = {}
     if state is not None:
-        state.readings = readings  # this step's (this process's groups, under torchrun)
-    # every group's, kept or not: under torchrun each process runs the same reference forwards (FSDP's collectives)
-    ref = torch.stack([reference(rollout).to(reward) for rollout in rollouts])[in_loss]  # (P', G) over the loss tokens
-    kept = [rollout for rollout, keep in zip(rollouts, in_loss) if keep]
-    if not kept:
-        return out
-    shaped = reward[in_loss]
+        state.readings = readings
+    start = 0 if cfg.train_tokens == "all" else None  # the loss tokens' first column
+    sums = []  # (G,) pi_old, (G,) ref: each rollout's, summed over its loss tokens
+    for rollout in rollouts:
+        policy, ref = sequence_logprobs(rollout)
+        first = math.prod(rollout.prompt.preview_hw) if start is None else start
+        sums.append((policy[:, first:].sum(dim=-1), ref[:, first:].sum(dim=-1)))
+    G = reward.shape[1]
+    policy = torch.stack([p for (p, _), keep in zip(sums, in_loss) if keep]).to(reward) if in_loss.any() else \
+        reward.new_zeros(0, G)  # (P', G)
+    ref = torch.stack([q for (_, q), keep in zip(sums, in_loss) if keep]).to(reward) if in_loss.any() else \
+        reward.new_zeros(0, G)
+    shaped = reward[in_loss]  # (P', G)
     if cfg.mara_threshold is not None:
-        augmented = torch.stack([mara_rewards(r, q, cfg.kl_beta, cfg.mara_threshold) for r, q in zip(shaped, ref)])
         high = shaped >= cfg.mara_threshold
         anchors = [r[torch.where(h, q, -math.inf).argmax()] for r, q, h in zip(shaped, ref, high) if h.any()]
-        readings["mara/augmented_share"] = high.float().mean().item()
-        if anchors:  # absent on a step where no group reached tau
-            readings["mara/anchor_reward"] = torch.stack(anchors).mean().item()
-        shaped = augmented
-    if cfg.kl_in_reward:
-        policy = torch.stack([r.p_logprobs[:, -math.prod(r.prompt.large_hw):].sum(dim=-1) for r in kept]).to(shaped)
-        readings["kl_in_reward/penalty"] = (cfg.kl_beta * (policy - ref)).mean().item()
-        A = kl_in_reward(shaped, policy, ref, cfg.kl_beta)
-    else:
-        A = lesson.group_advantages(shaped)
-    out[in_loss] = A
+        anchors = torch.stack(anchors)[:, None] if anchors else shaped.new_zeros(0, 1)  # (groups that reached tau, 1)
+        readings["mara/augmented_share"] = gather_rows(high.float()).mean().item()
+        anchors = gather_rows(anchors)  # (every process's anchors, 1)
+        if anchors.numel():
+            readings["mara/anchor_reward"] = anchors.mean().item()
+        shaped = torch.stack([mara_rewards(r, q, cfg.kl_beta, cfg.mara_threshold) for r, q in zip(shaped, ref)]) \
+            if len(shaped) else shaped
+    readings["kl_in_reward/penalty"] = gather_rows(cfg.kl_beta * (policy - ref)).mean().item()
+    out = torch.zeros_like(reward)
+    out[in_loss] = kl_in_reward(shaped, policy, ref, cfg.kl_beta)
     return out
 
 
@@ -230,7 +246,7 @@ def kl_in_reward(reward: torch.Tensor, policy_logprobs: torch.Tensor, ref_logpro
     """The advantages of the KL in the reward, (P, G) each -> (P, G): the shaped reward R - beta log(pi_old / ref) (the
     log-probs summed over a sample's tokens: the sequence's), minus its group's mean, no std. Its expected gradient
     with the ratio's is that of E[R] - beta KL(pi || ref) (the score-function estimator of the KL-regularised
-    objective, whose maximiser GX-Chen et al. 2025 write in closed form), so the update's fixed point is G = ref exp(R / beta) / Z
+    objective, whose maximiser is known in closed form: e.g. Korbak et al. 2022, Rafailov et al. 2023's DPO), so the update's fixed point is G = ref exp(R / beta) / Z
     (tools/bandit.py measures it: within 0.001 in total variation, where the defaults land 0.11 away)."""
     shaped = reward - beta * (policy_logprobs - ref_logprobs)
     return shaped - shaped.mean(dim=-1, keepdim=True)
@@ -242,8 +258,10 @@ def mara_rewards(reward: torch.Tensor, ref_logprobs: torch.Tensor, beta: float, 
     rewards and the samples' reference log-probs (summed over their tokens) -> (G,): each sample at or above `tau` gets
     R(z) + beta (log ref(z) - log ref(y)), z the one of them the reference likes most (the anchor), so that the
     optimum ref exp(R / beta) / Z gives every one of them the anchor's mass; the others keep theirs. A group with none
-    at or above tau is as it was. The paper's equations could not be read here (no network): this is the rule its
-    text states (raise the high samples' rewards so the target is even over them, anchored on the likeliest), and
+    at or above tau is as it was. The anchor is the group's own: the high samples' offset R(z) + beta log ref(z)
+    moves with what a group drew, so the target is even over them as far as groups share an anchor (tools/bandit.py's
+    rows at G = 16 and G = 4 measure it). The paper's equations could not be read here (no network): this is the rule
+    its text states (raise the high samples' rewards so the target is even over them, anchored on the likeliest), and
     tests/test_bandit.py checks the property, not a transcription (docs/claims.md)."""
     high = reward >= tau
     if not high.any():
@@ -375,15 +393,15 @@ def credit_to_unlikely(reward: torch.Tensor, loglik: torch.Tensor, unlikeliness:
     return -unlikeliness * share * best * (k > 1)
 
 
-# ---- Sections 8-9: the micro-batches and their loss ---------------------------------------------
+# ---- Step 5: the micro-batches and their loss ---------------------------------------------------
 
 def update(batches: list, loss_fn, policy, cfg, lesson, reward: torch.Tensor | None = None, each: dict | None = None,
            state=None) -> tuple[list, object]:
-    """The seam of sections 8-9: grpo.micro_batches' MicroBatches and `loss_fn` (grpo.micro_batch_loss, or any
+    """The seam of step 5: grpo.micro_batches' MicroBatches and `loss_fn` (grpo.micro_batch_loss, or any
     function of its signature) -> those train_step uses: the micro-batches on the sampler's truncation
     (--policy-dist truncated) and the loss with the options on (`variant_loss`, around `loss_fn`). None on: both as
     given. `lesson`: grpo.py (the entropy bonus's threshold reads the policy through it). --kl-on uncertain ranks
-    the step's samples by `reward` and `each` ((P, G), section 6's) with `state`'s GARDO controller (a `State`)."""
+    the step's samples by `reward` and `each` ((P, G), step 3's) with `state`'s GARDO controller (a `State`)."""
     if cfg.policy_dist == "truncated":
         truncating = 0 < cfg.top_k or cfg.top_p < 1
         K = policy.config.vq_config.num_embeddings

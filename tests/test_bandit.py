@@ -15,7 +15,7 @@ from tools import bandit
 
 REF = torch.log_softmax(bandit.REF_LOGITS, dim=-1)
 SETTING = dict(zip(["defaults", "Dr. GRPO", "KL in the reward", "KL in the reward, z-scored", "MARA + KL in the reward",
-                    "MARA + the defaults"], bandit.SETTINGS))
+                    "MARA, G = 4", "MARA + the defaults"], bandit.SETTINGS))
 
 
 @pytest.fixture(scope="module")
@@ -48,17 +48,23 @@ def test_mara_rewards():
 
 def test_kl_in_the_reward_reaches_the_optimum(landed):
     """R - beta log(pi_old / ref), the group mean as baseline (no std): the estimator whose expected gradient is that
-    of E[R] - beta KL(pi || ref) lands on G, within 0.02 in total variation (the table's 0.000), through grpo_loss's
-    clip at mu 2; z-scored too (at G the shaped rewards are equal: no advantage)."""
+    of E[R] - beta KL(pi || ref) lands on G, within 0.005 in total variation (the table's 0.000: a beta 10% off lands
+    0.02 away), through grpo_loss's clip at mu 2; z-scored too (at G the shaped rewards are equal, whatever divides
+    them: the bandit cannot tell the std's harm, test_variants.py::test_kl_in_reward_by_hand pins its absence)."""
     G = bandit.optimum(bandit.REWARD, REF, bandit.BETA)
-    assert bandit.total_variation(landed["KL in the reward"], G) < 0.02
-    assert bandit.total_variation(landed["KL in the reward, z-scored"], G) < 0.02
+    assert bandit.total_variation(landed["KL in the reward"], G) < 0.005
+    assert bandit.total_variation(landed["KL in the reward, z-scored"], G) < 0.005
 
 
 def test_mara_reaches_its_target(landed):
-    """MARA with the KL in the reward lands on its target, even over the six right answers, within 0.02."""
+    """MARA with the KL in the reward lands on its target, even over the six right answers, within 0.005 at G = 16,
+    where 95% of the groups hold the anchor (arm 0, 1/6 of the target's mass); at G = 4 52% do, and a group's
+    anchor is often another right arm, and the landing is further from the target (measured: see the table), still nearer it than G."""
     target = bandit.mara_target(bandit.REWARD, REF, bandit.BETA, bandit.TAU)
-    assert bandit.total_variation(landed["MARA + KL in the reward"], target) < 0.02
+    G = bandit.optimum(bandit.REWARD, REF, bandit.BETA)
+    assert bandit.total_variation(landed["MARA + KL in the reward"], target) < 0.005
+    small = landed["MARA, G = 4"]
+    assert bandit.total_variation(small, target) < bandit.total_variation(small, G)
 
 
 def test_the_defaults_land_elsewhere(landed):

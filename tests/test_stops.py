@@ -1,6 +1,6 @@
 """Stopped anywhere, resumed exactly: a short run with every stateful option on at once (a cosine schedule with
 warmup, GARDO's reference reset with its KL trigger, --kl-on uncertain's controller, --shuffle, held-out evaluation,
-TensorBoard, LoRA, mu 2) is stopped at each phase of a step, by Ctrl-C, SIGTERM, a failing reward, a full disk or a
+TensorBoard, LoRA, mu 2, the reward-hacking monitor with a base of 2 steps and a low threshold, so that it warns) is stopped at each phase of a step, by Ctrl-C, SIGTERM, a failing reward, a full disk or a
 kill, then resumed with the command it printed; every metrics line, every TensorBoard scalar and the final weights
 equal the uninterrupted run's, bit for bit. The rule they check is docs/robustness.md's: a step lands whole or not at
 all (helpers/run.py's `landing`). In-process and on the tiny model at 64x64: one reference run serves every stop.
@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import grpo
-from helpers import run, run_io, trainer, variants
+from helpers import monitor, run, run_io, trainer, variants
 from helpers.user_input import guarded
 from conftest import TINY, run_record, write_evals, write_example
 
@@ -23,7 +23,16 @@ STEPS = 8
 FLAGS = ["--steps", str(STEPS), "--mu", "2", "--kl-beta", "0.1", "--lora-rank", "4", "--lr", "3e-3",
          "--lr-scheduler", "cosine", "--warmup-steps", "1", "--reference-reset-every", "2",
          "--reference-reset-kl", "0.03", "--kl-on", "uncertain", "--shuffle", "--eval-every", "2", "--eval-samples",
-         "2", "--report-to", "tensorboard", "--save-every", "2", "--image-every", "2"]
+         "2", "--report-to", "tensorboard", "--save-every", "2", "--image-every", "2", "--monitor-threshold", "0.5"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def short_monitor():
+    """The monitor's base and window 2 steps each (20 and 10 in a run): its z-scores from step 4 of 8, and warnings."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(monitor, "BASE", 2)
+        patch.setattr(monitor, "WINDOW", 2)
+        yield
 
 
 class Killed(BaseException):
@@ -142,6 +151,7 @@ def test_stopped_anywhere_resumes_exactly(files, monkeypatch, capsys):
     argv, whole = files
     out = whole.parent / "stopped"
     expected = run_record(whole)
+    assert any(key.startswith("monitor/warning/") for line in expected for key in line)  # the monitor's state matters
     command = [*argv, "--out", str(out)]
     for phase, how, step, code, landed in CHAIN:
         where = f"{how} in {phase}, step {step}"

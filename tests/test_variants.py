@@ -64,7 +64,8 @@ def test_variant_as_before(name):
     changed = CHANGED.get(name, set())
     assert len(now) == len(before)
     for step, (a, b) in enumerate(zip(before, now)):
-        assert set(a) - {"kl_untruncated"} == set(b) - {"dropped_groups", "lr", "kl_peak"}, (step, set(a) ^ set(b))  # newer keys
+        newer = {"dropped_groups", "lr", "kl_peak", *(k for k in b if k.startswith("monitor/"))}
+        assert set(a) - {"kl_untruncated"} == set(b) - newer, (step, set(a) ^ set(b))
         for key in set(a) & set(b) - changed:
             if isinstance(a[key], float):
                 assert abs(a[key] - b[key]) <= TOLERANCE * max(1.0, abs(a[key])), (step, key, a[key], b[key])
@@ -880,35 +881,39 @@ def test_kl_in_reward_by_hand():
 
 
 def kl_regularised_case():
-    """Two groups of 4 (1 preview code, a 1 x 2 large grid), the sampler's p, a stand-in reference's sums by rollout,
-    the second group out of the loss."""
+    """Two groups of 4 (1 preview code, a 1 x 2 large grid), stand-in (G, N) log-probs under pi_old and the reference
+    for each rollout, the second group out of the loss."""
     g = torch.Generator().manual_seed(0)
     rollouts = [rollout(torch.zeros(4, 3, dtype=torch.long), -torch.rand(4, 3, generator=g), preview=1)
                 for _ in range(2)]
-    sums = [-3 * torch.rand(4, generator=g) for _ in rollouts]
+    logprobs = [(-torch.rand(4, 3, generator=g), -3 * torch.rand(4, 3, generator=g)) for _ in rollouts]
     reward = torch.tensor([[1.0, 0.9, 0.2, 1.0], [0.3, 0.1, 0.2, 0.0]])
-    return rollouts, sums, reward, torch.tensor([True, False])
+    return rollouts, logprobs, reward, torch.tensor([True, False])
 
 
-def test_kl_regularised():
-    """The seam with --mara-threshold 0.85 and --kl-in-reward, by hand: the samples at or above tau get the anchor's
+@pytest.mark.parametrize("train_tokens", ["large", "all"])
+def test_kl_regularised(train_tokens):
+    """The seam with --kl-in-reward and --mara-threshold 0.85, by hand: the samples at or above tau get the anchor's
     reward plus beta log(ref(z) / ref(y)) (z: the likeliest of them under the reference), then beta log(pi_old / ref)
-    over the large grid (the preview's code left out) comes off, then the group's mean; the group out of the loss
-    stays 0, but its reference is still read (under torchrun every process runs the same forwards); the readings."""
-    rollouts, sums, reward, in_loss = kl_regularised_case()
+    comes off, each a sum over the loss tokens (the large grid, the preview's code left out; with --train-tokens all
+    every code), then the group's mean; the group out of the loss stays 0, but its log-probs are still read (under
+    torchrun every process runs the same forwards); the readings."""
+    rollouts, logprobs, reward, in_loss = kl_regularised_case()
     read = []
 
-    def reference(r):
+    def sequence_logprobs(r):
         read.append(r)
-        return sums[[id(x) for x in rollouts].index(id(r))]
+        return logprobs[[id(x) for x in rollouts].index(id(r))]
 
-    cfg, state = dataclasses.replace(cfg_with(mara_threshold=0.85), kl_in_reward=True), variants.State()
+    cfg = dataclasses.replace(cfg_with(mara_threshold=0.85, train_tokens=train_tokens), kl_in_reward=True)
+    state = variants.State()
     A = variants.advantages(grpo.group_advantages(reward), rollouts, reward, {"ssim": reward}, in_loss, cfg, grpo,
-                            None, reference, state)
-    ref, high = sums[0].tolist(), [0, 1, 3]
+                            None, sequence_logprobs, state)
+    first = 1 if train_tokens == "large" else 0
+    policy, ref = (x[:, first:].sum(-1).tolist() for x in logprobs[0])
+    high = [0, 1, 3]
     z = max(high, key=lambda i: ref[i])
     mara = [reward[0, z].item() + 0.1 * (ref[z] - ref[i]) if i in high else reward[0, i].item() for i in range(4)]
-    policy = rollouts[0].p_logprobs[:, 1:].sum(-1).tolist()
     shaped = [mara[i] - 0.1 * (policy[i] - ref[i]) for i in range(4)]
     assert torch.allclose(A[0], torch.tensor(shaped) - sum(shaped) / 4, atol=1e-6) and torch.equal(A[1], torch.zeros(4))
     assert [id(r) for r in read] == [id(r) for r in rollouts]
@@ -916,19 +921,19 @@ def test_kl_regularised():
                                             "kl_in_reward/penalty": sum(0.1 * (p - q) for p, q in zip(policy, ref)) / 4})
 
 
-def test_mara_alone():
-    """--mara-threshold without --kl-in-reward: MARA's rewards z-scored as the lesson's (grpo.group_advantages); the
-    KL stays in the loss. A step with no sample at or above tau leaves the rewards as they were, with no anchor."""
-    rollouts, sums, reward, in_loss = kl_regularised_case()
+def test_kl_regularised_readings_every_process(monkeypatch):
+    """Under torchrun the readings are every process's: the share, the anchors and the penalty gathered (here a
+    stand-in second process with no sample at or above tau and a penalty of 0)."""
+    rollouts, logprobs, reward, in_loss = kl_regularised_case()
+    cfg = dataclasses.replace(cfg_with(mara_threshold=0.85), kl_in_reward=True)
+    monkeypatch.setattr(variants, "gather_rows", lambda t: torch.cat([t, torch.zeros_like(t)]))
     state = variants.State()
-    A = variants.advantages(None, rollouts, reward, {}, in_loss, cfg_with(mara_threshold=0.85), grpo, None,
-                            lambda r: sums[[id(x) for x in rollouts].index(id(r))], state)
-    want = variants.mara_rewards(reward[0], sums[0], 0.1, 0.85)
-    assert torch.allclose(A[0], grpo.group_advantages(want[None])[0]) and not torch.equal(want, reward[0])
-    A = variants.advantages(None, rollouts, reward, {}, in_loss, cfg_with(mara_threshold=1.5), grpo, None,
-                            lambda r: sums[[id(x) for x in rollouts].index(id(r))], state)
-    assert torch.allclose(A[0], grpo.group_advantages(reward[:1])[0]) and state.readings == {
-        "mara/augmented_share": 0.0}
+    variants.advantages(None, rollouts, reward, {}, in_loss, cfg, grpo, None,
+                        lambda r: logprobs[[id(x) for x in rollouts].index(id(r))], state)
+    ref = logprobs[0][1][:, 1:].sum(-1)
+    anchor = max([0, 1, 3], key=lambda i: ref[i].item())
+    assert state.readings["mara/augmented_share"] == pytest.approx(3 / 8)
+    assert state.readings["mara/anchor_reward"] == pytest.approx(reward[0, anchor].item() / 2)  # its anchor, and 0
 
 
 def test_kl_in_reward_loss_has_no_kl():
@@ -947,26 +952,28 @@ def test_kl_in_reward_loss_has_no_kl():
 
 
 def test_validate_kl_in_reward():
-    """The KL-regularised options refuse, in one line each, what would make them another objective: no KL's weight,
-    a std or another aggregation, a gated KL, the preview's tokens in the loss."""
+    """The KL-regularised options refuse, in one line each, what would make them another objective: MARA without the
+    KL in the reward (it collapses: tools/bandit.py), no KL's weight, another option's advantages, top-k / top-p (the
+    log-ratio is a KL estimate only for samples from pi), a gated KL."""
     kl = lambda **options: dataclasses.replace(cfg_with(**options), kl_in_reward=True)  # noqa: E731
-    for cfg, message in [(kl(kl_beta=0.0), "--kl-in-reward weighs the reference's log-probs by --kl-beta, which is 0"),
-                         (cfg_with(mara_threshold=0.9, kl_beta=0.0), "--mara-threshold 0.9 weighs"),
-                         (kl(scale_rewards="batch"), "--kl-in-reward makes its own advantages"),
-                         (kl(kl_on="above_mean"), "--kl-on above_mean gates the KL term"),
-                         (cfg_with(mara_threshold=0.9, train_tokens="all"), "drop --train-tokens all")]:
+    for cfg, message in [(cfg_with(mara_threshold=0.9), "--mara-threshold 0.9 sets the target .* add --kl-in-reward"),
+                         (kl(kl_beta=0.0), "--kl-in-reward weighs the reference's log-probs by --kl-beta, which is 0"),
+                         (kl(scale_rewards="batch"), "own advantages .* --scale-rewards would change"),
+                         (kl(diversity=0.2, unlikeliness=1.0), "--diversity, --unlikeliness would change"),
+                         (kl(top_p=0.75), "give --top-p 1 --top-k 0"), (kl(top_k=5), "give --top-p 1 --top-k 0"),
+                         (kl(kl_on="above_mean"), "--kl-on above_mean gates the KL term")]:
         with pytest.raises(ValueError, match=message):
             variants.validate(cfg)
-    variants.validate(cfg_with(mara_threshold=0.9))
+    variants.validate(kl(mara_threshold=0.9, train_tokens="all"))
 
 
 def test_main_kl_in_reward(tmp_path):
     """--kl-in-reward --mara-threshold in a 2-step tiny run: the readings on each step's line; at step 1 the policy is
-    the reference, so the KL taken off the reward is 0 but for the sampler's rounding (its p against the reference's
-    recomputed log-probs)."""
+    the reference, read teacher-forced as the reference is, so the KL taken off the reward is 0 exactly; at step 2 it
+    is not."""
     prompts = write_example(tmp_path, ["a red circle", "a blue square"])
     grpo.main([*TINY, "--prompts", str(prompts), "--out", str(tmp_path / "run"), "--steps", "2", "--reward", "shapes",
                "--kl-beta", "0.1", "--kl-in-reward", "--mara-threshold", "0.5", "--image-every", "0"])
     first, second = run_record(tmp_path / "run")
-    assert abs(first["kl_in_reward/penalty"]) < 1e-4 and 0 <= first["mara/augmented_share"] <= 1
-    assert "kl_in_reward/penalty" in second
+    assert first["kl_in_reward/penalty"] == 0.0 and 0 <= first["mara/augmented_share"] <= 1
+    assert second["kl_in_reward/penalty"] != 0.0
