@@ -280,8 +280,8 @@ def generate(model, prompt: "Prompt", temperature: float, seed: int, top_k: int 
              top_p: float = 1.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The AR's decode loop, in the shape of gpt-fast's generate.py (its functions `prefill` and
     `decode_one_token`): the prompt fed once, then N steps of one token each (logits ->
-    code_logprobs -> draw -> feed), a KV cache holding the past. Returns (G, N) codes, their log-probs under q (what the draw used: top-k / top-p) and
-    under p (the whole softmax). Needs `code_logprobs` and `rope_positions` (and a `prompt` with
+    code_logprobs -> draw -> feed), a KV cache holding the past. Returns (G, N) codes, their
+    log-probs under q (what the draw used: top-k / top-p) and under p (the whole softmax). Needs `code_logprobs` and `rope_positions` (and a `prompt` with
     .inputs, .preview_hw and .large_hw: a Prompt, group_prompt's)."""
     from transformers import DynamicCache
     ids = prompt.inputs["input_ids"]  # (G, L): one L-token prompt, G times

@@ -98,10 +98,11 @@ def compare(path: Path, eval_prompts: str | None = None, eval_samples: int | Non
     for name in ("base", "trained"):
         if name == "trained":
             result["step"] = load_trained(policy, optimizer, path, cfg.train)
+        signals = {}  # the monitor's picture signals, as the run's evaluation lines hold them
         with autocast:
             images, total, each, layouts = run.evaluate_shared(evaluate, examples, evals[1], cfg.eval_samples,
-                                                               run.EVAL_SEED, grid)  # as a run of one process
-        result[name] = run.eval_record(0, examples, total, each, layouts, 0.0)
+                                                               run.EVAL_SEED, grid, signals=signals)  # one process
+        result[name] = run.eval_record(0, examples, total, each, layouts, 0.0, signals)
         grids.append((images, total))
     with tempfile.TemporaryDirectory() as tmp:
         for (images, total), name in zip(grids, ("base", "trained")):
