@@ -7,9 +7,9 @@ of G token grids o_1..o_G, decode them to images, score them, and maximise
 
     J = 1/G sum_i 1/|o_i| sum_t [ min(r_it A_i, clip(r_it, 1-eps, 1+eps) A_i) - beta KL_it ]
 
-r_it = pi(o_it | x, o_i<t) / pi_old(o_it | x, o_i<t): the ratio of the policy now to the one that
-sampled; A_i = (R_i - mean(R)) / std(R): sample i's reward against its group's; KL_it: the k3
-estimate of KL(pi || ref), ref a frozen copy of the initial AR.
+r_it = pi(o_it | x, o_i<t) / pi_old(o_it | x, o_i<t): the policy now over pi_old, the policy before
+the step's first update; A_i = (R_i - mean(R)) / std(R): sample i's reward against its
+group's; KL_it: the k3 estimate of KL(pi || ref), ref a frozen copy of the initial AR.
 
 The outline. Each step is a section below; `train`, near the end, runs them in a loop.
   Config              every setting, one field each (their defaults: the shipped tiny model's)
@@ -25,10 +25,10 @@ The outline. Each step is a section below; `train`, near the end, runs them in a
 Step 1 starts after the config and the loading (a hundred lines): a policy must exist to sample.
 
 Where this departs from the paper:
-  - only the large grid's tokens (H/32 x W/32) are in the loss: the DiT paints from them. The AR
-    first writes a preview grid, a fixed-size thumbnail that conditions the large grid and is never
-    painted; leaving it out is a choice with a cost: its tokens get no gradient from R (R depends
-    on them only through the large grid) and no KL (--train-tokens all trains them too);
+  - only the large grid's tokens (H/32 x W/32: 32x32 at 1024x1024, 3x3 at the tiny 96x96) are in
+    the loss: the DiT paints from them. The AR first writes a preview grid, a fixed 16x16 thumbnail
+    that conditions the large grid and is never painted. It is part of the action: leaving it out
+    drops its A grad log pi term and its KL, a choice with a cost (--train-tokens all keeps them);
   - the AR's 3D rotary positions are rebuilt for the trainer's forward (`rope_positions`), or the
     log-probs are several nats wrong;
   - sampler and trainer call one definition of the policy (`code_logprobs`); pi_old is the
@@ -44,7 +44,7 @@ Where this departs from the paper:
   python -m pytest -q test_grpo.py                              # a test for every function here
 
 The command line runs these steps inside helpers/trainer.py (checks, checkpoints, logging, many
-GPUs, a faster sampler) with the numbers `train` gives (test_grpo.py::test_train). Copied alone,
+GPUs, a faster sampler), giving the numbers `train` gives (test_grpo.py::test_train). Copied alone,
 with requirements.txt's packages, this file runs `train` from Python.
 """
 
@@ -281,8 +281,8 @@ def generate(model, prompt: "Prompt", temperature: float, seed: int, top_k: int 
     """The AR's decode loop, in the shape of gpt-fast's generate.py (its functions `prefill` and
     `decode_one_token`): the prompt fed once, then N steps of one token each (logits ->
     code_logprobs -> draw -> feed), a KV cache holding the past. Returns (G, N) codes, their
-    log-probs under q (what the draw used: top-k / top-p) and under p (the whole softmax). Needs `code_logprobs` and `rope_positions` (and a `prompt` with
-    .inputs, .preview_hw and .large_hw: a Prompt, group_prompt's)."""
+    log-probs under q (what the draw used: top-k / top-p) and under p (the whole softmax). Needs
+    `code_logprobs`, `rope_positions` and a `prompt` with .inputs, .preview_hw, .large_hw."""
     from transformers import DynamicCache
     ids = prompt.inputs["input_ids"]  # (G, L): one L-token prompt, G times
     G, L = ids.shape
@@ -315,8 +315,8 @@ def generate(model, prompt: "Prompt", temperature: float, seed: int, top_k: int 
 
 def group_seed(run_seed: int, group_id: int) -> int:
     """The sampling seed of the group numbered `group_id` (over the whole run: step and prompt) in
-    the run seeded `run_seed`. 1_000_003 is a prime above any run's number of groups, so runs of
-    different seeds never share a group's seed."""
+    the run seeded `run_seed`. 1_000_003 exceeds any run's number of groups (steps x prompts a
+    step), so runs of different seeds never share a group's seed."""
     return run_seed * 1_000_003 + group_id
 
 
@@ -356,7 +356,7 @@ def decode_images(pipe, prompt: str, tokens: torch.Tensor, large_hw: tuple[int, 
     for the whole run (--decode-seed) the reward is a function of the tokens alone, the AR's
     action (the cost: the policy may fit that one noise; evaluate with other seeds). A run passes
     its --guidance-scale (1.0 for the tiny model; above 1 the DiT's classifier-free guidance);
-    the 1.5 here is what the tools that call it bare were made with (tools/make_targets.py). (To
+    the default 1.5 is the one tools/make_targets.py made the targets with, calling it bare. (To
     edit, the source joins the pipeline's inputs: `edit_inputs`, in the Editing section.)"""
     G, device, dtype = tokens.shape[0], pipe.transformer.device, pipe.transformer.dtype
     prior = prior_ids(tokens, large_hw)  # (G, 4hw) at H/16
@@ -497,15 +497,16 @@ def grpo_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, ref_logprobs: 
 
     r_it = exp(logprobs - old_logprobs); A_i = advantages, (S,); w_it the sampler's truncated
     importance weights (importance_weights; 1 for an exact sampler); KL_it the k3 estimator of
-    KL(pi || ref), exp(d) - d - 1 with d = ref_logprobs - logprobs (Schulman: >= 0, unbiased when
-    the tokens are drawn from pi itself; here they are the sampler's, pi_old's (with top-p its
-    nucleus q's, not p's: then it is q's average of the expression), and at mu > 1 pi has moved
-    since. In expectation under pi its gradient is KL(ref || pi)'s, since its gradient is
-    (1 - ref / pi) grad log pi and E_pi[(ref / pi) grad log pi] = sum ref grad log pi; 0 without a
-    reference). A, eps, beta and w may also be tensors that broadcast to (S, n): one per sample or
-    token. Returns the loss, differentiable in logprobs, and its metrics (over the mask's tokens
-    when one is given). d is capped at 20 so that exp stays finite (tools/bench_kl_cap.py); past
-    the cap the KL's gradient is 0 (a token 20 nats less likely than the reference has it).
+    KL(pi || ref), exp(d) - d - 1 with d = ref_logprobs - logprobs, 0 without a reference.
+    Schulman: >= 0, unbiased when the tokens are drawn from pi itself. Here they are the sampler's
+    (pi_old's; with top-p its nucleus q's, not p's), and at mu > 1 pi has moved since. Per token,
+    given its prefix, in expectation under pi its gradient is KL(ref || pi)'s: the gradient is
+    (1 - ref / pi) grad log pi, and E_pi[(ref / pi) grad log pi] = sum ref grad log pi. A, eps,
+    beta and w may also be tensors that broadcast to (S, n): one per sample or token. Returns the
+    loss, differentiable in logprobs, and its metrics (over the mask's tokens when one is given;
+    clip_frac counts the tokens whose gradient the clip stops, cleanrl's every |r - 1| > eps).
+    d is capped at 20 so that exp stays finite (tools/bench_kl_cap.py); past the cap (pi gives the
+    token 20 nats less log-prob than the reference) the KL's gradient is 0.
 
     A copier's note: here every sequence has n tokens (GLM-Image's samples all fill the same grids),
     so the aggregations agree. For an LLM, whose answers differ in length, pass the (S, n) 0/1
@@ -521,7 +522,7 @@ def grpo_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, ref_logprobs: 
     kl = torch.zeros_like(logprobs)
     if ref_logprobs is not None:
         d = (ref_logprobs - logprobs).clamp(max=20.0)  # exp(20) stays finite; below, no cap
-        kl = torch.exp(d) - d - 1  # >= 0 but for rounding (-6e-8 in float32), kept: its gradient
+        kl = torch.exp(d) - d - 1  # >= 0 up to rounding (-6e-8); a clamp would zero its gradient
     per_token = weights * surrogate - kl_beta * kl  # (S, n)
     if mask is None:
         loss = -per_token.mean(dim=1).mean()  # 1/|o_i| within a sequence, then the mean over S
@@ -605,7 +606,7 @@ def micro_batch_loss(distribution: torch.Tensor, mb: MicroBatch, old_logprobs: t
     logprobs = logprob_of(distribution, mb.tokens)  # (mb, N) log pi_theta of the drawn codes
     if weights is None:
         weights = importance_weights(old_logprobs, mb.sampler_logprobs, sampler_cap)  # (mb, N)
-    large = slice(mb.n_preview, None)  # the preview conditions the large grid but is never drawn
+    large = slice(mb.n_preview, None)  # the preview: sampled, conditioning, never painted
     if ref_logprobs is not None:
         ref_logprobs = ref_logprobs[:, large]
     loss, metrics = grpo_loss(logprobs[:, large], old_logprobs[:, large], ref_logprobs,
@@ -784,7 +785,7 @@ def edit_inputs(source: Source, group_size: int, device) -> dict:
 
 def main(argv: list[str] | None = None) -> dict:
     """`python grpo.py --prompts ...`: `train`'s steps inside the lab's trainer, helpers/trainer.py
-    (the checks, torchrun, checkpoints, logging, evaluation, the options beside the lesson)."""
+    (the checks, torchrun, checkpoints, logging, evaluation, the variants of the algorithm)."""
     try:
         from helpers import trainer
     except ImportError:  # grpo.py copied alone (or beside another project's helpers)

@@ -8,18 +8,25 @@ The signals (each step's mean over its pictures, every process's):
   - the agreement of the trained reward with each measured-only one (the --reward terms of weight 0 each step, the
     --eval-reward ones at each evaluation): the trained reward rising while a measured-only one falls.
 
-The rule (check): the first BASE steps set each signal's base, its mean and its spread (the standard deviation of its
-step values, each a step's mean; at least FLOOR of the base's mean, so that a base that hardly moves does not make a
-tiny move count); from step BASE + WINDOW on, the mean of the last WINDOW steps is compared with the base in spreads,
-z = (window mean - base mean) / spread (a spread of one step's value: the window's mean wobbles about a third of it).
-A picture statistic warns when |z| >= the threshold (--monitor-threshold), the diversity when it falls that far, a
-measured-only reward when it falls that far while the trained reward rose by a spread or more. Each signal warns once a
-run. The steps' prompts must come in no particular order (a file sorted by kind moves the pictures' statistics with no
-hack at all: give --shuffle). At an evaluation (the same prompts and seeds each time: only the weights changed), a
-measured-only --eval-reward warns when it fell from the first evaluation's by the threshold in standard errors of the
-difference (sqrt 2 times the first one's, over its prompts' means) while the trained total rose by one; the pictures'
-signals at evaluations are logged, not checked. Everything the rule reads is in the run's metrics lines, so a resumed
-run's monitor is the uninterrupted run's, exactly, at the same threshold (--monitor-threshold may change on resume).
+The rule (check), on each signal's step values (a step's mean over its pictures):
+  - the base: the signal's first FIRST values, and its spread, the standard deviation of its step-to-step changes
+    over the first BASE steps divided by sqrt 2 (a steady drift hardly moves it: a hack that starts at once still
+    leaves the spread its noise), at least FLOOR of the base's distance to its nearer bound (min(b, 1 - b): a
+    brightness of 0.95 has 0.05 to move);
+  - when prompts come back within the base (a small prompts file: the same prompts make the same kind of pictures,
+    and two prompts of a step change its mean far more than training does), all of this is taken per set of the
+    step's prompts (its "prompts" field): each set its own base and changes, a step compared with its own set's base;
+  - from step BASE on, z = the median over the last WINDOW steps of (value - its base), in spreads (the median: one
+    odd step does not warn).
+A picture statistic warns when |z| >= the threshold (--monitor-threshold); the diversity when it falls that far
+while the token grids' (distinct_in_group's z above -1) do not (with the grids it is the policy settling, which a
+reward with one right picture asks for); a measured-only reward when it falls that far while the trained reward rose
+by a spread or more. Each signal warns once a run. At an evaluation (the same prompts and seeds each time: only the
+weights changed), a measured-only --eval-reward warns when it fell from the first evaluation's by the threshold in
+standard errors of the difference (sqrt 2 times the first one's, over its prompts' means) while the trained total
+rose by one; the pictures' signals at evaluations are logged, not checked. Everything the rule reads is in the run's
+metrics lines, so a resumed run's monitor is the uninterrupted run's, exactly, at the same threshold
+(--monitor-threshold may change on resume), and a rule can be replayed on a finished run (tools/bench_monitor.py).
 
 scikit-image (a well-kept library) converts to luma (ITU-R BT.709) and HSV; numpy's FFT measures the spectrum.
 """
@@ -29,9 +36,10 @@ import math
 import numpy as np
 import torch
 
-BASE = 20  # steps that set each signal's base
-WINDOW = 10  # the steps whose mean is compared with it
-FLOOR = 0.01  # the smallest spread, relative to the base's mean: 1% of it
+BASE = 20  # steps that set each signal's spread (its step-to-step changes); checks start after them
+FIRST = 3  # values that set each signal's base (a set of prompts' first 3 steps)
+WINDOW = 10  # the steps whose median is compared with the base
+FLOOR = 0.05  # the smallest spread: 5% of the base's distance to its nearer bound, min(b, 1 - b)
 PICTURE = ("brightness", "saturation", "contrast", "high_frequency", "colourfulness")
 HIGH = 0.25  # cycles per pixel: the high-frequency band is |f| > HIGH, the upper half of the band to Nyquist (0.5)
 
@@ -86,27 +94,49 @@ def measured_only(weights: dict[str, float]) -> list[str]:
 
 
 def signals(history: list[dict], weights: dict[str, float]) -> dict[str, tuple[str, str]]:
-    """{signal: (its key in a step's metrics line, the direction that warns: "both", "down", "down while trained up")}."""
+    """{signal: (its key in a step's metrics line, the direction that warns: "both", "down while tokens hold", "down
+    while trained up")}."""
     found = {name: (f"monitor/{name}", "both") for name in PICTURE if f"monitor/{name}" in history[-1]}
     if "monitor/diversity" in history[-1]:
-        found["diversity"] = ("monitor/diversity", "down")
+        found["diversity"] = ("monitor/diversity", "down while tokens hold")
     for name in measured_only(weights):
         found[f"agreement/{name}"] = (f"reward/{name}", "down while trained up")
     return found
 
 
+def prompt_sets(history: list[dict]) -> list[tuple]:
+    """Each line's key for the rule: its sorted prompts when the base's prompt sets come back (at least half of the
+    first BASE steps in sets seen FIRST times or more), else one key for every line."""
+    sets = [tuple(sorted(h.get("prompts", ()))) for h in history]
+    seen = {s: sets[:BASE].count(s) for s in set(sets[:BASE])}
+    return sets if sum(n for n in seen.values() if n >= FIRST) >= BASE / 2 else [()] * len(sets)
+
+
+def moved(history: list[dict], key: str) -> tuple[float, float, float] | None:
+    """(z, base, the window's median value) of `key` at the last line of `history` (the module's rule); None before
+    step BASE or without finite values."""
+    if len(history) < BASE:
+        return None
+    sets, values = prompt_sets(history), [h.get(key, math.nan) for h in history]
+    by_set = {}
+    for s, v in zip(sets[:BASE], values[:BASE]):
+        if math.isfinite(v):
+            by_set.setdefault(s, []).append(v)
+    bases = {s: float(np.mean(v[:FIRST])) for s, v in by_set.items() if len(v) >= FIRST}
+    changes = [d for s, v in by_set.items() if s in bases for d in np.diff(v)]
+    recent = [(v, v - bases[s]) for s, v in zip(sets[-WINDOW:], values[-WINDOW:]) if s in bases and math.isfinite(v)]
+    if not recent or not changes:
+        return None
+    base = float(np.mean(list(bases.values())))
+    spread = max(float(np.std(changes)) / math.sqrt(2), FLOOR * min(abs(base), abs(1 - base)), 1e-12)
+    return (float(np.median([d for _, d in recent])) / spread, base,
+            float(np.median([v for v, _ in recent])))
+
+
 def z_score(history: list[dict], key: str) -> float | None:
-    """The last WINDOW steps' mean of `key` against the first BASE steps', in the base's spread (the standard
-    deviation of its step values, at least FLOOR of the base's mean); None before step BASE + WINDOW or without finite
-    values."""
-    if len(history) < BASE + WINDOW:
-        return None
-    base = np.array([h.get(key, math.nan) for h in history[:BASE]], dtype=np.float64)
-    recent = np.array([h.get(key, math.nan) for h in history[-WINDOW:]], dtype=np.float64)
-    base, recent = base[np.isfinite(base)], recent[np.isfinite(recent)]
-    if len(base) < 2 or not len(recent):
-        return None
-    return float((recent.mean() - base.mean()) / max(base.std(), FLOOR * abs(base.mean()), 1e-12))
+    """How far `key` has moved from its base at the last line of `history`, in spreads (moved)."""
+    found = moved(history, key)
+    return None if found is None else found[0]
 
 
 def check(history: list[dict], weights: dict[str, float], threshold: float) -> tuple[dict, list[str]]:
@@ -119,7 +149,7 @@ def check(history: list[dict], weights: dict[str, float], threshold: float) -> t
         return zs, warn
     warned = {key.removeprefix("monitor/warning/") for h in history[:-1] for key in h if key.startswith(
         "monitor/warning/")}
-    trained = z_score(history, "reward_mean")
+    trained, tokens = z_score(history, "reward_mean"), z_score(history, "distinct_in_group")
     for name, (key, direction) in signals(history, weights).items():
         z = z_score(history, key)
         if z is None:
@@ -128,6 +158,8 @@ def check(history: list[dict], weights: dict[str, float], threshold: float) -> t
         past = abs(z) >= threshold if direction == "both" else z <= -threshold
         if direction == "down while trained up":
             past = past and trained is not None and trained >= 1
+        if direction == "down while tokens hold":
+            past = past and (tokens is None or tokens > -1)
         if threshold > 0 and past and name not in warned:
             warn.append(name)
     return zs, warn
@@ -183,16 +215,15 @@ def extreme(images: list[torch.Tensor], name: str, z: float, reward: torch.Tenso
 
 
 def warning_line(name: str, step: int, z: float, record: dict, history: list[dict], picture: str) -> str:
-    """The one line a warning prints: the signal, the step, how far it moved (in the base's spread), its base and
-    window means, and the picture to look at."""
+    """The one line a warning prints: the signal, the step, how far it moved (in its spreads), its base and the last
+    WINDOW steps' median, and the picture to look at."""
     key = f"reward/{name.removeprefix('agreement/')}" if name.startswith("agreement/") else f"monitor/{name}"
-    base = np.nanmean([h.get(key, math.nan) for h in history[:BASE]])
-    recent = np.nanmean([h.get(key, math.nan) for h in history[-WINDOW:]])
+    _, base, recent = moved(history, key)
     what = f"{name.removeprefix('agreement/')} fell while the trained reward rose" if name.startswith(
         "agreement/") else name
-    return (f"warning: step {step}: monitor: {what}: {z:+.1f} spreads from its first {BASE} steps "
-            f"({base:.4f} -> {recent:.4f} over the last {WINDOW}); look at {picture} (docs/healthy_training.md, "
-            "\"When the reward is being gamed\"; the run goes on)")
+    return (f"warning: step {step}: monitor: {what}: {z:+.1f} spreads from its base ({base:.4f} -> {recent:.4f}, the "
+            f"median of the last {WINDOW} steps); look at {picture} (docs/healthy_training.md, \"When the reward is "
+            "being gamed\"; the run goes on)")
 
 
 def summary(history: list[dict], evals: list[dict]) -> list[str]:

@@ -88,25 +88,47 @@ def test_silent_while_the_signals_wobble():
 
 def test_warns_on_a_planted_drift_once():
     """Brightness wobbling by 0.02 until step 60, then rising 0.01 a step: it warns at the first step whose last 10
-    steps' mean is 6 spreads above the first 20 steps' (by hand, from the same numbers), and once only."""
+    steps' median is 6 spreads above the base (the first 3 steps' mean; the spread: the first 20 steps' step-to-step
+    changes over sqrt 2, at least 5% of min(b, 1 - b)), by hand from the same numbers, and once only."""
     bright = lambda t: 0.5 + wobble(t) + 0.01 * max(0, t - 60)  # noqa: E731
     lines = history({"reward_mean": lambda t: 0.5, "monitor/brightness": bright}, 200)
     fired = warnings_over(lines)
-    base = np.array([bright(t) for t in range(1, 21)])
-    spread = max(base.std(), monitor.FLOOR)
-    first = next(t for t in range(30, 201) if np.mean([bright(u) for u in range(t - 9, t + 1)]) - base.mean()
+    base = np.mean([bright(t) for t in range(1, 4)])
+    spread = max(np.std(np.diff([bright(t) for t in range(1, 21)])) / np.sqrt(2), 0.05 * min(base, 1 - base))
+    first = next(t for t in range(20, 201) if np.median([bright(u) for u in range(t - 9, t + 1)]) - base
                  >= 6 * spread)
     assert fired == [(first, "brightness")] and 60 < first < 90
     assert lines[first - 1]["monitor/warning/brightness"] >= 6
 
 
+def test_prompt_sets():
+    """Two prompt pairs taking turns, whose pictures differ far more than training moves them: each step is compared
+    with its own pair's base, so a wobble stays silent and a drift in one pair warns; prompts that never come back
+    share one base."""
+    pair = lambda t: [0, 1] if t % 2 else [2, 3]  # noqa: E731
+    level = lambda t: 0.9 if t % 2 else 0.5  # noqa: E731  (the pairs' brightness: 0.4 apart)
+    steady = [{**line, "prompts": pair(line["step"])} for line in history(
+        {"reward_mean": lambda t: 0.5, "monitor/brightness": lambda t: level(t) + wobble(t, 0.005)}, 100)]
+    assert warnings_over(steady) == []
+    drifting = [{**line, "prompts": pair(line["step"])} for line in history(
+        {"reward_mean": lambda t: 0.5, "monitor/brightness": lambda t: level(t) + wobble(t, 0.005)
+         - 0.004 * max(0, t - 30)}, 100)]
+    fired = warnings_over(drifting)
+    assert [name for _, name in fired] == ["brightness"] and 30 < fired[0][0] < 60
+    assert monitor.prompt_sets(steady)[:2] == [(0, 1), (2, 3)]
+    fresh = [{**line, "prompts": [2 * line["step"], 2 * line["step"] + 1]} for line in steady]
+    assert monitor.prompt_sets(fresh) == [()] * len(fresh)
+
+
 def test_direction_of_each_signal():
-    """Diversity warns only when it falls; a measured-only reward only when it falls while the trained reward rose;
-    a picture statistic either way; the threshold 0 turns the warnings off."""
+    """Diversity warns only when it falls (and not with the token grids' diversity); a measured-only reward only
+    when it falls while the trained reward rose; a picture statistic either way; the threshold 0 turns the warnings
+    off."""
     up = lambda t: 0.5 + 0.02 * max(0, t - 30) + wobble(t)  # noqa: E731
     down = lambda t: 0.5 - 0.02 * max(0, t - 30) + wobble(t, seed=5)  # noqa: E731
     assert warnings_over(history({"reward_mean": up, "monitor/diversity": up}, 100)) == []
     assert [n for _, n in warnings_over(history({"reward_mean": up, "monitor/diversity": down}, 100))] == ["diversity"]
+    assert warnings_over(history({"reward_mean": up, "monitor/diversity": down, "distinct_in_group": down}, 100)) == []
     assert [n for _, n in warnings_over(history({"reward_mean": up, "monitor/saturation": down}, 100))] == [
         "saturation"]
     weights = {"brightness": 1, "ssim": 0}
@@ -151,10 +173,11 @@ def brightness_reward(images: torch.Tensor, example: dict) -> torch.Tensor:
 
 
 def test_warning_in_a_run(tmp_path, monkeypatch, capsys):
-    """A 6-step tiny run trained on brightness, the base 2 steps and the window 2, at a low threshold: the warning is
-    one line naming the signal, the step, its z and the grid of the group to look at, which exists; the metrics line
-    holds the z; the summary names the warning; the step's signals are logged at every step."""
+    """A 6-step tiny run trained on brightness, the base 1 step, the spread 2 and the window 2, at a low threshold:
+    the warning is one line naming the signal, the step, its z and the grid of the group to look at, which exists; the
+    metrics line holds the z; the summary names the warning; the step's signals are logged at every step."""
     monkeypatch.setattr(monitor, "BASE", 2)
+    monkeypatch.setattr(monitor, "FIRST", 1)
     monkeypatch.setattr(monitor, "WINDOW", 2)
     monkeypatch.setitem(grpo.REWARDS, "brightness", brightness_reward)
     prompts = write_example(tmp_path, ["a gray square | t.png"])
@@ -166,7 +189,7 @@ def test_warning_in_a_run(tmp_path, monkeypatch, capsys):
     assert all(f"monitor/{name}" in line for line in lines for name in [*monitor.PICTURE, "diversity"])
     warned = [(line["step"], key.removeprefix("monitor/warning/"), value) for line in lines for key, value in
               line.items() if key.startswith("monitor/warning/")]
-    assert warned and all(step >= 4 and abs(z) >= 0.5 for step, _, z in warned)
+    assert warned and all(step >= 2 and abs(z) >= 0.5 for step, _, z in warned)
     step, name, z = warned[0]
     printed = [line for line in err.err.splitlines() if line.startswith(f"warning: step {step}: monitor: ")]
     assert len(printed) >= 1 and f"{z:+.1f} spreads" in "\n".join(printed)

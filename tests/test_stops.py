@@ -28,8 +28,9 @@ FLAGS = ["--steps", str(STEPS), "--mu", "2", "--kl-beta", "0.1", "--lora-rank", 
 
 @pytest.fixture(scope="module", autouse=True)
 def short_monitor():
-    """The monitor's base and window 2 steps each (20 and 10 in a run): its z-scores from step 4 of 8, and warnings."""
+    """The monitor's base 1 step, its spread and window 2 each (3, 20, 10 in a run): z-scores from step 2 of 8, warnings."""
     with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(monitor, "FIRST", 1)
         patch.setattr(monitor, "BASE", 2)
         patch.setattr(monitor, "WINDOW", 2)
         yield

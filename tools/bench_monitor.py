@@ -13,6 +13,7 @@ The hackable rewards (on examples/'s four demo prompts, whose targets the weight
     OMP_NUM_THREADS=2 python tools/bench_monitor.py                     # every run (~50 min on 2 cores, alone)
     OMP_NUM_THREADS=2 python tools/bench_monitor.py --runs brightness demo
     python tools/bench_monitor.py --table                               # the table of docs/evaluation.md
+    python tools/bench_monitor.py --replay          # the records again from the run folders, with this rule
 
 Each run appends one line to docs/records/bench_monitor.jsonl; its folder is docs/records/bench_learning/monitor_<run>.
 """
@@ -30,7 +31,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import grpo  # noqa: E402
-from helpers import run  # noqa: E402
+from helpers import monitor, run  # noqa: E402
 from tools import bench_learning  # noqa: E402
 
 RESULTS = ROOT / "docs" / "records" / "bench_monitor.jsonl"
@@ -62,27 +63,58 @@ HONEST = ("demo", "shapes", "edit")
 STEPS = 200  # each hacked run
 
 
-def warnings_of(out: Path) -> list[tuple[int, str, float]]:
-    """(step, signal, z) of every warning in a run's metrics lines, in order (an evaluation's as 'eval <reward>')."""
-    found = []
-    for line in run.read_metrics(out):
-        for key, value in line.items():
-            if key.startswith(("monitor/warning/", "eval/monitor/warning/")):
-                name = key.split("warning/", 1)[1]
-                found.append((line["step"], ("eval " if line.get("eval") else "") + name, round(value, 2)))
-    return found
+def replay(lines: list[dict], weights: dict[str, float], threshold: float) -> list[tuple[int, str, float]]:
+    """(step, signal, z) of every warning helpers/monitor.py's rule gives on a run's training lines, replayed as
+    run.monitor_step calls it (the rule reads only the lines, so the replay is what the run prints with the rule of
+    this checkout, whichever rule the run itself ran with)."""
+    lines = [{k: v for k, v in line.items() if not k.startswith("monitor/warning/")} for line in lines]
+    fired = []
+    for t in range(len(lines)):
+        zs, warn = monitor.check(lines[:t + 1], weights, threshold)
+        lines[t] |= zs
+        for name in warn:
+            lines[t][f"monitor/warning/{name}"] = zs[f"monitor/{name}/z"]
+            fired.append((lines[t]["step"], name, round(zs[f"monitor/{name}/z"], 2)))
+    return fired
+
+
+def summarise(name: str, out: Path, seed: int, minutes: float, held_out: dict | None) -> dict:
+    """A run's record, from its folder: the rule's warnings replayed on its metrics lines (and the evaluations'
+    warnings as the run logged them), the measured SSIM, every signal's step values and largest |z|."""
+    config = json.loads((out / "config.json").read_text())
+    weights = {n.strip(): float(w or 1) for n, _, w in (part.partition("=") for part in config["reward"].split(","))}
+    lines = [x for x in run.read_metrics(out) if not x.get("eval")]
+    threshold = run.RunSettings().monitor_threshold
+    fired = replay(lines, weights, threshold)
+    fired += [(x["step"], "eval " + k.split("warning/", 1)[1], round(v, 2)) for x in run.read_metrics(out)
+              if x.get("eval") for k, v in x.items() if k.startswith("eval/monitor/warning/")]
+    zs = {}
+    for t in range(len(lines)):
+        for key, z in monitor.check(lines[:t + 1], weights, 0)[0].items():
+            zs[key] = max(zs.get(key, 0.0), abs(z))
+    record = {"run": name, "seed": seed, "reward": config["reward"], "steps": len(lines), "warnings": fired,
+              "minutes": minutes, "threshold": threshold,
+              "rule": {"BASE": monitor.BASE, "FIRST": monitor.FIRST, "WINDOW": monitor.WINDOW, "FLOOR": monitor.FLOOR}}
+    record["ssim"] = [round(x["reward/ssim"], 4) for x in lines] if "reward/ssim" in lines[0] else None
+    record["signals"] = {key.removeprefix("monitor/"): [round(x[key], 4) for x in lines]
+                         for key in lines[0] if key.startswith("monitor/") and key.count("/") == 1}
+    record["z_max"] = {key.removeprefix("monitor/").removesuffix("/z"): round(z, 2) for key, z in zs.items()}
+    if held_out is not None:
+        record["held_out"] = held_out
+    return record
 
 
 def run_one(name: str, seed: int = 0) -> dict:
     """One run of the bench: a hack (HACKS) for STEPS steps, or an honest run -> its record."""
     out = RUNS / f"monitor_{name}"
     start = time.perf_counter()
+    held_out = None
     if name == "shapes":
         result = bench_learning.run_shapes("default", seed, 400, [], RUNS)
-        out = RUNS / f"default_seed{seed}"
+        out, held_out = RUNS / f"default_seed{seed}", {"before": result["before"], "after": result["after"]}
     elif name == "edit":
         result = bench_learning.run_edit(seed, 200, [], RUNS)
-        out = RUNS / f"edit_seed{seed}"
+        out, held_out = RUNS / f"edit_seed{seed}", {"before": result["before"], "after": result["after"]}
     else:
         argv = ["--prompts", str(ROOT / "prompts.txt"), "--seed", str(seed), "--out", str(out), "--overwrite",
                 "--image-every", "10", "--save-every", "0"]
@@ -90,20 +122,14 @@ def run_one(name: str, seed: int = 0) -> dict:
             argv += ["--steps", "100"]  # the README's first command
         else:
             argv += ["--steps", str(STEPS), "--reward", HACKS[name]]
-        result = grpo.main(argv)
-    lines = [x for x in run.read_metrics(out) if not x.get("eval")]
-    record = {"run": name, "seed": seed, "reward": HACKS.get(name, "as the run's own"), "steps": len(lines),
-              "warnings": warnings_of(out), "minutes": (time.perf_counter() - start) / 60,
-              "threshold": run.RunSettings().monitor_threshold}
-    record["ssim"] = [round(x["reward/ssim"], 4) for x in lines] if "reward/ssim" in lines[0] else None
-    record["signals"] = {key.removeprefix("monitor/"): [round(x[key], 4) for x in lines]
-                         for key in lines[0] if key.startswith("monitor/") and key.count("/") == 1}
-    record["z_max"] = {key.removeprefix("monitor/").removesuffix("/z"): round(max(abs(x.get(key, 0.0)) for x in lines),
-                                                                              2)
-                       for key in {k for x in lines for k in x if k.endswith("/z")}}
-    if name in ("shapes", "edit"):
-        record["held_out"] = {"before": result["before"], "after": result["after"]}
-    return record
+        grpo.main(argv)
+    return summarise(name, out, seed, (time.perf_counter() - start) / 60, held_out)
+
+
+def folder(record: dict) -> Path:
+    """Where a record's run lies."""
+    name, seed = record["run"], record["seed"]
+    return RUNS / ({"shapes": f"default_seed{seed}", "edit": f"edit_seed{seed}"}.get(name, f"monitor_{name}"))
 
 
 def ssim_fell(record: dict, by: float = 0.1) -> int | None:
@@ -131,13 +157,20 @@ def table(records: list[dict]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--runs", nargs="+", default=[*HACKS, *HONEST], choices=[*HACKS, *HONEST])
+    parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--table", action="store_true", help="only print the table of the runs recorded")
+    parser.add_argument("--replay", action="store_true",
+                        help="re-derive every record from its run folder with this checkout's rule (no training)")
     args = parser.parse_args()
     run.quiet_libraries()
     grpo.REWARDS.update(brightness=brightness, saturation=saturation, edges=edges)
-    if not args.table:
+    if args.replay:
+        records = [json.loads(x) for x in RESULTS.read_text().splitlines()]
+        records = [summarise(r["run"], folder(r), r["seed"], r["minutes"], r.get("held_out")) for r in records]
+        RESULTS.write_text("".join(json.dumps(r) + "\n" for r in records))
+    elif not args.table:
         for name in args.runs:
-            record = run_one(name)
+            record = run_one(name, args.seed)
             with open(RESULTS, "a") as f:
                 f.write(json.dumps(record) + "\n")
             print(f"{name}: warnings {record['warnings'] or 'none'}, {record['minutes']:.1f} min", flush=True)

@@ -2,7 +2,7 @@
 that guard it: each must fail (exit 1). Prints one line per planted bug; exits 1 if any survived. The plants: issue
 67's variants, issue 75's rules for what a user gives (helpers/user_input.py), issue 76's landing of a step,
 issue 79's served reward's faults, issue 84's review, issue 85's surroundings, issue 86's train, issue 87's
-objective.
+objective, issue 88's monitor.
 
     OMP_NUM_THREADS=1 python tools/plant_bugs.py     # about 20 minutes on 2 cores (the resets' and stops' tests run main)
     python tools/plant_bugs.py gate cluster           # only the plants whose name holds one of these words
@@ -228,6 +228,20 @@ PLANTS += [
     ("mara: the reference's log-ratio without beta", "helpers/variants.py",
      "reward[anchor] + beta * (ref_logprobs[anchor] - ref_logprobs)",
      "reward[anchor] + (ref_logprobs[anchor] - ref_logprobs)", ["tests/test_bandit.py", "-k", "mara"]),
+    ("monitor: luma by the channels' mean", "helpers/monitor.py",
+     "luma = rgb2gray(rgb)  # (N, H, W)", "luma = rgb.mean(axis=-1)  # (N, H, W)", ["tests/test_monitor.py", "-k", "not in_a_run"]),
+    ("monitor: colourfulness without its mean term", "helpers/monitor.py",
+     "            + 0.3 * np.hypot(rg.mean(axis=(1, 2)), yb.mean(axis=(1, 2)))}",
+     "            + 0.0 * np.hypot(rg.mean(axis=(1, 2)), yb.mean(axis=(1, 2)))}", ["tests/test_monitor.py", "-k", "not in_a_run"]),
+    ("monitor: the spread from the values, not their changes", "helpers/monitor.py",
+     "spread = max(float(np.std(changes)) / math.sqrt(2),", "spread = max(float(np.std(values[:BASE])),", ["tests/test_monitor.py", "-k", "not in_a_run"]),
+    ("monitor: one base for every prompt set", "helpers/monitor.py",
+     "    return sets if sum(n for n in seen.values() if n >= FIRST) >= BASE / 2 else [()] * len(sets)",
+     "    return [()] * len(sets)", ["tests/test_monitor.py", "-k", "not in_a_run"]),
+    ("monitor: diversity warns with the token grids", "helpers/monitor.py",
+     "past = past and (tokens is None or tokens > -1)", "past = past", ["tests/test_monitor.py", "-k", "not in_a_run"]),
+    ("monitor: a signal warns every step", "helpers/monitor.py",
+     "if threshold > 0 and past and name not in warned:", "if threshold > 0 and past:", ["tests/test_monitor.py", "-k", "not in_a_run"]),
 ]
 rows = []
 REPO = pathlib.Path(tempfile.mkdtemp()) / "repo"
