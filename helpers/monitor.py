@@ -106,10 +106,11 @@ def signals(history: list[dict], weights: dict[str, float]) -> dict[str, tuple[s
 
 def prompt_sets(history: list[dict]) -> list[tuple]:
     """Each line's key for the rule: its sorted prompts when the base's prompt sets come back (at least half of the
-    first BASE steps in sets seen FIRST times or more), else one key for every line."""
+    first BASE steps in sets seen FIRST times or more, and twice: a set's changes need two), else one key for every
+    line."""
     sets = [tuple(sorted(h.get("prompts", ()))) for h in history]
     seen = {s: sets[:BASE].count(s) for s in set(sets[:BASE])}
-    return sets if sum(n for n in seen.values() if n >= FIRST) >= BASE / 2 else [()] * len(sets)
+    return sets if sum(n for n in seen.values() if n >= max(FIRST, 2)) >= BASE / 2 else [()] * len(sets)
 
 
 def moved(history: list[dict], key: str) -> tuple[float, float, float] | None:

@@ -236,7 +236,7 @@ PLANTS += [
     ("monitor: the spread from the values, not their changes", "helpers/monitor.py",
      "spread = max(float(np.std(changes)) / math.sqrt(2),", "spread = max(float(np.std(values[:BASE])),", ["tests/test_monitor.py", "-k", "not in_a_run"]),
     ("monitor: one base for every prompt set", "helpers/monitor.py",
-     "    return sets if sum(n for n in seen.values() if n >= FIRST) >= BASE / 2 else [()] * len(sets)",
+     "    return sets if sum(n for n in seen.values() if n >= max(FIRST, 2)) >= BASE / 2 else [()] * len(sets)",
      "    return [()] * len(sets)", ["tests/test_monitor.py", "-k", "not in_a_run"]),
     ("monitor: diversity warns with the token grids", "helpers/monitor.py",
      "past = past and (tokens is None or tokens > -1)", "past = past", ["tests/test_monitor.py", "-k", "not in_a_run"]),
