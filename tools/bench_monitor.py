@@ -10,7 +10,7 @@ The hackable rewards (on examples/'s four demo prompts, whose targets the weight
   edges: the share of pixels whose gray gradient (a one-pixel difference) exceeds 0.1 (artifacts count as edges);
   ssim_brightness: SSIM to the target plus brightness, weight 1 each.
 
-    OMP_NUM_THREADS=2 python tools/bench_monitor.py                     # every run (~50 min on 2 cores, alone)
+    OMP_NUM_THREADS=2 python tools/bench_monitor.py                     # every run (about 140 min on 2 cores, alone)
     OMP_NUM_THREADS=2 python tools/bench_monitor.py --runs brightness demo
     python tools/bench_monitor.py --table                               # the table of docs/evaluation.md
     python tools/bench_monitor.py --replay          # the records again from the run folders, with this rule
