@@ -9,9 +9,9 @@ The signals (each step's mean over its pictures, every process's):
     --eval-reward ones at each evaluation): the trained reward rising while a measured-only one falls.
 
 The rule (check), on each signal's step values (a step's mean over its pictures):
-  - the base: the signal's first FIRST values, and its spread, the standard deviation of its step-to-step changes
-    over the first BASE steps divided by sqrt 2 (a steady drift hardly moves it: a hack that starts at once still
-    leaves the spread its noise), at least FLOOR of the base's distance to its nearer bound (min(b, 1 - b): a
+  - the base: the mean of the signal's first FIRST values; its spread: the standard deviation of its step-to-step
+    changes over the first BASE steps divided by sqrt 2 (a steady drift hardly moves it: a hack that starts at once
+    still leaves the spread its noise), at least FLOOR of the base's distance to its nearer bound (min(b, 1 - b): a
     brightness of 0.95 has 0.05 to move);
   - when prompts come back within the base (a small prompts file: the same prompts make the same kind of pictures,
     and two prompts of a step change its mean far more than training does), all of this is taken per set of the
@@ -24,8 +24,8 @@ reward with one right picture asks for); a measured-only reward when it falls th
 by a spread or more. Each signal warns once a run. At an evaluation (the same prompts and seeds each time: only the
 weights changed), a measured-only --eval-reward warns when it fell from the first evaluation's by the threshold in
 standard errors of the difference (sqrt 2 times the first one's, over its prompts' means) while the trained total
-rose by one; the pictures' signals at evaluations are logged, not checked. Everything the rule reads is in the run's
-metrics lines, so a resumed run's monitor is the uninterrupted run's, exactly, at the same threshold
+rose by one standard error; the pictures' signals at evaluations are logged, not checked. Everything the rule reads
+is in the run's metrics lines, so a resumed run's monitor is the uninterrupted run's, exactly, at the same threshold
 (--monitor-threshold may change on resume), and a rule can be replayed on a finished run (tools/bench_monitor.py).
 
 scikit-image (a well-kept library) converts to luma (ITU-R BT.709) and HSV; numpy's FFT measures the spectrum.
