@@ -56,11 +56,12 @@ class VariantSettings:  # grpo.py's flags for the options beside the lesson: all
     unlikeliness: float = _setting(0.0, "+-U/2 among a group's best samples, toward the least likely "
                                         "(after He et al.'s unlikeliness reward; docs/claims.md)")
     kl_in_reward: bool = _setting(False, "the KL in the reward: R - beta log(pi_old / ref), the log-probs summed "
-                                         "over each sample's loss tokens, minus its group's mean (no std), and no KL "
-                                         "term in the loss: the estimator whose expected gradient is E[R] - beta "
-                                         "KL(pi || ref)'s (tools/bandit.py). beta then weighs a sequence's log-ratio "
-                                         "in reward units: at the same --kl-beta about n / std(R) times the loss "
-                                         "KL's weight (n the loss tokens: 9 tiny, 1024 real)")
+                                         "over each sample's loss tokens, z-scored within its group (--scale-rewards "
+                                         "none: minus its group's mean only), and no KL term in the loss: the "
+                                         "estimator whose expected gradient is E[R] - beta KL(pi || ref)'s, up to "
+                                         "each group's positive scale (tools/bandit.py). beta then weighs a "
+                                         "sequence's log-ratio in reward units: at the same --kl-beta about n / "
+                                         "std(R) times the loss KL's weight (n the loss tokens: 9 tiny, 1024 real)")
     mara_threshold: float | None = _setting(None, "MARA (GX-Chen et al. 2025), with --kl-in-reward: each sample whose "
                                                   "reward is at or above this gets R(z) + beta (log ref(z) - log "
                                                   "ref(y)), z its group's sample at or above it that the reference "
@@ -122,11 +123,11 @@ def validate(cfg) -> None:
                          "right answer the reference likes least: tools/bandit.py); add --kl-in-reward")
     if cfg.kl_in_reward and cfg.kl_beta == 0:
         raise ValueError("--kl-in-reward weighs the reference's log-probs by --kl-beta, which is 0; give --kl-beta > 0")
-    others = {"--scale-rewards": cfg.scale_rewards != "group", "--reward-aggregation": cfg.reward_aggregation != "sum",
+    others = {"--reward-aggregation": cfg.reward_aggregation != "sum",
               "--diversity": cfg.diversity > 0, "--cluster-bonus": cfg.cluster_bonus > 0,
               "--gardo-diversity": cfg.gardo_diversity != "none", "--unlikeliness": cfg.unlikeliness > 0}
     if cfg.kl_in_reward and any(others.values()):
-        raise ValueError(f"--kl-in-reward makes its own advantages (the shaped reward minus its group's mean), which "
+        raise ValueError(f"--kl-in-reward makes its own advantages (the shaped reward, z-scored), which "
                          f"{', '.join(flag for flag, on in others.items() if on)} would change; drop one of them")
     if cfg.kl_in_reward and (cfg.top_p < 1 or cfg.top_k > 0):
         raise ValueError("--kl-in-reward's log(pi / ref) estimates KL(pi || ref) only for samples drawn from pi, and "
@@ -156,7 +157,7 @@ def advantages(z_scores: torch.Tensor, rollouts: list, reward: torch.Tensor, eac
     rewards, --mara-threshold) the advantages are kl_regularised's instead, from `reference` (a rollout -> its (G, N)
     log-probs under pi_old and the frozen reference); their step's readings go to `state.readings`."""
     if cfg.kl_in_reward:  # (--mara-threshold needs it: validate)
-        return kl_regularised(reward, rollouts, in_loss, cfg, reference, state)
+        return kl_regularised(reward, rollouts, in_loss, cfg, reference, lesson, state)
     options = (cfg.reward_aggregation != "sum", cfg.diversity > 0, cfg.scale_rewards != "group", cfg.unlikeliness > 0,
                cfg.gardo_diversity != "none", cfg.cluster_bonus > 0)
     if not any(options):
@@ -197,12 +198,13 @@ def advantages(z_scores: torch.Tensor, rollouts: list, reward: torch.Tensor, eac
     return out
 
 
-def kl_regularised(reward: torch.Tensor, rollouts: list, in_loss: torch.Tensor, cfg, sequence_logprobs,
+def kl_regularised(reward: torch.Tensor, rollouts: list, in_loss: torch.Tensor, cfg, sequence_logprobs, lesson,
                    state: "State | None" = None) -> torch.Tensor:
     """The advantages of E[R] - beta KL(pi || ref), beta --kl-beta, for the (P, G) rewards of the step's groups:
     MARA's rewards first (--mara-threshold tau: mara_rewards), then each sample's R - beta log(pi_old / ref), the
     log-probs summed over its loss tokens (the large grid; all N with --train-tokens all), minus its group's mean
-    (kl_in_reward). `sequence_logprobs`: a rollout -> its (G, N) log-probs under the policy before the step's update
+    (kl_in_reward), then divided by its group's std (lesson.group_advantages: grpo.py's z-score; --scale-rewards batch:
+    the step's std; none: not divided). `sequence_logprobs`: a rollout -> its (G, N) log-probs under the policy before the step's update
     (pi_old) and under the frozen reference, both teacher-forced in one precision (helpers/trainer.py's
     sequence_logprobs: the sampler's rounding, summed over a thousand tokens, would enter the advantage). Called for
     every group, kept or not: under torchrun each process runs the same forwards (FSDP's collectives). Groups out of
@@ -236,8 +238,12 @@ def kl_regularised(reward: torch.Tensor, rollouts: list, in_loss: torch.Tensor, 
         shaped = torch.stack([mara_rewards(r, q, cfg.kl_beta, cfg.mara_threshold) for r, q in zip(shaped, ref)]) \
             if len(shaped) else shaped
     readings["kl_in_reward/penalty"] = gather_rows(cfg.kl_beta * (policy - ref)).mean().item()
+    A = kl_in_reward(shaped, policy, ref, cfg.kl_beta)  # (P', G): the shaped reward minus its group's mean
+    if cfg.scale_rewards != "none":  # z-scored; at G every shaped reward is beta log Z, and A is 0 either way
+        A = rescaled(lesson.group_advantages(A), A, "batch") if cfg.scale_rewards == "batch" else \
+            lesson.group_advantages(A)
     out = torch.zeros_like(reward)
-    out[in_loss] = kl_in_reward(shaped, policy, ref, cfg.kl_beta)
+    out[in_loss] = A
     return out
 
 
@@ -246,8 +252,10 @@ def kl_in_reward(reward: torch.Tensor, policy_logprobs: torch.Tensor, ref_logpro
     """The advantages of the KL in the reward, (P, G) each -> (P, G): the shaped reward R - beta log(pi_old / ref) (the
     log-probs summed over a sample's tokens: the sequence's), minus its group's mean, no std. Its expected gradient
     with the ratio's is that of E[R] - beta KL(pi || ref) (the score-function estimator of the KL-regularised
-    objective, whose maximiser is known in closed form: e.g. Korbak et al. 2022, Rafailov et al. 2023's DPO), so the update's fixed point is G = ref exp(R / beta) / Z
-    (tools/bandit.py measures it: within 0.001 in total variation, where the defaults land 0.11 away)."""
+    objective, whose maximiser is known in closed form: e.g. Korbak et al. 2022, Rafailov et al. 2023's DPO), so the
+    update's fixed point is G = ref exp(R / beta) / Z (tools/bandit.py measures it: within 0.001 in total variation,
+    where the defaults land 0.11 away). kl_regularised then divides by the group's std (--scale-rewards group, the
+    default): the same fixed point, since at G every shaped reward is beta log Z and the advantages are 0."""
     shaped = reward - beta * (policy_logprobs - ref_logprobs)
     return shaped - shaped.mean(dim=-1, keepdim=True)
 

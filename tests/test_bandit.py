@@ -49,8 +49,8 @@ def test_mara_rewards():
 def test_kl_in_the_reward_reaches_the_optimum(landed):
     """R - beta log(pi_old / ref), the group mean as baseline (no std): the estimator whose expected gradient is that
     of E[R] - beta KL(pi || ref) lands on G, within 0.005 in total variation (the table's 0.000: a beta 10% off lands
-    0.02 away), through grpo_loss's clip at mu 2; z-scored too (at G the shaped rewards are equal, whatever divides
-    them: the bandit cannot tell the std's harm, test_variants.py::test_kl_in_reward_by_hand pins its absence)."""
+    0.02 away), through grpo_loss's clip at mu 2; z-scored too, --kl-in-reward's default (at G the shaped rewards are
+    equal, whatever divides them)."""
     G = bandit.optimum(bandit.REWARD, REF, bandit.BETA)
     assert bandit.total_variation(landed["KL in the reward"], G) < 0.005
     assert bandit.total_variation(landed["KL in the reward, z-scored"], G) < 0.005

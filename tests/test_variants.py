@@ -891,13 +891,14 @@ def kl_regularised_case():
     return rollouts, logprobs, reward, torch.tensor([True, False])
 
 
-@pytest.mark.parametrize("train_tokens", ["large", "all"])
-def test_kl_regularised(train_tokens):
+@pytest.mark.parametrize("train_tokens, scale_rewards", [("large", "group"), ("all", "group"), ("large", "none")])
+def test_kl_regularised(train_tokens, scale_rewards):
     """The seam with --kl-in-reward and --mara-threshold 0.85, by hand: the samples at or above tau get the anchor's
     reward plus beta log(ref(z) / ref(y)) (z: the likeliest of them under the reference), then beta log(pi_old / ref)
     comes off, each a sum over the loss tokens (the large grid, the preview's code left out; with --train-tokens all
-    every code), then the group's mean; the group out of the loss stays 0, but its log-probs are still read (under
-    torchrun every process runs the same forwards); the readings."""
+    every code), then the group's mean, then the group's std (population's) but with --scale-rewards none; the group
+    out of the loss stays 0, but its log-probs are still read (under torchrun every process runs the same forwards);
+    the readings."""
     rollouts, logprobs, reward, in_loss = kl_regularised_case()
     read = []
 
@@ -905,7 +906,8 @@ def test_kl_regularised(train_tokens):
         read.append(r)
         return logprobs[[id(x) for x in rollouts].index(id(r))]
 
-    cfg = dataclasses.replace(cfg_with(mara_threshold=0.85, train_tokens=train_tokens), kl_in_reward=True)
+    cfg = dataclasses.replace(cfg_with(mara_threshold=0.85, train_tokens=train_tokens, scale_rewards=scale_rewards),
+                              kl_in_reward=True)
     state = variants.State()
     A = variants.advantages(grpo.group_advantages(reward), rollouts, reward, {"ssim": reward}, in_loss, cfg, grpo,
                             None, sequence_logprobs, state)
@@ -915,7 +917,9 @@ def test_kl_regularised(train_tokens):
     z = max(high, key=lambda i: ref[i])
     mara = [reward[0, z].item() + 0.1 * (ref[z] - ref[i]) if i in high else reward[0, i].item() for i in range(4)]
     shaped = [mara[i] - 0.1 * (policy[i] - ref[i]) for i in range(4)]
-    assert torch.allclose(A[0], torch.tensor(shaped) - sum(shaped) / 4, atol=1e-6) and torch.equal(A[1], torch.zeros(4))
+    centred = [x - sum(shaped) / 4 for x in shaped]
+    std = math.sqrt(sum(x * x for x in centred) / 4) if scale_rewards == "group" else 1.0
+    assert torch.allclose(A[0], torch.tensor(centred) / std, atol=1e-6) and torch.equal(A[1], torch.zeros(4))
     assert [id(r) for r in read] == [id(r) for r in rollouts]
     assert state.readings == pytest.approx({"mara/augmented_share": 3 / 4, "mara/anchor_reward": reward[0, z].item(),
                                             "kl_in_reward/penalty": sum(0.1 * (p - q) for p, q in zip(policy, ref)) / 4})
@@ -958,13 +962,14 @@ def test_validate_kl_in_reward():
     kl = lambda **options: dataclasses.replace(cfg_with(**options), kl_in_reward=True)  # noqa: E731
     for cfg, message in [(cfg_with(mara_threshold=0.9), "--mara-threshold 0.9 sets the target .* add --kl-in-reward"),
                          (kl(kl_beta=0.0), "--kl-in-reward weighs the reference's log-probs by --kl-beta, which is 0"),
-                         (kl(scale_rewards="batch"), "own advantages .* --scale-rewards would change"),
+                         (kl(reward_aggregation="normalize"), "own advantages .* --reward-aggregation would change"),
                          (kl(diversity=0.2, unlikeliness=1.0), "--diversity, --unlikeliness would change"),
                          (kl(top_p=0.75), "give --top-p 1 --top-k 0"), (kl(top_k=5), "give --top-p 1 --top-k 0"),
                          (kl(kl_on="above_mean"), "--kl-on above_mean gates the KL term")]:
         with pytest.raises(ValueError, match=message):
             variants.validate(cfg)
     variants.validate(kl(mara_threshold=0.9, train_tokens="all"))
+    variants.validate(kl(scale_rewards="none")), variants.validate(kl(scale_rewards="batch"))
 
 
 def test_main_kl_in_reward(tmp_path):

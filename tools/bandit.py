@@ -54,9 +54,9 @@ SETTINGS = [
     Setting("defaults: z-score, k3 in the loss, mu 2, clip", "z-score", "loss"),
     Setting("Dr. GRPO: R - mean, k3 in the loss, mu 2, clip", "centred", "loss"),
     Setting("KL in the reward: R - beta log(pi / ref), R - mean, mu 2, clip", "centred", "reward"),
-    Setting("KL in the reward, z-scored", "z-score", "reward"),
-    Setting("MARA (tau 0.85) + KL in the reward", "centred", "reward", mara=True),
-    Setting("MARA (tau 0.85) + KL in the reward, G = 4 (16 groups)", "centred", "reward", mara=True, group_size=4),
+    Setting("KL in the reward, z-scored", "z-score", "reward"),  # --kl-in-reward's default (the line above: none)
+    Setting("MARA (tau 0.85) + KL in the reward", "z-score", "reward", mara=True),
+    Setting("MARA (tau 0.85) + KL in the reward, G = 4 (16 groups)", "z-score", "reward", mara=True, group_size=4),
     Setting("MARA (tau 0.85) + the defaults", "z-score", "loss", mara=True),
 ]
 
@@ -94,10 +94,9 @@ def train(setting: Setting, steps: int = 1500, samples: int = 64, lr: float = 0.
         reward = REWARD[arms]  # (P, G)
         if setting.mara:
             reward = torch.stack([mara_rewards(r, ref_logprobs[a], beta, tau) for r, a in zip(reward, arms)])
-        if setting.kl == "reward" and setting.advantages == "centred":  # --kl-in-reward's advantages
+        if setting.kl == "reward":  # --kl-in-reward's advantages: centred (--scale-rewards none), or z-scored
             advantages = kl_in_reward(reward, pi_old[arms], ref_logprobs[arms], beta)
-        elif setting.kl == "reward":  # the same shaped reward, z-scored
-            advantages = grpo.group_advantages(reward - beta * (pi_old[arms] - ref_logprobs[arms]))
+            advantages = grpo.group_advantages(advantages) if setting.advantages == "z-score" else advantages
         elif setting.advantages == "z-score":
             advantages = grpo.group_advantages(reward)
         else:  # Dr. GRPO's: the group mean as the baseline, no std

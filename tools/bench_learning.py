@@ -87,9 +87,11 @@ ROWS = {
     "clusters": ("DiverseGRPO's cluster bonus on the best", ["--cluster-bonus", "0.2"]),
     # issue 87: the objective whose optimum is known (tools/bandit.py). The KL in the reward, R - beta log(pi / ref)
     # with the group's mean as baseline, whose fixed point is G = ref exp(R / beta) / Z; MARA on it, tau 1 (the fully
-    # right pictures share the likeliest one's mass)
-    "kl_reward": ("the KL in the reward (R - beta log(pi / ref), R - mean)", ["--kl-in-reward"]),
-    "mara": ("MARA (tau 1) with the KL in the reward", ["--kl-in-reward", "--mara-threshold", "1"]),
+    # right pictures share the likeliest one's mass); centred (Dr. GRPO's R - mean) and z-scored (the flag's default)
+    "kl_reward": ("the KL in the reward (R - beta log(pi / ref), R - mean)", ["--kl-in-reward", "--scale-rewards",
+                                                                            "none"]),
+    "kl_reward_z": ("the KL in the reward, z-scored", ["--kl-in-reward"]),
+    "mara": ("MARA (tau 1) with the KL in the reward, z-scored", ["--kl-in-reward", "--mara-threshold", "1"]),
 }  # every GRPO row has the tiny defaults' mu 2 (the clip acts); rows of other flags come from `-- flags`
 HELD_OUT = ["--eval-prompts", str(ROOT / "examples" / "shapes_heldout.jsonl"), "--eval-every", "0",
             "--eval-samples", "8", "--eval-reward", "shapes_exact"]
