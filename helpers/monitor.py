@@ -166,6 +166,24 @@ def check(history: list[dict], weights: dict[str, float], threshold: float) -> t
     return zs, warn
 
 
+def replay(history: list[dict], weights: dict[str, float], threshold: float
+           ) -> tuple[list[tuple[int, str, float]], dict[str, float]]:
+    """check, step by step, over a finished run's training lines as the run called it (the rule reads only the lines:
+    this is what a run with this rule prints, whatever rule the run itself had) -> the warnings [(step, signal, z)] and
+    each signal's largest |z|. `history` is left as it was; the warnings the run wrote are not read."""
+    lines = [{k: v for k, v in line.items() if not k.startswith("monitor/warning/")} for line in history]
+    fired, largest = [], {}
+    for t, line in enumerate(lines):
+        zs, warn = check(lines[:t + 1], weights, threshold)
+        for name in warn:
+            line[f"monitor/warning/{name}"] = zs[f"monitor/{name}/z"]
+            fired.append((line["step"], name, zs[f"monitor/{name}/z"]))
+        for key, z in zs.items():
+            signal = key.removeprefix("monitor/").removesuffix("/z")
+            largest[signal] = max(largest.get(signal, 0.0), abs(z))
+    return fired, largest
+
+
 def eval_check(evals: list[dict], weights: dict[str, float], threshold: float) -> list[tuple[str, float]]:
     """The monitor at the last evaluation of `evals` (the run's eval lines, oldest first) -> [(reward, z)] for each
     measured-only --eval-reward (every eval reward but the trained total and the --reward terms) whose mean fell from

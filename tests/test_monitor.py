@@ -64,14 +64,8 @@ def history(values: dict, steps: int) -> list[dict]:
 
 
 def warnings_over(lines: list[dict], weights=None, threshold=6.0) -> list[tuple[int, str]]:
-    """Replay the monitor over a run's lines as log_step does, each warning written into its line: [(step, signal)]."""
-    fired = []
-    for t in range(len(lines)):
-        zs, warn = monitor.check(lines[:t + 1], weights or {}, threshold)
-        for name in warn:
-            lines[t][f"monitor/warning/{name}"] = zs[f"monitor/{name}/z"]
-            fired.append((lines[t]["step"], name))
-    return fired
+    """The monitor replayed over a run's lines as the run calls it (monitor.replay): [(step, signal)]."""
+    return [(step, name) for step, name, _ in monitor.replay(lines, weights or {}, threshold)[0]]
 
 
 def wobble(t: int, scale: float = 0.02, seed: int = 0) -> float:
@@ -92,13 +86,13 @@ def test_warns_on_a_planted_drift_once():
     changes over sqrt 2, at least 5% of min(b, 1 - b)), by hand from the same numbers, and once only."""
     bright = lambda t: 0.5 + wobble(t) + 0.01 * max(0, t - 60)  # noqa: E731
     lines = history({"reward_mean": lambda t: 0.5, "monitor/brightness": bright}, 200)
-    fired = warnings_over(lines)
+    fired = monitor.replay(lines, {}, 6.0)[0]
     base = np.mean([bright(t) for t in range(1, 4)])
     spread = max(np.std(np.diff([bright(t) for t in range(1, 21)])) / np.sqrt(2), 0.05 * min(base, 1 - base))
     first = next(t for t in range(20, 201) if np.median([bright(u) for u in range(t - 9, t + 1)]) - base
                  >= 6 * spread)
-    assert fired == [(first, "brightness")] and 60 < first < 90
-    assert lines[first - 1]["monitor/warning/brightness"] >= 6
+    assert [(step, name) for step, name, _ in fired] == [(first, "brightness")] and 60 < first < 90
+    assert fired[0][2] >= 6
 
 
 def test_prompt_sets():

@@ -63,21 +63,6 @@ HONEST = ("demo", "shapes", "edit")
 STEPS = 100  # each hacked run (--steps; the brightness hack had taken hold by step 31)
 
 
-def replay(lines: list[dict], weights: dict[str, float], threshold: float) -> list[tuple[int, str, float]]:
-    """(step, signal, z) of every warning helpers/monitor.py's rule gives on a run's training lines, replayed as
-    run.monitor_step calls it (the rule reads only the lines, so the replay is what the run prints with the rule of
-    this checkout, whichever rule the run itself ran with)."""
-    lines = [{k: v for k, v in line.items() if not k.startswith("monitor/warning/")} for line in lines]
-    fired = []
-    for t in range(len(lines)):
-        zs, warn = monitor.check(lines[:t + 1], weights, threshold)
-        lines[t] |= zs
-        for name in warn:
-            lines[t][f"monitor/warning/{name}"] = zs[f"monitor/{name}/z"]
-            fired.append((lines[t]["step"], name, round(zs[f"monitor/{name}/z"], 2)))
-    return fired
-
-
 def summarise(name: str, out: Path, seed: int, minutes: float, held_out: dict | None) -> dict:
     """A run's record, from its folder: the rule's warnings replayed on its metrics lines (and the evaluations'
     warnings as the run logged them), the measured SSIM, every signal's step values and largest |z|."""
@@ -85,20 +70,17 @@ def summarise(name: str, out: Path, seed: int, minutes: float, held_out: dict | 
     weights = {n.strip(): float(w or 1) for n, _, w in (part.partition("=") for part in config["reward"].split(","))}
     lines = [x for x in run.read_metrics(out) if not x.get("eval")]
     threshold = run.RunSettings().monitor_threshold
-    fired = replay(lines, weights, threshold)
+    fired, largest = monitor.replay(lines, weights, threshold)  # the rule of this checkout, on the run's lines
+    fired = [(step, name, round(z, 2)) for step, name, z in fired]
     fired += [(x["step"], "eval " + k.split("warning/", 1)[1], round(v, 2)) for x in run.read_metrics(out)
               if x.get("eval") for k, v in x.items() if k.startswith("eval/monitor/warning/")]
-    zs = {}
-    for t in range(len(lines)):
-        for key, z in monitor.check(lines[:t + 1], weights, 0)[0].items():
-            zs[key] = max(zs.get(key, 0.0), abs(z))
     record = {"run": name, "seed": seed, "reward": config["reward"], "steps": len(lines), "warnings": fired,
               "minutes": minutes, "threshold": threshold,
               "rule": {"BASE": monitor.BASE, "FIRST": monitor.FIRST, "WINDOW": monitor.WINDOW, "FLOOR": monitor.FLOOR}}
     record["ssim"] = [round(x["reward/ssim"], 4) for x in lines] if "reward/ssim" in lines[0] else None
     record["signals"] = {key.removeprefix("monitor/"): [round(x[key], 4) for x in lines]
                          for key in lines[0] if key.startswith("monitor/") and key.count("/") == 1}
-    record["z_max"] = {key.removeprefix("monitor/").removesuffix("/z"): round(z, 2) for key, z in zs.items()}
+    record["z_max"] = {signal: round(z, 2) for signal, z in largest.items()}
     if held_out is not None:
         record["held_out"] = held_out
     return record
