@@ -5,6 +5,7 @@
 
 import dataclasses
 import json
+import math
 import random
 import subprocess
 import sys
@@ -243,6 +244,25 @@ def test_tiny_model_draws_what_it_is_asked():
     assert result["accuracy"] >= 0.4, result
     report = json.loads((ROOT / "tiny_glm_image" / "training_report.json").read_text())
     assert report["held_out"]["accuracy"] > 0.3 and report["size_mb"] < 30
+
+
+def test_optimum_of_draws():
+    """tools/bench_learning.py's estimate of G = ref exp(R / beta) / Z from the reference's draws, by hand: each draw
+    weighs exp(R / beta) within its caption; G's right share; the expected distinct grids of 8 draws from G over the
+    free-place captions (a grid drawn twice holds both draws' mass); beta inf: the draws' own shares."""
+    sys.path.insert(0, str(ROOT / "tools"))
+    from bench_learning import optimum_of_draws
+    reward = torch.tensor([[1.0, 0.5, 1.0, 0.0], [0.5, 0.5, 0.0, 0.0]])
+    right = (reward == 1).float()
+    grids = [[(1,), (2,), (1,), (3,)], [(1,), (2,), (3,), (4,)]]
+    free = torch.tensor([True, False])
+    got = optimum_of_draws(reward, right, grids, free, [math.inf, 0.5])
+    w = [math.exp(r / 0.5) for r in (1.0, 0.5, 1.0, 0.0)]
+    p1 = [w[0] + w[2], w[1], w[3]]  # caption 0's grids (1,), (2,), (3,)
+    assert got[0] == pytest.approx({"beta": None, "right": (0.5 + 0.0) / 2,
+                                    "layouts": 1 - 0.5 ** 8 + 2 * (1 - 0.75 ** 8)})
+    assert got[1] == pytest.approx({"beta": 0.5, "right": (w[0] + w[2]) / sum(w) / 2,
+                                    "layouts": sum(1 - (1 - m / sum(w)) ** 8 for m in p1)})
 
 
 def test_bench_learning_continues_its_shorter_runs(tmp_path):

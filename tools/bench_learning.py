@@ -5,6 +5,7 @@ diversity before and after, per setting, over seeds.
   OMP_NUM_THREADS=2 python tools/bench_learning.py --rows default --seeds 0 1 2
   python tools/bench_learning.py --rows default --seeds 5 -- --lr 2e-4    # extra grpo.py flags after --
   python tools/bench_learning.py --table                                  # the table of the runs recorded so far
+  python tools/bench_learning.py --optimum inf 0.1 0.03                   # where the KL-regularised optimum lies
   OMP_NUM_THREADS=2 python tools/bench_learning.py --demos ssim           # the SSIM demo (prompts.txt), 3 seeds
   OMP_NUM_THREADS=2 python tools/bench_learning.py --demos edit           # the editing demo, 3 seeds
 
@@ -377,6 +378,51 @@ def layout_reading(out: Path | None) -> dict:
             "all_right": float(np.mean([r.float().mean().item() for _, r, _ in rows]))}
 
 
+def optimum_reading(betas: list[float], samples: int = 32) -> dict:
+    """Where the KL-regularised objective's optimum G = ref exp(R / beta) / Z lies on the held-out captions, for each
+    beta, estimated from the pre-trained model's own draws: `samples` a caption through grpo.py's evaluation (seed
+    EVAL_SEED + i), R the shapes reward as trained (partial credit, fully right 1.0). Self-normalised importance
+    sampling: G / ref is exp(R / beta) / Z, so a caption's draws weigh softmax(R / beta). Per beta: "right", G's share
+    fully right (over all 161 captions); "layouts", the expected distinct large grids of 8 draws from G, the sum over
+    the grids drawn of 1 - (1 - p)^8, over the 139 free-place captions (grids the draws missed count nothing: a low
+    estimate; beta inf is the reference's own, measured by the evaluation's 8 draws as 7.64). A caption whose right
+    pictures the reference draws less than about 1 / `samples` of the time has none among its draws: G's right share
+    is then a low estimate too. Returns {"samples", "betas": [{"beta" (None: inf), "right", "layouts"}]}."""
+    pipe = grpo.load_glm_image("tiny")
+    cfg = trainer.parse_config(grpo, ["--model", "tiny"])
+    examples = user_input.read_prompts(str(ROOT / "examples" / "shapes_heldout.jsonl"))
+    rollouts = []  # the draws, kept for their grids
+
+    def sample_groups(*args, **kwargs):
+        rollouts.extend(drawn := trainer.sample_groups(grpo, *args, **kwargs))
+        return drawn
+    seeds = [run.EVAL_SEED + i for i in range(len(examples))]
+    rewards = user_input.parse_rewards("shapes=1,shapes_exact=0", trainer.reward_table(grpo))
+    _, reward, each, _ = run.evaluate(pipe, examples, seeds, rewards, samples, cfg,
+                                      (sample_groups, grpo.decode_images, grpo.group_rewards))
+    grids = [[tuple(g) for g in ro.tokens[:, -math.prod(ro.prompt.large_hw):].tolist()] for ro in rollouts]
+    free = torch.tensor([ex.get("free_layout", True) is not False for ex in examples])
+    return {"samples": samples, "betas": optimum_of_draws(reward, each["shapes_exact"], grids, free, betas)}
+
+
+def optimum_of_draws(reward: torch.Tensor, right: torch.Tensor, grids: list[list[tuple]], free: torch.Tensor,
+                     betas: list[float]) -> list[dict]:
+    """optimum_reading's estimate from the reference's draws: (P, S) rewards, (P, S) 1.0 where fully right, each
+    draw's large grid, (P,) bool the free-place captions -> per beta {"beta" (None: inf), "right", "layouts"}."""
+    readings = []
+    for beta in betas:
+        weights = torch.softmax(reward / beta, dim=-1)  # (P, samples): G's mass on each draw, within its caption
+        layouts = []
+        for w, g in zip(weights[free], [g for g, keep in zip(grids, free) if keep]):
+            mass = {}
+            for grid, p in zip(g, w.tolist()):
+                mass[grid] = mass.get(grid, 0.0) + p
+            layouts.append(sum(1 - (1 - p) ** 8 for p in mass.values()))
+        readings.append({"beta": None if math.isinf(beta) else beta, "right": (weights * right).sum(dim=-1).mean().item(),
+                         "layouts": float(np.mean(layouts))})
+    return readings
+
+
 def run_ssim(seed: int, steps: int, extra: list[str]) -> dict:
     """The README's first command with `seed`: grpo.py's summary (first / last training reward, before / after)."""
     with tempfile.TemporaryDirectory() as out:
@@ -450,8 +496,18 @@ def main() -> None:
     parser.add_argument("--frontier", type=Path, help="also draw accuracy against layouts to this PNG")
     parser.add_argument("--layouts", nargs="+", metavar="RUN", help="split the distinct layouts of runs' final/ (or "
                         "'base') into right and wrong pictures' (layout_reading), into docs/records/bench_layouts.jsonl")
+    parser.add_argument("--optimum", nargs="+", type=float, metavar="BETA", help="where G = ref exp(R / beta) / Z "
+                        "lies for each BETA (inf: the reference), from 32 draws a held-out caption (optimum_reading), "
+                        "into docs/records/bench_optimum.jsonl")
     args = parser.parse_args(argv[: argv.index("--")] if "--" in argv else argv)
     run.quiet_libraries()
+    if args.optimum:
+        reading = optimum_reading(args.optimum)
+        with open(args.results.with_name("bench_optimum.jsonl"), "a") as f:
+            f.write(json.dumps(reading) + "\n")
+        for r in reading["betas"]:
+            print(f"beta {r['beta'] or math.inf:g}: G fully right {r['right']:.3f}, distinct layouts of 8 {r['layouts']:.2f}")
+        return
     if args.layouts:
         for name in args.layouts:
             reading = layout_reading(None if name == "base" else Path(name))
