@@ -204,8 +204,8 @@ def kl_regularised(reward: torch.Tensor, rollouts: list, in_loss: torch.Tensor, 
     MARA's rewards first (--mara-threshold tau: mara_rewards), then each sample's R - beta log(pi_old / ref), the
     log-probs summed over its loss tokens (the large grid; all N with --train-tokens all), minus its group's mean
     (kl_in_reward), then divided by its group's std (lesson.group_advantages: grpo.py's z-score; --scale-rewards batch:
-    the step's std; none: not divided). `sequence_logprobs`: a rollout -> its (G, N) log-probs under the policy before the step's update
-    (pi_old) and under the frozen reference, both teacher-forced in one precision (helpers/trainer.py's
+    the step's std; none: not divided). `sequence_logprobs`: a rollout -> its (G, N) log-probs under the policy
+    before the step's update (pi_old) and under the frozen reference, both teacher-forced in one precision (helpers/trainer.py's
     sequence_logprobs: the sampler's rounding, summed over a thousand tokens, would enter the advantage). Called for
     every group, kept or not: under torchrun each process runs the same forwards (FSDP's collectives). Groups out of
     the loss stay 0. Readings (`state.readings`, this step's, every process's): the share of the samples MARA
@@ -240,8 +240,8 @@ def kl_regularised(reward: torch.Tensor, rollouts: list, in_loss: torch.Tensor, 
     readings["kl_in_reward/penalty"] = gather_rows(cfg.kl_beta * (policy - ref)).mean().item()
     A = kl_in_reward(shaped, policy, ref, cfg.kl_beta)  # (P', G): the shaped reward minus its group's mean
     if cfg.scale_rewards != "none":  # z-scored; at G every shaped reward is beta log Z, and A is 0 either way
-        A = rescaled(lesson.group_advantages(A), A, "batch") if cfg.scale_rewards == "batch" else \
-            lesson.group_advantages(A)
+        z = lesson.group_advantages(A)
+        A = rescaled(z, A, "batch") if cfg.scale_rewards == "batch" else z
     out = torch.zeros_like(reward)
     out[in_loss] = A
     return out

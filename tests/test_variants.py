@@ -969,7 +969,8 @@ def test_validate_kl_in_reward():
         with pytest.raises(ValueError, match=message):
             variants.validate(cfg)
     variants.validate(kl(mara_threshold=0.9, train_tokens="all"))
-    variants.validate(kl(scale_rewards="none")), variants.validate(kl(scale_rewards="batch"))
+    variants.validate(kl(scale_rewards="none"))
+    variants.validate(kl(scale_rewards="batch"))
 
 
 def test_main_kl_in_reward(tmp_path):

@@ -346,13 +346,11 @@ def frontier(results: list[dict], path: Path) -> None:
     print(f"frontier: {path}")
 
 
-def layout_reading(out: Path | None) -> dict:
-    """Where a run's distinct layouts come from: its final/ weights (None: the pre-trained model) draw the held-out
-    captions through grpo.py's own evaluation (run.evaluate: examples/shapes_heldout.jsonl, K = 8, seed EVAL_SEED + i,
-    so the samples of its last evaluation), and each free-place caption's distinct large grids are split into those
-    of right pictures and those of wrong ones (a wrong picture is usually a layout of its own, so mistakes raise the
-    count). Returns the means over the free-place captions: "layouts" (the eval's number), "right_layouts",
-    "wrong_layouts", "right" (the share fully right), and the relation captions' ("relation/...")."""
+def held_out_draws(out: Path | None, rewards: str, samples: int) -> tuple:
+    """The held-out captions drawn through grpo.py's own evaluation (run.evaluate: examples/shapes_heldout.jsonl,
+    `samples` a caption, seed EVAL_SEED + i) by a run's final/ weights (None: the pre-trained model), scored by
+    `rewards` (--reward's syntax) -> (the examples, the (P, K) total reward, each reward's (P, K), each caption's K
+    large grids as tuples)."""
     pipe = grpo.load_glm_image("tiny") if out is None else trained_pipe(out)
     cfg = trainer.parse_config(grpo, ["--model", "tiny"])
     examples = user_input.read_prompts(str(ROOT / "examples" / "shapes_heldout.jsonl"))
@@ -362,10 +360,22 @@ def layout_reading(out: Path | None) -> dict:
         rollouts.extend(drawn := trainer.sample_groups(grpo, *args, **kwargs))
         return drawn
     seeds = [run.EVAL_SEED + i for i in range(len(examples))]
-    _, right, _, _ = run.evaluate(pipe, examples, seeds, user_input.parse_rewards("shapes_exact", trainer.reward_table(grpo)), 8, cfg,
-                                  (sample_groups, grpo.decode_images, grpo.group_rewards))
-    rows = [(ex, ok == 1.0, [tuple(g) for g in ro.tokens[:, -math.prod(ro.prompt.large_hw):].tolist()])
-            for ex, ok, ro in zip(examples, right, rollouts)]
+    scoring = user_input.parse_rewards(rewards, trainer.reward_table(grpo))
+    _, total, each, _ = run.evaluate(pipe, examples, seeds, scoring, samples, cfg,
+                                     (sample_groups, grpo.decode_images, grpo.group_rewards))
+    grids = [[tuple(g) for g in ro.tokens[:, -math.prod(ro.prompt.large_hw):].tolist()] for ro in rollouts]
+    return examples, total, each, grids
+
+
+def layout_reading(out: Path | None) -> dict:
+    """Where a run's distinct layouts come from: its final/ weights (None: the pre-trained model) draw the held-out
+    captions through grpo.py's own evaluation (run.evaluate: examples/shapes_heldout.jsonl, K = 8, seed EVAL_SEED + i,
+    so the samples of its last evaluation), and each free-place caption's distinct large grids are split into those
+    of right pictures and those of wrong ones (a wrong picture is usually a layout of its own, so mistakes raise the
+    count). Returns the means over the free-place captions: "layouts" (the eval's number), "right_layouts",
+    "wrong_layouts", "right" (the share fully right), and the relation captions' ("relation/...")."""
+    examples, right, _, grids = held_out_draws(out, "shapes_exact", 8)
+    rows = [(ex, ok == 1.0, g) for ex, ok, g in zip(examples, right, grids)]
     free = [row for row in rows if row[0].get("free_layout", True) is not False]
 
     def means(chosen):
@@ -388,19 +398,7 @@ def optimum_reading(betas: list[float], samples: int = 32) -> dict:
     estimate; beta inf is the reference's own, measured by the evaluation's 8 draws as 7.64). A caption whose right
     pictures the reference draws less than about 1 / `samples` of the time has none among its draws: G's right share
     is then a low estimate too. Returns {"samples", "betas": [{"beta" (None: inf), "right", "layouts"}]}."""
-    pipe = grpo.load_glm_image("tiny")
-    cfg = trainer.parse_config(grpo, ["--model", "tiny"])
-    examples = user_input.read_prompts(str(ROOT / "examples" / "shapes_heldout.jsonl"))
-    rollouts = []  # the draws, kept for their grids
-
-    def sample_groups(*args, **kwargs):
-        rollouts.extend(drawn := trainer.sample_groups(grpo, *args, **kwargs))
-        return drawn
-    seeds = [run.EVAL_SEED + i for i in range(len(examples))]
-    rewards = user_input.parse_rewards("shapes=1,shapes_exact=0", trainer.reward_table(grpo))
-    _, reward, each, _ = run.evaluate(pipe, examples, seeds, rewards, samples, cfg,
-                                      (sample_groups, grpo.decode_images, grpo.group_rewards))
-    grids = [[tuple(g) for g in ro.tokens[:, -math.prod(ro.prompt.large_hw):].tolist()] for ro in rollouts]
+    examples, reward, each, grids = held_out_draws(None, "shapes=1,shapes_exact=0", samples)
     free = torch.tensor([ex.get("free_layout", True) is not False for ex in examples])
     return {"samples": samples, "betas": optimum_of_draws(reward, each["shapes_exact"], grids, free, betas)}
 
@@ -418,8 +416,8 @@ def optimum_of_draws(reward: torch.Tensor, right: torch.Tensor, grids: list[list
             for grid, p in zip(g, w.tolist()):
                 mass[grid] = mass.get(grid, 0.0) + p
             layouts.append(sum(1 - (1 - p) ** 8 for p in mass.values()))
-        readings.append({"beta": None if math.isinf(beta) else beta, "right": (weights * right).sum(dim=-1).mean().item(),
-                         "layouts": float(np.mean(layouts))})
+        readings.append({"beta": None if math.isinf(beta) else beta, "layouts": float(np.mean(layouts)),
+                         "right": (weights * right).sum(dim=-1).mean().item()})
     return readings
 
 
