@@ -499,6 +499,8 @@ def main() -> None:
                         "into docs/records/bench_optimum.jsonl")
     args = parser.parse_args(argv[: argv.index("--")] if "--" in argv else argv)
     run.quiet_libraries()
+    if args.optimum and min(args.optimum) <= 0:
+        parser.error(f"--optimum {min(args.optimum):g}: each beta weighs the KL and divides the reward; give betas > 0")
     if args.optimum:
         reading = optimum_reading(args.optimum)
         with open(args.results.with_name("bench_optimum.jsonl"), "a") as f:
