@@ -259,10 +259,29 @@ def test_optimum_of_draws():
     got = optimum_of_draws(reward, right, grids, free, [math.inf, 0.5])
     w = [math.exp(r / 0.5) for r in (1.0, 0.5, 1.0, 0.0)]
     p1 = [w[0] + w[2], w[1], w[3]]  # caption 0's grids (1,), (2,), (3,)
+    z = [sum(w) / 4, 2 * math.exp(0.5 / 0.5) / 4 + 2 / 4]  # each caption's Z = E_ref[exp(R / beta)]
     assert got[0] == pytest.approx({"beta": None, "right": (0.5 + 0.0) / 2,
-                                    "layouts": 1 - 0.5 ** 8 + 2 * (1 - 0.75 ** 8)})
+                                    "layouts": 1 - 0.5 ** 8 + 2 * (1 - 0.75 ** 8), "objective": 3.5 / 8})
     assert got[1] == pytest.approx({"beta": 0.5, "right": (w[0] + w[2]) / sum(w) / 2,
-                                    "layouts": sum(1 - (1 - m / sum(w)) ** 8 for m in p1)})
+                                    "layouts": sum(1 - (1 - m / sum(w)) ** 8 for m in p1),
+                                    "objective": 0.5 * (math.log(z[0]) + math.log(z[1])) / 2})
+
+
+def test_objective_gap():
+    """tools/bench_learning.py's KL(pi || G) from a run's record, by hand on a two-answer bandit: ref (1/2, 1/2),
+    rewards (1, 0), beta 1, so G = (e, 1) / (e + 1) and J(G) = log Z = log((e + 1) / 2). A policy pi = (0.9, 0.1)
+    logs E_pi[R] = 0.9 and KL(pi || ref) = 0.9 log 1.8 + 0.1 log 0.2; spread over 3 tokens the per-token kl is a
+    third of it. Its gap is KL(pi || G) computed directly; at G itself it is 0."""
+    sys.path.insert(0, str(ROOT / "tools"))
+    from bench_learning import objective_gap
+    optimum = math.log((math.e + 1) / 2)
+    g = [math.e / (math.e + 1), 1 / (math.e + 1)]
+    for pi in ([0.9, 0.1], g):
+        kl_ref = sum(p * math.log(p / 0.5) for p in pi)
+        direct = sum(p * math.log(p / q) for p, q in zip(pi, g))
+        gap, = objective_gap({"reward_mean": [pi[0]], "kl": [kl_ref / 3]}, 1.0, 3, optimum)
+        assert gap == pytest.approx(direct, abs=1e-12)
+    assert direct == pytest.approx(0.0, abs=1e-12)
 
 
 def test_bench_learning_continues_its_shorter_runs(tmp_path):

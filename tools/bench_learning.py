@@ -6,6 +6,8 @@ diversity before and after, per setting, over seeds.
   python tools/bench_learning.py --rows default --seeds 5 -- --lr 2e-4    # extra grpo.py flags after --
   python tools/bench_learning.py --table                                  # the table of the runs recorded so far
   python tools/bench_learning.py --optimum inf 0.1 0.03                   # where the KL-regularised optimum lies
+  python tools/bench_learning.py --optimum inf 0.1 --captions training    # ... on 161 training captions, then:
+  python tools/bench_learning.py --gap docs/gap.png                       # each run's KL(pi || G), from its record
   OMP_NUM_THREADS=2 python tools/bench_learning.py --demos ssim           # the SSIM demo (prompts.txt), 3 seeds
   OMP_NUM_THREADS=2 python tools/bench_learning.py --demos edit           # the editing demo, 3 seeds
 
@@ -346,14 +348,15 @@ def frontier(results: list[dict], path: Path) -> None:
     print(f"frontier: {path}")
 
 
-def held_out_draws(out: Path | None, rewards: str, samples: int) -> tuple:
-    """The held-out captions drawn through grpo.py's own evaluation (run.evaluate: examples/shapes_heldout.jsonl,
-    `samples` a caption, seed EVAL_SEED + i) by a run's final/ weights (None: the pre-trained model), scored by
-    `rewards` (--reward's syntax) -> (the examples, the (P, K) total reward, each reward's (P, K), each caption's K
-    large grids as tuples)."""
+def evaluation_draws(out: Path | None, rewards: str, samples: int, examples: list | None = None) -> tuple:
+    """Captions drawn through grpo.py's own evaluation (run.evaluate: `samples` a caption, seed EVAL_SEED + i) by a
+    run's final/ weights (None: the pre-trained model), scored by `rewards` (--reward's syntax). `examples`:
+    user_input.read_prompts's examples (default: the 161 held-out captions, examples/shapes_heldout.jsonl) -> (the
+    examples, the (P, K) total reward, each reward's (P, K), each caption's K large grids as tuples)."""
     pipe = grpo.load_glm_image("tiny") if out is None else trained_pipe(out)
     cfg = trainer.parse_config(grpo, ["--model", "tiny"])
-    examples = user_input.read_prompts(str(ROOT / "examples" / "shapes_heldout.jsonl"))
+    if examples is None:
+        examples = user_input.read_prompts(str(ROOT / "examples" / "shapes_heldout.jsonl"))
     rollouts = []  # the evaluation's draws, kept for their grids
 
     def sample_groups(*args, **kwargs):
@@ -367,6 +370,14 @@ def held_out_draws(out: Path | None, rewards: str, samples: int) -> tuple:
     return examples, total, each, grids
 
 
+def training_captions(count: int = 161, seed: int = 0) -> list[dict]:
+    """`count` of GRPO's 643 training captions (examples/shapes.txt), drawn without replacement with `seed` and kept
+    in the file's order: a sample of the captions a run's training steps draw uniformly."""
+    examples = user_input.read_prompts(str(ROOT / "examples" / "shapes.txt"))
+    keep = sorted(np.random.default_rng(seed).choice(len(examples), size=count, replace=False).tolist())
+    return [examples[i] for i in keep]
+
+
 def layout_reading(out: Path | None) -> dict:
     """Where a run's distinct layouts come from: its final/ weights (None: the pre-trained model) draw the held-out
     captions through grpo.py's own evaluation (run.evaluate: examples/shapes_heldout.jsonl, K = 8, seed EVAL_SEED + i,
@@ -374,7 +385,7 @@ def layout_reading(out: Path | None) -> dict:
     of right pictures and those of wrong ones (a wrong picture is usually a layout of its own, so mistakes raise the
     count). Returns the means over the free-place captions: "layouts" (the eval's number), "right_layouts",
     "wrong_layouts", "right" (the share fully right), and the relation captions' ("relation/...")."""
-    examples, right, _, grids = held_out_draws(out, "shapes_exact", 8)
+    examples, right, _, grids = evaluation_draws(out, "shapes_exact", 8)
     rows = [(ex, ok == 1.0, g) for ex, ok, g in zip(examples, right, grids)]
     free = [row for row in rows if row[0].get("free_layout", True) is not False]
 
@@ -388,25 +399,33 @@ def layout_reading(out: Path | None) -> dict:
             "all_right": float(np.mean([r.float().mean().item() for _, r, _ in rows]))}
 
 
-def optimum_reading(betas: list[float], samples: int = 32) -> dict:
-    """Where the KL-regularised objective's optimum G = ref exp(R / beta) / Z lies on the held-out captions, for each
-    beta, estimated from the pre-trained model's own draws: `samples` a caption through grpo.py's evaluation (seed
-    EVAL_SEED + i), R the shapes reward as trained (partial credit, fully right 1.0). Self-normalised importance
-    sampling: G / ref is exp(R / beta) / Z, so a caption's draws weigh softmax(R / beta). Per beta: "right", G's share
-    fully right (over all 161 captions); "layouts", the expected distinct large grids of 8 draws from G, the sum over
-    the grids drawn of 1 - (1 - p)^8, over the 139 free-place captions (grids the draws missed count nothing: a low
-    estimate; beta inf is the reference's own, measured by the evaluation's 8 draws as 7.64). A caption whose right
-    pictures the reference draws less than about 1 / `samples` of the time has none among its draws: G's right share
-    is then a low estimate too. Returns {"samples", "betas": [{"beta" (None: inf), "right", "layouts"}]}."""
-    examples, reward, each, grids = held_out_draws(None, "shapes=1,shapes_exact=0", samples)
-    free = torch.tensor([ex.get("free_layout", True) is not False for ex in examples])
-    return {"samples": samples, "betas": optimum_of_draws(reward, each["shapes_exact"], grids, free, betas)}
+def optimum_reading(betas: list[float], samples: int = 32, captions: str = "held-out") -> dict:
+    """Where the KL-regularised objective's optimum G = ref exp(R / beta) / Z lies, for each beta, estimated from the
+    pre-trained model's own draws: `samples` a caption through grpo.py's evaluation (seed EVAL_SEED + i), R the shapes
+    reward as trained (partial credit, fully right 1.0), on the 161 held-out captions or (`captions` "training") 161
+    of the training captions (training_captions). Self-normalised importance sampling: G / ref is exp(R / beta) / Z,
+    so a caption's draws weigh softmax(R / beta). Per beta: "right", G's share fully right (over all the captions);
+    "layouts", the expected distinct large grids of 8 draws from G, the sum over the grids drawn of 1 - (1 - p)^8,
+    over the free-place captions (grids the draws missed count nothing: a low estimate; beta inf is the reference's
+    own, measured by the held-out evaluation's 8 draws as 7.64); "objective", G's value of E[R] - beta KL(pi || ref)
+    (objective_gap reads it). A caption whose right pictures the reference draws less than about 1 / `samples` of the
+    time has none among its draws: G's right share and its objective are then low estimates too. Returns {"samples",
+    "captions", "large_tokens" (a picture's large grid: the sum the KL is over), "betas": [{"beta" (None: inf),
+    "right", "layouts", "objective"}]}."""
+    examples = training_captions() if captions == "training" else None
+    examples, reward, each, grids = evaluation_draws(None, "shapes=1,shapes_exact=0", samples, examples)
+    free = torch.tensor([ex.get("free_layout", world.parse_caption(ex["prompt"])["kind"] != "position") is not False
+                         for ex in examples])
+    return {"samples": samples, "captions": captions, "large_tokens": len(grids[0][0]),
+            "betas": optimum_of_draws(reward, each["shapes_exact"], grids, free, betas)}
 
 
 def optimum_of_draws(reward: torch.Tensor, right: torch.Tensor, grids: list[list[tuple]], free: torch.Tensor,
                      betas: list[float]) -> list[dict]:
     """optimum_reading's estimate from the reference's draws: (P, S) rewards, (P, S) 1.0 where fully right, each
-    draw's large grid, (P,) bool the free-place captions -> per beta {"beta" (None: inf), "right", "layouts"}."""
+    draw's large grid, (P,) bool the free-place captions -> per beta {"beta" (None: inf), "right", "layouts",
+    "objective"}. The objective at G is beta log Z, Z = E_ref[exp(R / beta)] (put pi = G in E_pi[R] - beta
+    E_pi[log(pi / ref)]), estimated by beta (logsumexp(R / beta) - log S) a caption, averaged; at beta inf, E_ref[R]."""
     readings = []
     for beta in betas:
         weights = torch.softmax(reward / beta, dim=-1)  # (P, samples): G's mass on each draw, within its caption
@@ -416,9 +435,78 @@ def optimum_of_draws(reward: torch.Tensor, right: torch.Tensor, grids: list[list
             for grid, p in zip(g, w.tolist()):
                 mass[grid] = mass.get(grid, 0.0) + p
             layouts.append(sum(1 - (1 - p) ** 8 for p in mass.values()))
+        log_z = torch.logsumexp(reward / beta, dim=-1) - math.log(reward.shape[1])  # (P,)
         readings.append({"beta": None if math.isinf(beta) else beta, "layouts": float(np.mean(layouts)),
-                         "right": (weights * right).sum(dim=-1).mean().item()})
+                         "right": (weights * right).sum(dim=-1).mean().item(),
+                         "objective": reward.mean().item() if math.isinf(beta) else (beta * log_z).mean().item()})
     return readings
+
+
+def objective_gap(curves: dict, beta: float, tokens: int, optimum: float) -> list[float]:
+    """How far a run's policy is from G, step by step, from its record's 50-step means alone: KL(pi || G) =
+    (J(G) - J(pi)) / beta in nats a picture, J(pi) = E_pi[R] - beta KL(pi || ref) (the objective; put G = ref
+    exp(R / beta) / Z into KL(pi || G) = E_pi[log(pi / ref)] - E_pi[R] / beta + log Z). E_pi[R]: the training
+    reward's mean ("reward_mean", the policy's own samples); KL(pi || ref): `tokens` (the large grid's) times the
+    per-token "kl" (the k3 estimate over the loss tokens, a picture's KL by the chain rule); J(G): `optimum`, the
+    reference's estimate on the training captions (optimum_reading). `curves`: {"reward_mean": [...], "kl": [...]}
+    -> one KL(pi || G) a window, >= 0 up to the estimates' noise."""
+    return [(optimum - (r - beta * tokens * kl)) / beta for r, kl in zip(curves["reward_mean"], curves["kl"])]
+
+
+GAP_ROWS = ["default", "clusters", "kl_reward", "kl_reward_z", "mara"]  # the issue 87 runs and what they are against
+
+
+def gap_table(results: list[dict], reading: dict, path: Path) -> str:
+    """objective_gap for the GAP_ROWS' runs (the longest of each row, flags and seed; the tiny defaults' size), as a
+    table of 400-step means (one 50-step window is noisy: k3's tail, a window's 100 captions) with J(pi) over the
+    run's last 400 steps, and a figure at `path`: KL(pi || G) against the step, 200-step means, a line a run. The
+    reference's own KL(ref || G) = (J(G) - E_ref[R]) / beta is the line the runs start from."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    at = {x["beta"]: x["objective"] for x in reading["betas"]}
+    lines = [f"J(G) from {reading['samples']} reference draws of 161 training captions: " + ", ".join(
+                 f"beta {x['beta'] or math.inf:g} {x['objective']:.3f}" for x in reading["betas"]), "",
+             "| run | seed | steps | KL(pi \\|\\| G), steps 1-400 | 401-800 | 1201-1600 | J(pi), its last 400 steps | "
+             "held-out right | layouts |", "|---|---|---|---|---|---|---|---|---|"]
+    fig, ax = plt.subplots(figsize=(9, 5))
+    colours = dict(zip(GAP_ROWS, plt.cm.tab10.colors))
+    longest = {}  # a row, flags and seed's longest run (a 1600-step run holds its first 400 steps)
+    for r in results:
+        key = r["row"], " ".join(r["flags"]), r["seed"]
+        if r["row"] in GAP_ROWS and not r.get("note") and r["steps"] >= longest.get(key, {}).get("steps", 0):
+            longest[key] = r
+    labelled = set()
+    for (row, flags, seed), r in sorted(longest.items()):
+        beta = r["settings"]["kl_beta"]
+        name = ROWS[row][0] + "".join(f" {x}" for x in r["flags"][len(ROWS[row][1]):])  # with its extra flags
+        if beta not in at:
+            lines.append(f"| {name} | {seed} | {r['steps']} | (no reading at beta {beta}) |")
+            continue
+        gap = objective_gap(r["curves"], beta, reading["large_tokens"], at[beta])  # 50-step windows
+
+        def mean(first, last, values=gap):  # steps first..last, if the run went that far
+            return float(np.mean(values[first // 50:last // 50])) if len(values) >= last // 50 else None
+        shown = [mean(*span) for span in ((0, 400), (400, 800), (1200, 1600))]
+        lines.append(f"| {name} | {seed} | {r['steps']} | "
+                     + " | ".join("" if x is None else f"{x:.2f}" for x in shown)
+                     + f" | {at[beta] - beta * mean(len(gap) * 50 - 400, len(gap) * 50):.3f} | {r['after']['right']:.1%}"
+                     f" | {r['after']['layouts']:.2f} |")
+        steps = [200 * (i + 1) for i in range(len(gap) // 4)]
+        ax.plot(steps, [mean(s - 200, s) for s in steps], color=colours[row], lw=1.2, marker="o", ms=3,
+                ls="--" if flags != " ".join(ROWS[row][1]) else "-", label=None if name in labelled else name)
+        labelled.add(name)
+    if None in at:  # the reference's own distance from G, from the same draws
+        ax.axhline((at[beta] - at[None]) / beta, color="black", ls=":", lw=1, label="the reference (step 0)")
+    ax.axhline(0, color="green", ls="--", lw=1, label="at G")
+    ax.set_xlabel("step")
+    ax.set_ylabel("KL(pi || G), nats a picture (200-step means)")
+    ax.set_title(f"How far each run's policy is from the optimum G = ref exp(R / beta) / Z, beta {beta:g} "
+                 "(training captions)", fontsize=10)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    return "\n".join(lines)
 
 
 def run_ssim(seed: int, steps: int, extra: list[str]) -> dict:
@@ -497,16 +585,30 @@ def main() -> None:
     parser.add_argument("--optimum", nargs="+", type=float, metavar="BETA", help="where G = ref exp(R / beta) / Z "
                         "lies for each BETA (inf: the reference), from 32 draws a held-out caption (optimum_reading), "
                         "into docs/records/bench_optimum.jsonl")
+    parser.add_argument("--captions", choices=["held-out", "training"], default="held-out", help="--optimum's "
+                        "captions: the 161 held-out ones, or 161 of the training captions (what --gap reads)")
+    parser.add_argument("--gap", type=Path, metavar="PNG", help="how far each recorded run's policy is from G "
+                        "(objective_gap: KL(pi || G) a picture, step by step, from the records alone), as a table "
+                        "and a figure at PNG; needs --optimum's reading on the training captions")
     args = parser.parse_args(argv[: argv.index("--")] if "--" in argv else argv)
     run.quiet_libraries()
     if args.optimum and min(args.optimum) <= 0:
         parser.error(f"--optimum {min(args.optimum):g}: each beta weighs the KL and divides the reward; give betas > 0")
     if args.optimum:
-        reading = optimum_reading(args.optimum)
+        reading = optimum_reading(args.optimum, captions=args.captions)
         with open(args.results.with_name("bench_optimum.jsonl"), "a") as f:
             f.write(json.dumps(reading) + "\n")
         for r in reading["betas"]:
             print(f"beta {r['beta'] or math.inf:g}: G fully right {r['right']:.3f}, distinct layouts of 8 {r['layouts']:.2f}")
+        return
+    if args.gap:
+        optimum = args.results.with_name("bench_optimum.jsonl")
+        readings = [json.loads(x) for x in optimum.read_text().splitlines()] if optimum.exists() else []
+        readings = [r for r in readings if r.get("captions") == "training"]
+        if not readings:
+            sys.exit(f"--gap: {optimum} has no reading on the training captions; make one first: python "
+                     "tools/bench_learning.py --optimum inf 0.1 --captions training (about 5 min)")
+        print(gap_table([json.loads(x) for x in args.results.read_text().splitlines()], readings[-1], args.gap))
         return
     if args.layouts:
         for name in args.layouts:
