@@ -269,19 +269,24 @@ def test_optimum_of_draws():
 
 def test_objective_gap():
     """tools/bench_learning.py's KL(pi || G) from a run's record, by hand on a two-answer bandit: ref (1/2, 1/2),
-    rewards (1, 0), beta 1, so G = (e, 1) / (e + 1) and J(G) = log Z = log((e + 1) / 2). A policy pi = (0.9, 0.1)
-    logs E_pi[R] = 0.9 and KL(pi || ref) = 0.9 log 1.8 + 0.1 log 0.2; spread over 3 tokens the per-token kl is a
-    third of it. Its gap is KL(pi || G) computed directly; at G itself it is 0."""
+    rewards (1, 0), beta 0.5, so G = (e^2, 1) / (e^2 + 1) and J(G) = beta log Z = 0.5 log((e^2 + 1) / 2), which
+    optimum_of_draws gives from the two draws. Two windows: pi = (0.3, 0.7), then G itself; each logs E_pi[R] and its
+    KL(pi || ref) spread over 3 tokens (the per-token kl a third of it). The gaps are KL(pi || G) computed directly,
+    and 0 at G."""
     sys.path.insert(0, str(ROOT / "tools"))
-    from bench_learning import objective_gap
-    optimum = math.log((math.e + 1) / 2)
-    g = [math.e / (math.e + 1), 1 / (math.e + 1)]
-    for pi in ([0.9, 0.1], g):
-        kl_ref = sum(p * math.log(p / 0.5) for p in pi)
-        direct = sum(p * math.log(p / q) for p, q in zip(pi, g))
-        gap, = objective_gap({"reward_mean": [pi[0]], "kl": [kl_ref / 3]}, 1.0, 3, optimum)
-        assert gap == pytest.approx(direct, abs=1e-12)
-    assert direct == pytest.approx(0.0, abs=1e-12)
+    from bench_learning import objective_gap, optimum_of_draws
+    beta = 0.5
+    reading, = optimum_of_draws(torch.tensor([[1.0, 0.0]]), torch.tensor([[1.0, 0.0]]), [[(0,), (1,)]],
+                                torch.tensor([True]), [beta])
+    assert reading["objective"] == pytest.approx(beta * math.log((math.e ** 2 + 1) / 2))
+    g = [math.e ** 2 / (math.e ** 2 + 1), 1 / (math.e ** 2 + 1)]
+    policies = ([0.3, 0.7], g)
+    curves = {"reward_mean": [pi[0] for pi in policies],
+              "kl": [sum(p * math.log(p / 0.5) for p in pi) / 3 for pi in policies]}
+    gaps = objective_gap(curves, beta, 3, reading["objective"])
+    direct = [sum(p * math.log(p / q) for p, q in zip(pi, g)) for pi in policies]
+    assert gaps == pytest.approx(direct, abs=1e-6)
+    assert gaps[1] == pytest.approx(0.0, abs=1e-6) and gaps[0] > 0.1
 
 
 def test_bench_learning_continues_its_shorter_runs(tmp_path):

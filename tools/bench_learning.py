@@ -189,7 +189,7 @@ def run_shapes(row: str, seed: int, steps: int, extra: list[str], runs: Path) ->
             "curves": {k: [round(float(np.nanmean([x.get(k, np.nan) for x in training[i:i + 50]])), 4)
                            for i in range(0, len(training), 50)]
                        for k in ("entropy", "kl", "zero_std_groups", "reward_mean", "distinct_in_group",
-                                 "kl_in_reward/penalty", "mara/augmented_share", "mara/anchor_reward")
+                                 "kl_in_reward/penalty", "mara/augmented_share", "mara/anchor_reward", "preview/kl")
                        if any(k in x for x in training)}}  # 50-step means
 
 
@@ -372,7 +372,8 @@ def evaluation_draws(out: Path | None, rewards: str, samples: int, examples: lis
 
 def training_captions(count: int = 161, seed: int = 0) -> list[dict]:
     """`count` of GRPO's 643 training captions (examples/shapes.txt), drawn without replacement with `seed` and kept
-    in the file's order: a sample of the captions a run's training steps draw uniformly."""
+    in the file's order: a sample of the captions a run trains on (without --shuffle, the tiny default, in the
+    file's order: a 50-step window's 100 captions are not this sample's mix)."""
     examples = user_input.read_prompts(str(ROOT / "examples" / "shapes.txt"))
     keep = sorted(np.random.default_rng(seed).choice(len(examples), size=count, replace=False).tolist())
     return [examples[i] for i in keep]
@@ -465,7 +466,7 @@ def gap_table(results: list[dict], reading: dict, path: Path) -> str:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     at = {x["beta"]: x["objective"] for x in reading["betas"]}
-    lines = [f"J(G) from {reading['samples']} reference draws of 161 training captions: " + ", ".join(
+    lines = [f"J(G) from {reading['samples']} reference draws a training caption: " + ", ".join(
                  f"beta {x['beta'] or math.inf:g} {x['objective']:.3f}" for x in reading["betas"]), "",
              "| run | seed | steps | KL(pi \\|\\| G), steps 1-400 | 401-800 | 1201-1600 | J(pi), its last 400 steps | "
              "held-out right | layouts |", "|---|---|---|---|---|---|---|---|---|"]
@@ -476,7 +477,7 @@ def gap_table(results: list[dict], reading: dict, path: Path) -> str:
         key = r["row"], " ".join(r["flags"]), r["seed"]
         if r["row"] in GAP_ROWS and not r.get("note") and r["steps"] >= longest.get(key, {}).get("steps", 0):
             longest[key] = r
-    labelled = set()
+    labelled, betas = set(), set()
     for (row, flags, seed), r in sorted(longest.items()):
         beta = r["settings"]["kl_beta"]
         name = ROWS[row][0] + "".join(f" {x}" for x in r["flags"][len(ROWS[row][1]):])  # with its extra flags
@@ -484,9 +485,10 @@ def gap_table(results: list[dict], reading: dict, path: Path) -> str:
             lines.append(f"| {name} | {seed} | {r['steps']} | (no reading at beta {beta}) |")
             continue
         gap = objective_gap(r["curves"], beta, reading["large_tokens"], at[beta])  # 50-step windows
+        betas.add(beta)
 
         def mean(first, last, values=gap):  # steps first..last, if the run went that far
-            return float(np.mean(values[first // 50:last // 50])) if len(values) >= last // 50 else None
+            return float(np.mean(values[max(0, first) // 50:last // 50])) if len(values) >= last // 50 else None
         shown = [mean(*span) for span in ((0, 400), (400, 800), (1200, 1600))]
         lines.append(f"| {name} | {seed} | {r['steps']} | "
                      + " | ".join("" if x is None else f"{x:.2f}" for x in shown)
@@ -496,12 +498,12 @@ def gap_table(results: list[dict], reading: dict, path: Path) -> str:
         ax.plot(steps, [mean(s - 200, s) for s in steps], color=colours[row], lw=1.2, marker="o", ms=3,
                 ls="--" if flags != " ".join(ROWS[row][1]) else "-", label=None if name in labelled else name)
         labelled.add(name)
-    if None in at:  # the reference's own distance from G, from the same draws
-        ax.axhline((at[beta] - at[None]) / beta, color="black", ls=":", lw=1, label="the reference (step 0)")
+    for beta in sorted(betas) if None in at else []:  # the reference's own distance from G, from the same draws
+        ax.axhline((at[beta] - at[None]) / beta, color="black", ls=":", lw=1, label=f"the reference, beta {beta:g}")
     ax.axhline(0, color="green", ls="--", lw=1, label="at G")
     ax.set_xlabel("step")
     ax.set_ylabel("KL(pi || G), nats a picture (200-step means)")
-    ax.set_title(f"How far each run's policy is from the optimum G = ref exp(R / beta) / Z, beta {beta:g} "
+    ax.set_title("How far each run's large grid is from the optimum G = ref exp(R / beta) / Z given the preview "
                  "(training captions)", fontsize=10)
     ax.legend(fontsize=7)
     fig.tight_layout()
@@ -599,7 +601,8 @@ def main() -> None:
         with open(args.results.with_name("bench_optimum.jsonl"), "a") as f:
             f.write(json.dumps(reading) + "\n")
         for r in reading["betas"]:
-            print(f"beta {r['beta'] or math.inf:g}: G fully right {r['right']:.3f}, distinct layouts of 8 {r['layouts']:.2f}")
+            print(f"beta {r['beta'] or math.inf:g}: G fully right {r['right']:.3f}, distinct layouts of 8 "
+                  f"{r['layouts']:.2f}, objective J(G) {r['objective']:.3f}")
         return
     if args.gap:
         optimum = args.results.with_name("bench_optimum.jsonl")
