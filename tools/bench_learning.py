@@ -492,8 +492,8 @@ def gap_table(results: list[dict], reading: dict, path: Path) -> str:
         shown = [mean(*span) for span in ((0, 400), (400, 800), (1200, 1600))]
         lines.append(f"| {name} | {seed} | {r['steps']} | "
                      + " | ".join("" if x is None else f"{x:.2f}" for x in shown)
-                     + f" | {at[beta] - beta * mean(len(gap) * 50 - 400, len(gap) * 50):.3f} | {r['after']['right']:.1%}"
-                     f" | {r['after']['layouts']:.2f} |")
+                     + f" | {at[beta] - beta * mean(len(gap) * 50 - 400, len(gap) * 50):.3f} | "
+                     f"{r['after']['right']:.1%} | {r['after']['layouts']:.2f} |")
         steps = [200 * (i + 1) for i in range(len(gap) // 4)]
         ax.plot(steps, [mean(s - 200, s) for s in steps], color=colours[row], lw=1.2, marker="o", ms=3,
                 ls="--" if flags != " ".join(ROWS[row][1]) else "-", label=None if name in labelled else name)
