@@ -289,6 +289,22 @@ def test_objective_gap():
     assert gaps[1] == pytest.approx(0.0, abs=1e-6) and gaps[0] > 0.1
 
 
+def test_bench_learning_gap_refuses_in_one_line(tmp_path):
+    """tools/bench_learning.py --gap without runs recorded, or without --optimum's reading on the training captions,
+    and --captions without --optimum: each a one-line error, a non-zero exit, no traceback, nothing written."""
+    results, gap = tmp_path / "bench_learning.jsonl", ["--gap", str(tmp_path / "gap.png")]
+
+    def refused(argv, says):
+        done = subprocess.run([sys.executable, str(ROOT / "tools" / "bench_learning.py"), *argv], capture_output=True,
+                              text=True, cwd=tmp_path)
+        assert done.returncode != 0 and says in done.stderr and "Traceback" not in done.stderr, done.stderr
+    refused([*gap, "--results", str(results)], "does not exist")
+    results.write_text("")  # runs recorded, no reading of G beside them
+    refused([*gap, "--results", str(results)], "no reading on the training captions")
+    refused(["--captions", "training"], "give --optimum BETA")
+    assert not (tmp_path / "gap.png").exists()
+
+
 def test_bench_learning_continues_its_shorter_runs(tmp_path):
     """tools/bench_learning.py's --steps N continues the longest shorter run of the same row, flags and seed that saved
     its end checkpoint (a 400-step run's folder has no suffix); another seed's, or one without that checkpoint, never."""

@@ -604,7 +604,12 @@ def main() -> None:
             print(f"beta {r['beta'] or math.inf:g}: G fully right {r['right']:.3f}, distinct layouts of 8 "
                   f"{r['layouts']:.2f}, objective J(G) {r['objective']:.3f}")
         return
+    if args.captions != "held-out" and not args.optimum:
+        parser.error("--captions chooses --optimum's captions; give --optimum BETA... with it")
     if args.gap:
+        if not args.results.exists():
+            sys.exit(f"--gap: {args.results} does not exist: it reads the runs recorded there; train some first (--rows "
+                     "...) or give --results")
         optimum = args.results.with_name("bench_optimum.jsonl")
         readings = [json.loads(x) for x in optimum.read_text().splitlines()] if optimum.exists() else []
         readings = [r for r in readings if r.get("captions") == "training"]
