@@ -608,8 +608,8 @@ def main() -> None:
         parser.error("--captions chooses --optimum's captions; give --optimum BETA... with it")
     if args.gap:
         if not args.results.exists():
-            sys.exit(f"--gap: {args.results} does not exist: it reads the runs recorded there; train some first (--rows "
-                     "...) or give --results")
+            sys.exit(f"--gap: {args.results} does not exist: it reads the runs recorded there; train some first "
+                     "(--rows ...) or give --results")
         optimum = args.results.with_name("bench_optimum.jsonl")
         readings = [json.loads(x) for x in optimum.read_text().splitlines()] if optimum.exists() else []
         readings = [r for r in readings if r.get("captions") == "training"]
