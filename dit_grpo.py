@@ -195,7 +195,7 @@ def train_step(policy, optimizer, chains: list[Chain], advantages: torch.Tensor,
     one step's graph for `micro_batch_size` samples, whatever the window. A group out of the loss (`in_loss` False:
     a non-finite reward) runs its pieces with their loss times 0 (under torchrun every process joins each
     collective); the step is skipped only when no process has a group in the loss. `scheduler`: stepped after the
-    update if it applied (grpo.train_step's), or None.
+    update if it applied (helpers/trainer.py's train_step's), or None.
     """
     policy.eval()  # no dropout: the trainer's Gaussian must be the sampler's
     if in_loss is None:

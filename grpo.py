@@ -9,7 +9,8 @@ of G token grids o_1..o_G, decode them to images, score them, and maximise
 
 r_it = pi(o_it | x, o_i<t) / pi_old(o_it | x, o_i<t): the policy now over pi_old, the policy before
 the step's first update; A_i = (R_i - mean(R)) / std(R): sample i's reward against its
-group's; KL_it: the k3 estimate of KL(pi || ref), ref a frozen copy of the initial AR.
+group's; KL_it: the k3 estimate of KL(pi || ref), ref a frozen copy of the initial AR
+(k3 = ref/pi - log(ref/pi) - 1 per token, >= 0: grpo_loss).
 
 The outline. Each step is a section below; `train`, near the end, runs them in a loop.
   Config              every setting, one field each (their defaults: the shipped tiny model's)
@@ -18,17 +19,21 @@ The outline. Each step is a section below; `train`, near the end, runs them in a
   Step 2. Decode      tokens -> pictures, by the frozen DiT               decode_images
   Step 3. Score       SSIM or -MSE to a target picture                    group_rewards
   Step 4. Advantages  the rewards z-scored within each group              group_advantages
-  Step 5. Update      5a the trainer's log-probs, 5b the loss (grpo_loss), 5c mu updates (update)
+  Step 5. Update      5a the trainer's log-probs, 5b the loss (grpo_loss), 5c mu updates (update:
+                      cfg.mu optimizer steps on the same samples, cleanrl's update_epochs)
   The loop            steps 1-5, cfg.steps times                          train
   Editing             an addition: a source picture in the prompt
   main                the command line
 Step 1 starts after the config and the loading (a hundred lines): a policy must exist to sample.
+GRPO alone is five functions, about 160 lines: group_advantages (Step 4), aggregate and grpo_loss
+(5b), update (5c), train (the loop). Steps 1-3 are GLM-Image's: how its AR samples, its DiT paints.
 
 Where this departs from the paper:
   - only the large grid's tokens (H/32 x W/32: 32x32 at 1024x1024, 3x3 at the tiny 96x96) are in
     the loss: the DiT paints from them. The AR first writes a preview grid, a fixed 16x16 thumbnail
     that conditions the large grid and is never painted. It is part of the action: leaving it out
-    drops its A grad log pi term and its KL, a choice with a cost (--train-tokens all keeps them);
+    drops its A grad log pi term and its KL, a choice with a cost (the command line's
+    --train-tokens all keeps them: helpers/variants.py);
   - the AR's 3D rotary positions are rebuilt for the trainer's forward (`rope_positions`), or the
     log-probs are several nats wrong;
   - sampler and trainer call one definition of the policy (`code_logprobs`); pi_old is the
@@ -36,7 +41,8 @@ Where this departs from the paper:
   - with top-p (the real model's preset) the sampler draws from its nucleus q, while p, the whole
     softmax, trains: the ratio, the KL and the loss are p's, and q != p is left uncorrected;
   - truncated importance weights pi_old / pi_sampler (TRL's, cut at sampler_cap) absorb the
-    sampler's rounding (bf16 kernels on a GPU); on a CPU in float32 they are 1 within 1e-5.
+    sampler's rounding (bf16 kernels on a GPU); on a CPU in float32 they are 1 within 1e-5. Both
+    are p's here; TRL's pi_sampler is vLLM's processed q, so with top-p its weights also carry p/q.
 
   python grpo.py --prompts prompts.txt                          # the tiny GLM-Image, on a CPU
   python grpo.py --prompts examples/shapes.txt --reward shapes  # draw what the caption asks
@@ -77,7 +83,7 @@ class Config:  # a field per flag (--group-size ...); the defaults are the tiny 
     clip_eps: float = arg(0.2, "PPO clip: the ratio is clipped to [1 - eps, 1 + eps]")
     kl_beta: float = arg(0.1, "weight of the k3 KL to the frozen reference")
     mu: int = arg(2, "updates per batch of samples (cleanrl's update_epochs with one minibatch: "
-                     "one optimizer step per epoch); the clip acts from the second")
+                     "one optimizer step per epoch); the clip acts from the second update")
     lr: float = arg(1e-4, "AdamW learning rate")
     weight_decay: float = arg(0.01, "AdamW weight decay")
     max_grad_norm: float = arg(1.0, "gradient-norm clip")
@@ -90,10 +96,11 @@ class Config:  # a field per flag (--group-size ...); the defaults are the tiny 
     top_p: float = arg(1.0, "nucleus sampling: the fewest codes holding this much probability "
                             "(1: off)")
     top_k: int = arg(0, "sample from the k most likely codes only (0: off)")
-    sampler_cap: float = arg(2.0, "truncated importance weights pi_old / pi_sampler: cut to it")
+    sampler_cap: float = arg(2.0, "truncated importance weights pi_old / pi_sampler: at most this")
     seed: int = arg(0, "seed of the AR sampling")
     # the model, the pictures, the data
-    model: str = arg("tiny", "hub id, folder, tiny, tiny-edit, or random (published configs)")
+    model: str = arg("tiny", "hub id, folder, tiny, tiny-edit (the command line also takes random: "
+                             "the published configs, random weights)")
     revision: str = arg("", "the hub model's revision: a commit hash, branch or tag ('': its main)")
     height: int = arg(96, "image height")
     width: int = arg(96, "image width")
@@ -183,6 +190,7 @@ class Rollout(NamedTuple):  # a group's samples (sample_groups)
     prompt: Prompt
     tokens: torch.Tensor  # (G, N) long codes: the preview grid, then the large grid
     q_logprobs: torch.Tensor  # (G, N) float32: each code's log-prob under q, what the draw used
+    # (kept for the variants that train on q: helpers/variants.py; this file trains p)
     p_logprobs: torch.Tensor  # (G, N) float32: under p, the whole softmax (q = p without top-k/p)
 
 
@@ -300,8 +308,8 @@ def generate(model, prompt: "Prompt", temperature: float, seed: int, top_k: int 
                        logits_to_keep=1).logits[:, -1]  # (G, V): the next token's, cache updated
         q = code_logprobs(logits, temperature, K, top_k, top_p)  # (G, K): what the draw uses
         p = code_logprobs(logits, temperature, K)  # the whole softmax (= q without top-k / top-p)
-        # torch.multinomial(q.exp(), 1) as a race: the first of exponential(1) / q to finish (for
-        # E_k ~ exponential(1), P(argmax_k q_k / E_k = k) = q_k: Gumbel-max in exponential form). The
+        # torch.multinomial(q.exp(), 1) written as a race: code k wins with the largest q_k / E_k,
+        # E_k ~ exponential(1), and P(k wins) = q_k (the Gumbel-max trick in exponential form). The
         # noise is drawn over all V ids and cut to K so that the random numbers are the ones
         # transformers' generate uses: same seed, same codes.
         noise = torch.empty(G, V, device=ids.device).exponential_(generator=generator)[:, :K]
@@ -438,14 +446,16 @@ def group_rewards(images: list[torch.Tensor], examples: list[dict], rewards: dic
 
 # ---- Step 4. Advantages --------------------------------------------------------------------------
 
-def group_advantages(rewards: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+def group_advantages(rewards: torch.Tensor, rel_tol: float = 1e-6) -> torch.Tensor:
     """(P, G) or (G,) rewards R -> advantages A_i = (R_i - mean(R)) / std(R) within each group. The
-    std is the population's (/ G; TRL divides by the sample std + 1e-4). A group whose rewards do
-    not spread (equal up to rounding) gets zeros: it has nothing to teach; so does a group with a
+    std is the population's (/ G; TRL divides by the sample std + 1e-4): where the spread is well
+    above 1e-4 these are sqrt(G / (G - 1)) times TRL's (1.07x at G = 8); a spread near 1e-4 TRL
+    shrinks, this does not. A group whose rewards do not spread (std at most rel_tol times its
+    largest |R|: equal up to rounding) gets zeros: it has nothing to teach; so does a group with a
     NaN or inf reward (`train` leaves it out of the update)."""
     mean = rewards.mean(dim=-1, keepdim=True)
     std = rewards.std(dim=-1, unbiased=False, keepdim=True)
-    spread = std > eps * rewards.abs().amax(dim=-1, keepdim=True)  # False where a reward is NaN
+    spread = std > rel_tol * rewards.abs().amax(dim=-1, keepdim=True)  # False where a reward is NaN
     z = (rewards - mean) / std.clamp_min(torch.finfo(std.dtype).tiny)
     return torch.where(spread, z, torch.zeros_like(rewards))
 
@@ -484,6 +494,33 @@ def token_logprobs(model, inputs: dict, tokens: torch.Tensor, temperature: float
 
 # ---- 5b: the loss --------------------------------------------------------------------------------
 
+def aggregate(per_token: torch.Tensor, mask: torch.Tensor | None = None, loss_type: str = "grpo",
+              num_items_in_batch: float | None = None,
+              max_completion_length: int | None = None) -> torch.Tensor:
+    """(S, n) per-token values -> one number, as TRL's GRPOTrainer aggregates its loss. `mask`
+    (S, n) 0/1 marks each sequence's real tokens (default: all n). loss_type:
+      "grpo"     the paper's: each sequence's token mean, then the mean over the S sequences (a
+                 short answer's tokens weigh more: the length bias Dr. GRPO points out);
+      "bnpo"     the mean over every real token of the S sequences;
+      "dapo"     TRL's default: the token sum over num_items_in_batch, the loss tokens of the whole
+                 accumulated batch per process (default: these S sequences' own, as bnpo);
+      "dr_grpo"  the token sum over S times max_completion_length (default: the padded length n).
+    GLM-Image's sequences all fill the same grids, so every type gives the plain mean here. Raises
+    ValueError for another loss_type."""
+    if mask is None:
+        mask = torch.ones_like(per_token)
+    total = (per_token * mask).sum()
+    if loss_type == "grpo":
+        return ((per_token * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1)).mean()
+    if loss_type == "bnpo" or (loss_type == "dapo" and num_items_in_batch is None):
+        return total / mask.sum().clamp(min=1)
+    if loss_type == "dapo":
+        return total / num_items_in_batch
+    if loss_type == "dr_grpo":
+        return total / (mask.shape[0] * (max_completion_length or mask.shape[1]))
+    raise ValueError(f"loss_type {loss_type!r}: use grpo, bnpo, dapo or dr_grpo")
+
+
 def grpo_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, ref_logprobs: torch.Tensor | None,
               advantages: torch.Tensor, clip_eps: float | torch.Tensor,
               kl_beta: float | torch.Tensor, weights: float | torch.Tensor = 1.0,
@@ -504,17 +541,15 @@ def grpo_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, ref_logprobs: 
     (1 - ref / pi) grad log pi, and E_pi[(ref / pi) grad log pi] = sum ref grad log pi. A, eps,
     beta and w may also be tensors that broadcast to (S, n): one per sample or token. Returns the
     loss, differentiable in logprobs, and its metrics (over the mask's tokens when one is given;
-    clip_frac counts the tokens whose gradient the clip stops, cleanrl's every |r - 1| > eps).
-    d is capped at 20 so that exp stays finite (tools/bench_kl_cap.py); past the cap (pi gives the
-    token 20 nats less log-prob than the reference) the KL's gradient is 0.
+    clip_frac counts the tokens whose gradient the clip stops, where cleanrl's clipfracs count
+    every token with |r - 1| > eps). d is capped at 20 so that exp stays finite
+    (tools/bench_kl_cap.py); past the cap (pi gives the token 20 nats less log-prob than the
+    reference) the KL's gradient is 0.
 
-    A copier's note: here every sequence has n tokens (GLM-Image's samples all fill the same grids),
-    so the aggregations agree. For an LLM, whose answers differ in length, pass the (S, n) 0/1
-    padding `mask` and pick TRL's loss_type: "grpo" (the paper's, above: each answer's token mean,
-    then the mean over answers, which weighs a short answer's tokens more: the length bias Dr. GRPO
-    points out), "dapo" (TRL's default: the token sum over num_items_in_batch, the loss tokens of
-    the whole accumulated batch per process; default: these S answers' own, TRL's "bnpo") or
-    "dr_grpo" (the token sum over S times max_completion_length; default: the padded length n)."""
+    A copier's note: copy `aggregate` with it; the 1/S 1/n above is its "grpo". For an LLM, whose answers differ in
+    length, pass the (S, n) 0/1 padding `mask` and pick TRL's loss_type there (with its
+    num_items_in_batch or max_completion_length); a "dapo" over num_items_in_batch already divides
+    by the accumulated batch, so do not also weigh it by `update`'s share."""
     A = advantages.reshape(len(advantages), -1).to(logprobs)  # (S, 1): A_i on each of its tokens
     ratio = torch.exp(logprobs - old_logprobs)  # (S, n)
     clipped_ratio = torch.clamp(ratio, 1 - clip_eps, 1 + clip_eps)
@@ -524,25 +559,15 @@ def grpo_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, ref_logprobs: 
         d = (ref_logprobs - logprobs).clamp(max=20.0)  # exp(20) stays finite; below, no cap
         kl = torch.exp(d) - d - 1  # >= 0 up to rounding (-6e-8); a clamp would zero its gradient
     per_token = weights * surrogate - kl_beta * kl  # (S, n)
-    if mask is None:
-        loss = -per_token.mean(dim=1).mean()  # 1/|o_i| within a sequence, then the mean over S
-    elif loss_type == "grpo":
-        loss = -((per_token * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1)).mean()
-    elif loss_type == "dapo":  # TRL's default
-        normaliser = mask.sum().clamp(min=1) if num_items_in_batch is None else num_items_in_batch
-        loss = -(per_token * mask).sum() / normaliser
-    elif loss_type == "dr_grpo":
-        length = mask.shape[1] if max_completion_length is None else max_completion_length
-        loss = -(per_token * mask).sum() / (mask.shape[0] * length)
-    else:
-        raise ValueError(f"loss_type {loss_type!r}: use grpo, dapo or dr_grpo")
+    loss = -aggregate(per_token, mask, loss_type, num_items_in_batch, max_completion_length)
     with torch.no_grad():  # the clip stops the gradient: r > 1+eps with A > 0, r < 1-eps with A < 0
         clipped = ((ratio > 1 + clip_eps) & (A > 0)) | ((ratio < 1 - clip_eps) & (A < 0))
-        policy = (weights * surrogate).expand_as(ratio)
+        policy = -aggregate((weights * surrogate).expand_as(ratio), mask, loss_type,
+                            num_items_in_batch, max_completion_length)
         if mask is not None:  # the answers' tokens only, not their padding: (T,) each
             real = mask.bool()
-            policy, kl, clipped, ratio = policy[real][None], kl[real], clipped[real], ratio[real]
-        metrics = {"policy_loss": -policy.mean(dim=1).mean().item(),
+            kl, clipped, ratio = kl[real], clipped[real], ratio[real]
+        metrics = {"policy_loss": policy.item(),
                    "kl": kl.mean().clamp_min(0).item(), "clip_frac": clipped.float().mean().item(),
                    "ratio_min": ratio.min().item(), "ratio_mean": ratio.mean().item(),
                    "ratio_max": ratio.max().item()}
@@ -555,7 +580,9 @@ def importance_weights(old_logprobs: torch.Tensor, sampler_logprobs: torch.Tenso
     (S, T) log-probs of the drawn tokens under the trained distribution as the trainer computes
     them (pi_old) and as the sampler did (its kernels, bf16 on a GPU) -> (S, T) weights
     pi_old / pi_sampler, cut to `cap`. An exact sampler gets 1 (float32: 1 +- 1e-5). Not
-    differentiable: a weight, not a term of the policy."""
+    differentiable: a weight, not a term of the policy. Both are p's, so the weights read the
+    kernels' drift alone; TRL divides by vLLM's processed log-probs (q: after top-k / top-p), so
+    with top-p its weights also hold p / q, the nucleus' mass (docs/real_model.md)."""
     ratio = torch.exp((old_logprobs - sampler_logprobs).clamp(max=20.0)).detach()
     return ratio.clamp(max=cap)
 
@@ -617,7 +644,10 @@ def micro_batch_loss(distribution: torch.Tensor, mb: MicroBatch, old_logprobs: t
 def update(policy, optimizer, batches: list[MicroBatch], ref_model, cfg: Config) -> dict:
     """Step 5 on one screen: cfg.mu updates of the policy on one step's micro-batches (cleanrl's
     update_epochs), each one optimizer step on the gradient accumulated over all micro-batches ->
-    the last update's metrics (the ratio's extremes over every update)."""
+    the last update's metrics (the ratio's extremes over every update). Raises ValueError for
+    cfg.mu < 1."""
+    if cfg.mu < 1:
+        raise ValueError(f"mu {cfg.mu}: update_epochs is at least 1")
     # transformers checkpoints in train mode only; with dropout 0 (disable_dropout) both modes
     # compute the same policy, and eval mode is the sampler's
     policy.train(cfg.gradient_checkpointing)
@@ -784,7 +814,7 @@ def edit_inputs(source: Source, group_size: int, device) -> dict:
 # ---- main: the command line --------------------------------------------------------------------
 
 def main(argv: list[str] | None = None) -> dict:
-    """`python grpo.py --prompts ...`: `train`'s steps inside the lab's trainer, helpers/trainer.py
+    """`python grpo.py --prompts ...`: `train`'s steps inside the full trainer, helpers/trainer.py
     (the checks, torchrun, checkpoints, logging, evaluation, the variants of the algorithm)."""
     try:
         from helpers import trainer

@@ -475,6 +475,21 @@ def test_token_logprobs_truncated(sharp_pipe, top_k, top_p):
 
 # ---- 5b: the loss --------------------------------------------------------------------------------
 
+def test_aggregate():
+    """TRL's aggregations by hand on two sequences of 4 and 2 real tokens (sums 10 and 11): "grpo" the mean of their
+    token means, "bnpo" and "dapo" (by default) the mean over the 6 tokens, "dapo" over num_items_in_batch,
+    "dr_grpo" over S times the padded length or max_completion_length; no mask: every token is real."""
+    values = torch.tensor([[1.0, 2.0, 3.0, 4.0], [5.0, 6.0, 0.0, 0.0]])
+    mask = torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0]])
+    want = {("grpo", None, None): (10 / 4 + 11 / 2) / 2, ("bnpo", 7, None): 21 / 6, ("dapo", None, None): 21 / 6,
+            ("dapo", 7, None): 21 / 7, ("dr_grpo", None, None): 21 / (2 * 4), ("dr_grpo", None, 6): 21 / (2 * 6)}
+    for (loss_type, items, length), value in want.items():
+        assert grpo.aggregate(values, mask, loss_type, items, length).item() == pytest.approx(value), loss_type
+    assert grpo.aggregate(values).item() == pytest.approx((10 / 4 + 11 / 4) / 2)
+    with pytest.raises(ValueError, match="use grpo, bnpo, dapo or dr_grpo"):
+        grpo.aggregate(values, mask, "token_mean")
+
+
 def test_grpo_loss():
     """The docstring's equation, by a loop over sequences and tokens; the KL >= 0, 0 at the reference, finite on a
     spike; the metrics as defined."""
@@ -568,8 +583,9 @@ def test_grpo_loss_per_sample_symbols():
 def test_grpo_loss_aggregations():
     """TRL's loss_types with a padding mask, by hand on answers of unequal length (an LLM's): "grpo" each answer's
     token mean then the mean, "dapo" the token sum over the batch's tokens (by default these answers', TRL's "bnpo"),
-    "dr_grpo" the token sum over S times max_completion_length (by default the padded length); a mask of ones gives
-    the lesson's loss for each; another name is refused."""
+    "dr_grpo" the token sum over S times max_completion_length (by default the padded length), "bnpo" the token mean
+    over these answers whatever is passed; a mask of ones gives the lesson's loss for each; another name is refused;
+    the policy_loss metric is aggregated as the loss is."""
     g = torch.Generator().manual_seed(5)
     logp, old, ref = (-torch.rand(3, 4, generator=g) for _ in range(3))
     adv = torch.tensor([1.0, -0.5, 0.3])
@@ -591,10 +607,17 @@ def test_grpo_loss_aggregations():
     dr_grpo, _ = grpo.grpo_loss(logp, old, ref, adv, 0.2, 0.1, mask=mask, loss_type="dr_grpo", max_completion_length=8)
     assert dapo.item() == pytest.approx(-(per_token * mask).sum().item() / 20, rel=1e-6)
     assert dr_grpo.item() == pytest.approx(-(per_token * mask).sum().item() / (3 * 8), rel=1e-6)
-    with pytest.raises(ValueError, match="loss_type 'bnpo'"):
-        grpo.grpo_loss(logp, old, ref, adv, 0.2, 0.1, mask=mask, loss_type="bnpo")
+    bnpo, _ = grpo.grpo_loss(logp, old, ref, adv, 0.2, 0.1, mask=mask, loss_type="bnpo", num_items_in_batch=20)
+    assert bnpo.item() == pytest.approx(want["dapo"].item(), rel=1e-6)  # bnpo: these answers' tokens, always
+    with pytest.raises(ValueError, match="loss_type 'sum'"):
+        grpo.grpo_loss(logp, old, ref, adv, 0.2, 0.1, mask=mask, loss_type="sum")
+    # policy_loss is the policy term aggregated as the loss is: "grpo" per answer, then the mean
+    policy = torch.min(r * adv[:, None], r.clamp(0.8, 1.2) * adv[:, None])
+    for loss_type, value in {"grpo": -sum((policy[i] * mask[i]).sum() / mask[i].sum() for i in range(3)) / 3,
+                             "dapo": -(policy * mask).sum() / mask.sum()}.items():
+        _, metrics = grpo.grpo_loss(logp, old, ref, adv, 0.2, 0.1, mask=mask, loss_type=loss_type)
+        assert metrics["policy_loss"] == pytest.approx(value.item(), rel=1e-6), loss_type
     # the metrics read the answers' tokens only: the padding's ratio and KL are not in them
-    _, metrics = grpo.grpo_loss(logp, old, ref, adv, 0.2, 0.1, mask=mask, loss_type="dapo")
     real = mask.bool()
     assert metrics["kl"] == pytest.approx((d.exp() - d - 1)[real].mean().item(), rel=1e-6)
     assert metrics["ratio_max"] == r[real].max().item() and metrics["ratio_min"] == r[real].min().item()
@@ -712,7 +735,7 @@ def test_update_micro_batching(pipe):
 
 def test_update_mu(random_pipe):
     """With mu > 1 the later updates see their ratios leave 1 (pi_old stays the first update's), and the clip acts;
-    each update's gradient starts from zero: at lr 0 the third update's gradient is the first's."""
+    each update's gradient starts from zero: at lr 0 the third update's gradient is the first's; mu 0 is refused."""
     r = sample_group(random_pipe, "a cat", 4, 64, 64, T, seed=0)
     adv = torch.tensor([[1.0, -1.0, 0.5, -0.5]])
     once, _ = gradients(copy.deepcopy(random_pipe.vision_language_encoder), [r], adv, 2)
@@ -721,6 +744,8 @@ def test_update_mu(random_pipe):
     _, m = gradients(copy.deepcopy(random_pipe.vision_language_encoder), [r], torch.tensor([[1.0, -1.0, 1.0, -1.0]]),
                      4, mu=3, lr=5.0)
     assert (m["ratio_max"] > 1.2 or m["ratio_min"] < 0.8) and m["clip_frac"] > 0
+    with pytest.raises(ValueError, match="mu 0: update_epochs is at least 1"):  # not a NameError after no update
+        gradients(random_pipe.vision_language_encoder, [r], adv, 2, mu=0)
 
 
 def test_update_nonfinite(pipe):
@@ -942,14 +967,15 @@ def test_grpo_copied_alone(tmp_path):
 
 
 COPIED_FUNCTIONS = {  # a function a reader copies -> the functions of grpo.py it calls (its docstring names them)
-    "grpo_loss": [], "group_advantages": [], "code_logprobs": [], "ssim_reward": [], "rope_positions": [],
+    "grpo_loss": ["aggregate"], "aggregate": [], "group_advantages": [], "code_logprobs": [], "ssim_reward": [], "rope_positions": [],
     "generate": ["code_logprobs", "rope_positions"],
 }
 
 
 def test_functions_copied_alone(tmp_path, pipe):
     """Each function a reader would copy runs with grpo.py's imports alone (and the functions its docstring names):
-    grpo_loss, group_advantages, code_logprobs, ssim_reward, rope_positions and generate give what grpo's give."""
+    grpo_loss (with aggregate), group_advantages, code_logprobs, ssim_reward, rope_positions and generate give what
+    grpo's give."""
     source = (ROOT / "grpo.py").read_text()
     tree = ast.parse(source)
     imports = "\n".join(ast.get_source_segment(source, node) for node in tree.body
@@ -963,7 +989,7 @@ def test_functions_copied_alone(tmp_path, pipe):
     g = torch.Generator().manual_seed(0)
     logp, old, ref = (-torch.rand(2, 3, generator=g) for _ in range(3))
     namespace = {}
-    exec(compile(imports + "\n" + defined["grpo_loss"], "grpo_loss", "exec"), namespace)
+    exec(compile(imports + "\n" + defined["aggregate"] + "\n\n" + defined["grpo_loss"], "grpo_loss", "exec"), namespace)
     args = (logp, old, ref, torch.tensor([1.0, -1.0]), 0.2, 0.1)
     assert torch.equal(namespace["grpo_loss"](*args)[0], grpo.grpo_loss(*args)[0])
     exec(compile(imports + "\n" + "\n\n".join(defined[n] for n in ["code_logprobs", "rope_positions", "generate"]),

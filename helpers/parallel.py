@@ -179,7 +179,7 @@ def merge_parts(parts: list[tuple[dict, float]]) -> dict:
 
 
 def merge_metrics(updates: list[list[tuple[dict, float]]]) -> dict:
-    """grpo.train_step's mu updates, each a list of micro-batches' (metrics, share) -> one dict: the last update's
+    """trainer.train_step's mu updates, each a list of micro-batches' (metrics, share) -> one dict: the last update's
     means, the extremes over all updates (counted once), the sampler's own readings (sampler_gap,
     outside_truncation) from the first update, and with mu > 1 kl_peak, the largest update's mean kl (GARDO's KL
     trigger reads every update's: variants.after_step)."""

@@ -673,7 +673,7 @@ def open_run(r: Run, policy, optimizer, ref_model=None) -> None:
 
 def lr_schedule(optimizer, cfg):
     """--lr-scheduler after --warmup-steps, over --steps: transformers' schedule (a LambdaLR) over the run's optimizer
-    updates, --mu a step (grpo.train_step steps it after each update it applies, as transformers' Trainer and TRL
+    updates, --mu a step (trainer.train_step steps it after each update it applies, as transformers' Trainer and TRL
     do): at mu 2 with a warmup of 1 step the updates' rates are 0, 0.5 lr, then lr. An update skipped for a non-finite
     loss moves no rate (as Accelerate skips its scheduler after a skipped step): the schedule counts applied updates."""
     from transformers import get_scheduler

@@ -103,6 +103,18 @@ def check_editing(nb):
     assert number_after("text-to-image positions", text) > 0.1
 
 
+def test_notebook_names_what_grpo_has(committed):
+    """Every `grpo.name` the notebook's text or code names is defined in grpo.py (its markdown once named a
+    `grpo.mismatch_weights` that never existed)."""
+    tree = ast.parse((ROOT / "grpo.py").read_text())
+    defined = {node.name for node in tree.body if isinstance(node, (ast.FunctionDef, ast.ClassDef))}
+    defined |= {target.id for node in tree.body if isinstance(node, ast.Assign) for target in node.targets
+                if isinstance(target, ast.Name)}
+    text = "\n".join(cell.source for cell in committed.cells)
+    named = set(re.findall(r"\bgrpo\.([A-Za-z_]\w*)", text)) - {"py"}
+    assert len(named) > 20 and not named - defined, sorted(named - defined)
+
+
 def test_notebook_committed_numbers(committed):
     """The committed outputs show parity, learning and editing's parity (check_parity, check_training,
     check_editing), and a reward table of G = 8 samples and their mean."""

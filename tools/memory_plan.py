@@ -714,7 +714,7 @@ def ar_inputs(model, P: int, large: tuple, preview: tuple, G: int = 1) -> tuple[
 
 def measure_step(model, length: tuple, passes: int = 1, backward: bool = True, skip_arithmetic: bool = True,
                  scale_to: tuple | None = None) -> dict:
-    """`passes` micro-batches of one sequence through grpo.train_step's work, inside one autocast(bf16) as grpo.py
+    """`passes` micro-batches of one sequence through trainer.train_step's work, inside one autocast(bf16) as grpo.py
     runs it: grpo.token_logprobs (teacher-forced forward, logits_to_keep=N, code_logprobs), a loss, its backward;
     gradients add up from the second pass on. Returns per kind: `saved` (saved_tensors_hooks of the first forward:
     distinct storages, weights and inputs excluded), `kept` (live storages at the end of the first forward), and per
@@ -732,7 +732,7 @@ def measure_step(model, length: tuple, passes: int = 1, backward: bool = True, s
         saved.setdefault(t.untyped_storage()._cdata, t)  # (holds nothing autograd does not hold anyway)
         return t
 
-    model.train(model.is_activation_checkpointing)  # as grpo.train_step: train mode only to checkpoint
+    model.train(model.is_activation_checkpointing)  # as trainer.train_step: train mode only to checkpoint
     with torch.autocast("cpu", dtype=torch.bfloat16), live:
         for k in range(passes):
             start = live.ops
@@ -1181,7 +1181,7 @@ def dit_lora_params(r: int, config: dict | None = None) -> int:
 
 def dit_train_activation_bytes(micro_batch: int, calls: int, height: int, width: int, glyph_tokens: int,
                                checkpointing: bool) -> float:
-    """What one backward piece of dit_grpo.train_step keeps: `micro_batch` samples x ONE denoising step (it
+    """What one backward piece of dit_trainer.train_step keeps: `micro_batch` samples x ONE denoising step (it
     back-propagates step by step) x `calls` DiT calls (2 with classifier-free guidance). Without checkpointing every
     block's saved tensors; with it, what checkpointing keeps of each block (its inputs) plus one block recomputed.
     Both per token from MEASURED_DIT."""
