@@ -25,15 +25,19 @@ The outline. Each step is a section below; `train`, near the end, runs them in a
   Editing             an addition: a source picture in the prompt
   main                the command line
 Step 1 starts after the config and the loading (a hundred lines): a policy must exist to sample.
-GRPO alone is five functions, about 160 lines: group_advantages (Step 4), aggregate and grpo_loss
-(5b), update (5c), train (the loop). Steps 1-3 are GLM-Image's: how its AR samples, its DiT paints.
+GRPO alone is about 200 lines: group_advantages (Step 4), aggregate and grpo_loss (5b), update
+with micro_batches and micro_batch_loss (5c), and train (the loop). Steps 1-3 are GLM-Image's: how
+its AR samples, how its DiT paints, how a picture scores.
 
-Where this departs from the paper:
+Where this departs from the paper (pi here is p, the softmax of the AR's logits over the image
+codes at the sampling temperature; q is p cut to top-k / top-p, what the sampler draws from;
+pi_sampler is p as the sampler's own kernels computed it):
   - only the large grid's tokens (H/32 x W/32: 32x32 at 1024x1024, 3x3 at the tiny 96x96) are in
     the loss: the DiT paints from them. The AR first writes a preview grid, a fixed 16x16 thumbnail
     that conditions the large grid and is never painted. It is part of the action: leaving it out
-    drops its A grad log pi term and its KL, a choice with a cost (the command line's
-    --train-tokens all keeps them: helpers/variants.py);
+    drops its A grad log pi term and its KL, a choice with a cost (the preview's part in the
+    reward gets no credit, its drift no KL; the command line's --train-tokens all keeps them:
+    helpers/variants.py);
   - the AR's 3D rotary positions are rebuilt for the trainer's forward (`rope_positions`), or the
     log-probs are several nats wrong;
   - sampler and trainer call one definition of the policy (`code_logprobs`); pi_old is the
@@ -503,10 +507,11 @@ def aggregate(per_token: torch.Tensor, mask: torch.Tensor | None = None, loss_ty
                  short answer's tokens weigh more: the length bias Dr. GRPO points out);
       "bnpo"     the mean over every real token of the S sequences;
       "dapo"     TRL's default: the token sum over num_items_in_batch, the loss tokens of the whole
-                 accumulated batch per process (default: these S sequences' own, as bnpo);
+                 accumulated batch per process (TRL's num_items_in_batch, counted over all
+                 processes, / num_processes; default: these S sequences' own, as bnpo);
       "dr_grpo"  the token sum over S times max_completion_length (default: the padded length n).
-    GLM-Image's sequences all fill the same grids, so every type gives the plain mean here. Raises
-    ValueError for another loss_type."""
+    GLM-Image's sequences all fill the same grids, so every type gives the plain mean here (with
+    its default normaliser). Raises ValueError for another loss_type."""
     if mask is None:
         mask = torch.ones_like(per_token)
     total = (per_token * mask).sum()
@@ -538,7 +543,9 @@ def grpo_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, ref_logprobs: 
     Schulman: >= 0, unbiased when the tokens are drawn from pi itself. Here they are the sampler's
     (pi_old's; with top-p its nucleus q's, not p's), and at mu > 1 pi has moved since. Per token,
     given its prefix, in expectation under pi its gradient is KL(ref || pi)'s: the gradient is
-    (1 - ref / pi) grad log pi, and E_pi[(ref / pi) grad log pi] = sum ref grad log pi. A, eps,
+    (1 - ref / pi) grad log pi, and E_pi[(ref / pi) grad log pi] = sum ref grad log pi. Both
+    KLs are 0 only at pi = ref, so the term pulls pi toward ref either way (as the paper's and
+    TRL's do); its value reads KL(pi || ref), its pull is the forward KL's. A, eps,
     beta and w may also be tensors that broadcast to (S, n): one per sample or token. Returns the
     loss, differentiable in logprobs, and its metrics (over the mask's tokens when one is given;
     clip_frac counts the tokens whose gradient the clip stops, where cleanrl's clipfracs count
@@ -546,8 +553,9 @@ def grpo_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, ref_logprobs: 
     (tools/bench_kl_cap.py); past the cap (pi gives the token 20 nats less log-prob than the
     reference) the KL's gradient is 0.
 
-    A copier's note: copy `aggregate` with it; the 1/S 1/n above is its "grpo". For an LLM, whose answers differ in
-    length, pass the (S, n) 0/1 padding `mask` and pick TRL's loss_type there (with its
+    A copier's note: copy `aggregate` with it; the 1/S 1/n above is its "grpo", the one `update`
+    uses (it passes no mask: every sequence here is full). For an LLM, whose answers differ in
+    length, pass the (S, n) 0/1 padding `mask` and pick TRL's loss_type (with its
     num_items_in_batch or max_completion_length); a "dapo" over num_items_in_batch already divides
     by the accumulated batch, so do not also weigh it by `update`'s share."""
     A = advantages.reshape(len(advantages), -1).to(logprobs)  # (S, 1): A_i on each of its tokens
@@ -576,7 +584,8 @@ def grpo_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, ref_logprobs: 
 
 def importance_weights(old_logprobs: torch.Tensor, sampler_logprobs: torch.Tensor,
                        cap: float = 2.0) -> torch.Tensor:
-    """Truncated importance weights (TIS; TRL's importance-sampling correction, token_truncate):
+    """Truncated importance weights (TIS; TRL's importance-sampling correction in its
+    token_truncate mode, where TRL's default is sequence_mask at 3):
     (S, T) log-probs of the drawn tokens under the trained distribution as the trainer computes
     them (pi_old) and as the sampler did (its kernels, bf16 on a GPU) -> (S, T) weights
     pi_old / pi_sampler, cut to `cap`. An exact sampler gets 1 (float32: 1 +- 1e-5). Not
@@ -653,7 +662,9 @@ def update(policy, optimizer, batches: list[MicroBatch], ref_model, cfg: Config)
     policy.train(cfg.gradient_checkpointing)
     K = policy.config.vq_config.num_embeddings
     ref_logprobs = [reference_logprobs(ref_model, mb, cfg.temperature) for mb in batches]
-    old_logprobs = [None] * len(batches)  # pi_old: the first update's own log-probs, detached
+    # pi_old: the first update's own log-probs, detached; not the sampler's, which only feed the
+    # importance weights (another computation of p: their ratio is the sampler's rounding)
+    old_logprobs = [None] * len(batches)
     n_rows = sum(len(mb.tokens) for mb in batches)  # the loss is a mean over the step's sequences
     ratio_min, ratio_max, skipped = math.inf, -math.inf, 0
     for epoch in range(cfg.mu):  # update_epochs over the same samples
