@@ -498,6 +498,23 @@ def token_logprobs(model, inputs: dict, tokens: torch.Tensor, temperature: float
 
 # ---- 5b: the loss --------------------------------------------------------------------------------
 
+def k3_kl(logprobs: torch.Tensor, ref_logprobs: torch.Tensor | None) -> torch.Tensor:
+    """(S, n) log-probs of the drawn tokens under pi and the reference -> (S, n) Schulman's k3
+    estimator of KL(pi || ref), exp(d) - d - 1 with d = ref_logprobs - logprobs; zeros without a
+    reference. Schulman: >= 0, unbiased when the tokens are drawn from pi itself. Here they are the
+    sampler's (pi_old's; with top-p its nucleus q's, not p's), and at mu > 1 pi has moved since.
+    Per token, given its prefix, in expectation under pi its gradient is KL(ref || pi)'s: the
+    gradient is (1 - ref / pi) grad log pi, and E_pi[(ref / pi) grad log pi] = sum ref grad log pi.
+    Both KLs are 0 only at pi = ref, so the term pulls pi toward ref either way (as the paper's and
+    TRL's do); its value reads KL(pi || ref), its pull is the forward KL's. d is capped at 20 so
+    that exp stays finite (tools/bench_kl_cap.py); past the cap (pi gives the token 20 nats less
+    log-prob than the reference) the KL's gradient is 0."""
+    if ref_logprobs is None:
+        return torch.zeros_like(logprobs)
+    d = (ref_logprobs - logprobs).clamp(max=20.0)  # exp(20) stays finite; below, no cap
+    return torch.exp(d) - d - 1  # >= 0 up to rounding (-6e-8); a clamp would zero its gradient
+
+
 def aggregate(per_token: torch.Tensor, mask: torch.Tensor | None = None, loss_type: str = "grpo",
               num_items_in_batch: float | None = None,
               max_completion_length: int | None = None) -> torch.Tensor:
@@ -514,16 +531,36 @@ def aggregate(per_token: torch.Tensor, mask: torch.Tensor | None = None, loss_ty
     its default normaliser). Raises ValueError for another loss_type."""
     if mask is None:
         mask = torch.ones_like(per_token)
-    total = (per_token * mask).sum()
+    masked = per_token * mask  # (S, n): the padding's values are 0
     if loss_type == "grpo":
-        return ((per_token * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1)).mean()
+        return (masked.sum(dim=1) / mask.sum(dim=1).clamp(min=1)).mean()
     if loss_type == "bnpo" or (loss_type == "dapo" and num_items_in_batch is None):
-        return total / mask.sum().clamp(min=1)
+        return masked.sum() / mask.sum().clamp(min=1)
     if loss_type == "dapo":
-        return total / num_items_in_batch
+        return masked.sum() / num_items_in_batch
     if loss_type == "dr_grpo":
-        return total / (mask.shape[0] * (max_completion_length or mask.shape[1]))
+        return masked.sum() / (mask.shape[0] * (max_completion_length or mask.shape[1]))
     raise ValueError(f"loss_type {loss_type!r}: use grpo, bnpo, dapo or dr_grpo")
+
+
+@torch.no_grad()
+def loss_metrics(ratio: torch.Tensor, advantages: torch.Tensor, clip_eps: float | torch.Tensor,
+                 kl: torch.Tensor, policy_loss: torch.Tensor,
+                 mask: torch.Tensor | None = None) -> dict:
+    """The loss's metrics, from its (S, n) ratios and k3 KLs, its (S, 1) or (S, n) advantages and
+    its aggregated policy term: policy_loss; kl, the tokens' mean; clip_frac, the share of tokens
+    whose gradient the clip stops (r > 1 + eps with A > 0, r < 1 - eps with A < 0; cleanrl's
+    clipfracs count every token with |r - 1| > eps); the ratio's min, mean and max. Over the
+    mask's real tokens when one is given."""
+    above, below = ratio > 1 + clip_eps, ratio < 1 - clip_eps
+    clipped = (above & (advantages > 0)) | (below & (advantages < 0))
+    if mask is not None:  # the answers' tokens only, not their padding: (T,) each
+        real = mask.bool()
+        kl, clipped, ratio = kl[real], clipped[real], ratio[real]
+    return {"policy_loss": policy_loss.item(),
+            "kl": kl.mean().clamp_min(0).item(), "clip_frac": clipped.float().mean().item(),
+            "ratio_min": ratio.min().item(), "ratio_mean": ratio.mean().item(),
+            "ratio_max": ratio.max().item()}
 
 
 def grpo_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, ref_logprobs: torch.Tensor | None,
@@ -539,47 +576,27 @@ def grpo_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, ref_logprobs: 
 
     r_it = exp(logprobs - old_logprobs); A_i = advantages, (S,); w_it the sampler's truncated
     importance weights (importance_weights; 1 for an exact sampler); KL_it the k3 estimator of
-    KL(pi || ref), exp(d) - d - 1 with d = ref_logprobs - logprobs, 0 without a reference.
-    Schulman: >= 0, unbiased when the tokens are drawn from pi itself. Here they are the sampler's
-    (pi_old's; with top-p its nucleus q's, not p's), and at mu > 1 pi has moved since. Per token,
-    given its prefix, in expectation under pi its gradient is KL(ref || pi)'s: the gradient is
-    (1 - ref / pi) grad log pi, and E_pi[(ref / pi) grad log pi] = sum ref grad log pi. Both
-    KLs are 0 only at pi = ref, so the term pulls pi toward ref either way (as the paper's and
-    TRL's do); its value reads KL(pi || ref), its pull is the forward KL's. A, eps,
-    beta and w may also be tensors that broadcast to (S, n): one per sample or token. Returns the
-    loss, differentiable in logprobs, and its metrics (over the mask's tokens when one is given;
-    clip_frac counts the tokens whose gradient the clip stops, where cleanrl's clipfracs count
-    every token with |r - 1| > eps). d is capped at 20 so that exp stays finite
-    (tools/bench_kl_cap.py); past the cap (pi gives the token 20 nats less log-prob than the
-    reference) the KL's gradient is 0.
+    KL(pi || ref) (k3_kl), 0 without a reference. A, eps, beta and w may also be tensors that
+    broadcast to (S, n): one per sample or token. Returns the loss, differentiable in logprobs,
+    and its metrics (loss_metrics).
 
-    A copier's note: copy `aggregate` with it; the 1/S 1/n above is its "grpo", the one `update`
-    uses (it passes no mask: every sequence here is full). For an LLM, whose answers differ in
-    length, pass the (S, n) 0/1 padding `mask` and pick TRL's loss_type (with its
-    num_items_in_batch or max_completion_length); a "dapo" over num_items_in_batch already divides
-    by the accumulated batch, so do not also weigh it by `update`'s share."""
+    A copier's note: copy k3_kl, aggregate and loss_metrics with it; the 1/S 1/n above is
+    aggregate's "grpo", the one `update` uses (it passes no mask: every sequence here is full). For
+    an LLM, whose answers differ in length, pass the (S, n) 0/1 padding `mask` and pick TRL's
+    loss_type (with its num_items_in_batch or max_completion_length); a "dapo" over
+    num_items_in_batch already divides by the accumulated batch, so do not also weigh it by
+    `update`'s share."""
     A = advantages.reshape(len(advantages), -1).to(logprobs)  # (S, 1): A_i on each of its tokens
     ratio = torch.exp(logprobs - old_logprobs)  # (S, n)
     clipped_ratio = torch.clamp(ratio, 1 - clip_eps, 1 + clip_eps)
     surrogate = torch.min(ratio * A, clipped_ratio * A)  # the pessimistic bound of PPO
-    kl = torch.zeros_like(logprobs)
-    if ref_logprobs is not None:
-        d = (ref_logprobs - logprobs).clamp(max=20.0)  # exp(20) stays finite; below, no cap
-        kl = torch.exp(d) - d - 1  # >= 0 up to rounding (-6e-8); a clamp would zero its gradient
+    kl = k3_kl(logprobs, ref_logprobs)  # (S, n)
     per_token = weights * surrogate - kl_beta * kl  # (S, n)
     loss = -aggregate(per_token, mask, loss_type, num_items_in_batch, max_completion_length)
-    with torch.no_grad():  # the clip stops the gradient: r > 1+eps with A > 0, r < 1-eps with A < 0
-        clipped = ((ratio > 1 + clip_eps) & (A > 0)) | ((ratio < 1 - clip_eps) & (A < 0))
-        policy = -aggregate((weights * surrogate).expand_as(ratio), mask, loss_type,
-                            num_items_in_batch, max_completion_length)
-        if mask is not None:  # the answers' tokens only, not their padding: (T,) each
-            real = mask.bool()
-            kl, clipped, ratio = kl[real], clipped[real], ratio[real]
-        metrics = {"policy_loss": policy.item(),
-                   "kl": kl.mean().clamp_min(0).item(), "clip_frac": clipped.float().mean().item(),
-                   "ratio_min": ratio.min().item(), "ratio_mean": ratio.mean().item(),
-                   "ratio_max": ratio.max().item()}
-    return loss, metrics
+    with torch.no_grad():  # the policy term alone, aggregated as the loss is
+        policy_loss = -aggregate((weights * surrogate).expand_as(ratio), mask, loss_type,
+                                 num_items_in_batch, max_completion_length)
+    return loss, loss_metrics(ratio, A, clip_eps, kl, policy_loss, mask)
 
 
 def importance_weights(old_logprobs: torch.Tensor, sampler_logprobs: torch.Tensor,

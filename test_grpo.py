@@ -475,6 +475,32 @@ def test_token_logprobs_truncated(sharp_pipe, top_k, top_p):
 
 # ---- 5b: the loss --------------------------------------------------------------------------------
 
+def test_k3_kl():
+    """k3 by hand: exp(d) - d - 1 with d = ref - logp (0 where they agree, > 0 either side), zeros without a
+    reference, d capped at 20 (finite where pi gives a token 25 nats less than ref, its gradient 0 there)."""
+    logp = torch.tensor([[-1.0, -2.0, -0.5, -30.0]], requires_grad=True)
+    ref = torch.tensor([[-1.0, -1.0, -1.5, -5.0]])
+    got = grpo.k3_kl(logp, ref)
+    d = torch.tensor([0.0, 1.0, -1.0, 20.0])
+    assert torch.allclose(got[0], d.exp() - d - 1) and got[0, 0] == 0 and (got[0, 1:] > 0).all()
+    got.sum().backward()
+    assert torch.isfinite(got).all() and logp.grad[0, 3] == 0 and logp.grad[0, 1] < 0  # pulled toward ref
+    assert torch.equal(grpo.k3_kl(logp, None), torch.zeros(1, 4))
+
+
+def test_loss_metrics():
+    """The metrics by hand: clip_frac counts only the tokens whose gradient the clip stops (r past 1 + eps with A > 0,
+    below 1 - eps with A < 0; r = 1.5 with A < 0 is not), the KL's and the ratio's statistics over the mask's tokens."""
+    ratio = torch.tensor([[1.5, 1.0, 0.5], [1.5, 0.7, 9.0]])
+    A = torch.tensor([[1.0], [-1.0]])
+    kl = torch.tensor([[0.1, 0.2, 0.3], [0.4, 0.5, 7.0]])
+    m = grpo.loss_metrics(ratio, A, 0.2, kl, torch.tensor(-0.25))
+    assert m["clip_frac"] == pytest.approx(2 / 6) and m["policy_loss"] == -0.25  # (0, 0) and (1, 1)
+    assert m["kl"] == pytest.approx(8.5 / 6) and (m["ratio_min"], m["ratio_max"]) == (0.5, 9.0)
+    masked = grpo.loss_metrics(ratio, A, 0.2, kl, torch.tensor(-0.25), torch.tensor([[1, 1, 1], [1, 1, 0]]))
+    assert masked["kl"] == pytest.approx(1.5 / 5) and masked["ratio_max"] == 1.5 and masked["clip_frac"] == pytest.approx(2 / 5)
+
+
 def test_aggregate():
     """TRL's aggregations by hand on two sequences of 4 and 2 real tokens (sums 10 and 11): "grpo" the mean of their
     token means, "bnpo" and "dapo" (by default) the mean over the 6 tokens, "dapo" over num_items_in_batch,
@@ -967,14 +993,15 @@ def test_grpo_copied_alone(tmp_path):
 
 
 COPIED_FUNCTIONS = {  # a function a reader copies -> the functions of grpo.py it calls (its docstring names them)
-    "grpo_loss": ["aggregate"], "aggregate": [], "group_advantages": [], "code_logprobs": [], "ssim_reward": [], "rope_positions": [],
+    "grpo_loss": ["k3_kl", "aggregate", "loss_metrics"], "k3_kl": [], "aggregate": [], "loss_metrics": [],
+    "group_advantages": [], "code_logprobs": [], "ssim_reward": [], "rope_positions": [],
     "generate": ["code_logprobs", "rope_positions"],
 }
 
 
 def test_functions_copied_alone(tmp_path, pipe):
     """Each function a reader would copy runs with grpo.py's imports alone (and the functions its docstring names):
-    grpo_loss (with aggregate), group_advantages, code_logprobs, ssim_reward, rope_positions and generate give what
+    grpo_loss (with k3_kl, aggregate and loss_metrics), group_advantages, code_logprobs, ssim_reward, rope_positions and generate give what
     grpo's give."""
     source = (ROOT / "grpo.py").read_text()
     tree = ast.parse(source)
@@ -989,7 +1016,8 @@ def test_functions_copied_alone(tmp_path, pipe):
     g = torch.Generator().manual_seed(0)
     logp, old, ref = (-torch.rand(2, 3, generator=g) for _ in range(3))
     namespace = {}
-    exec(compile(imports + "\n" + defined["aggregate"] + "\n\n" + defined["grpo_loss"], "grpo_loss", "exec"), namespace)
+    loss_functions = [defined[n] for n in [*COPIED_FUNCTIONS["grpo_loss"], "grpo_loss"]]
+    exec(compile(imports + "\n" + "\n\n".join(loss_functions), "grpo_loss", "exec"), namespace)
     args = (logp, old, ref, torch.tensor([1.0, -1.0]), 0.2, 0.1)
     assert torch.equal(namespace["grpo_loss"](*args)[0], grpo.grpo_loss(*args)[0])
     exec(compile(imports + "\n" + "\n\n".join(defined[n] for n in ["code_logprobs", "rope_positions", "generate"]),

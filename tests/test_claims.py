@@ -55,6 +55,26 @@ def test_trl_mismatch_weights():
     assert masked.eq(0).any() and masked.ne(0).any()  # the example exercises the mask
 
 
+def test_trl_mismatch_weights_carry_the_nucleus_mass():
+    """grpo.py's header: "TRL's pi_sampler is vLLM's processed q, so with top-p its weights also carry p/q". TRL
+    builds vLLM with logprobs_mode="processed_logprobs" (after temperature and top_k / top_p: q) and scores
+    old_per_token_logps with logits / temperature alone (p); its token_truncate weight is then each step's nucleus
+    mass, the sum of p over the codes q keeps, counted here from p directly; its default sequence_mask weight is their
+    product. The lesson's weights, p over the sampler's p, stay 1."""
+    g = torch.Generator().manual_seed(4)
+    logits = torch.randn(3, 6, 64, generator=g) * 2  # 3 sequences of 6 tokens over 64 codes
+    p = grpo.code_logprobs(logits, 0.9, 64)  # (3, 6, 64)
+    q = grpo.code_logprobs(logits, 0.9, 64, 0, 0.75)
+    tokens = torch.multinomial(q.exp().reshape(-1, 64), 1, generator=g).reshape(3, 6)
+    p_drawn, q_drawn = grpo.logprob_of(p, tokens), grpo.logprob_of(q, tokens)
+    mass = torch.where(q.isfinite(), p.exp(), torch.zeros(())).sum(dim=-1)  # (3, 6): p's mass on the nucleus
+    trl = trl_importance_weights(p_drawn, q_drawn, "token_truncate", 2.0)
+    assert torch.allclose(trl, mass, rtol=1e-5) and (mass < 1).all() and (mass >= 0.75).all()
+    sequence = trl_importance_weights(p_drawn, q_drawn, "sequence_mask", 3.0)
+    assert torch.allclose(sequence[:, 0], mass.prod(dim=1), rtol=1e-5)
+    assert grpo.importance_weights(p_drawn, p_drawn.clone()).eq(1).all()
+
+
 def trl_per_token_loss(per_token_logps, old_per_token_logps, ref_per_token_logps, advantages, epsilon_low,
                        epsilon_high, beta, importance_sampling_ratio):
     """TRL's per-token GRPO loss, transcribed from trl/trainer/grpo_trainer.py (f2cd577, lines 3071-3121):
