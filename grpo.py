@@ -25,9 +25,9 @@ The outline. Each step is a section below; `train`, near the end, runs them in a
   Editing             an addition: a source picture in the prompt
   main                the command line
 Step 1 starts after the config and the loading (a hundred lines): a policy must exist to sample.
-GRPO alone is about 200 lines: group_advantages (Step 4), aggregate and grpo_loss (5b), update
-with micro_batches and micro_batch_loss (5c), and train (the loop). Steps 1-3 are GLM-Image's: how
-its AR samples, how its DiT paints, how a picture scores.
+GRPO alone is about 210 lines: group_advantages (Step 4), grpo_loss with k3_kl, aggregate and
+loss_metrics (5b), update with micro_batches and micro_batch_loss (5c), and train (the loop). Steps
+1-3 are GLM-Image's: how its AR samples, how its DiT paints, how a picture scores.
 
 Where this departs from the paper (pi here is p, the softmax of the AR's logits over the image
 codes at the sampling temperature; q is p cut to top-k / top-p, what the sampler draws from;
